@@ -1,0 +1,86 @@
+"""The constants of ANVIL (record #360), defined once for the whole project.
+
+Every other module -- anvil_fast, derive_maps, tests, papers -- imports these names from here;
+none of them restates a value. The values are copied from the seed
+(``../shared/seed/000_daf7e65d362a51dc.txt``) and from the public facts about the record that the
+seed's README lists; each comment says which.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------
+# The cascade (seed: ANVIL_MAPS, FROBENIUS_MARGIN, FROBENIUS_EPS, SPLIT_BADDBMM_MIN_ROWS).
+
+#: The six odd quintic maps ``p_k(s) = a*s + b*s**3 + c*s**5`` of record #360, as (a, b, c), in the
+#: order they are applied. Frozen: these are the printed 12-decimal constants of the record, read as
+#: IEEE binary64 numbers; they are not re-derivable from a principle (see derive_maps).
+ANVIL_MAPS: tuple[tuple[float, float, float], ...] = (
+    (3.923798038567, -6.095026865488, 3.905234618423),
+    (3.278126713798, -3.328923386476, 0.989127286973),
+    (3.505298394150, -5.137358782410, 1.968325560615),
+    (2.815058591845, -3.685181239622, 1.417196497642),
+    (2.245503932403, -2.443826979899, 0.963091710461),
+    (2.256537145403, -2.166840097229, 0.929501253245),
+)
+
+#: The cascade's input is divided by ``FROBENIUS_MARGIN * ||X||_F + FROBENIUS_EPS``.
+FROBENIUS_MARGIN: float = 1.05
+FROBENIUS_EPS: float = 1e-6
+
+#: The fast path runs ``a*X + X@B`` as two kernels (bmm, then add) for matrices with more rows
+#: than this (seed: true for mlp_bank's 2816 rows, false for 256 and 768). A performance switch
+#: only: in exact arithmetic both forms are the same map.
+SPLIT_BADDBMM_MIN_ROWS: int = 1024
+
+# ---------------------------------------------------------------------------------------------
+# Twin-rail momentum (seed: RAIL_FAST_BETA, RAIL_SLOW_BETA, RAIL_FAST_WEIGHT, RAIL_ENGAGE_STEP).
+
+#: Fast rail's beta from the engage step on.
+RAIL_FAST_BETA: float = 0.85
+#: Slow rail's beta; the slow rail accumulates from step 0.
+RAIL_SLOW_BETA: float = 0.98
+#: The fast rail's weight in the blend from the engage step on (before it: 1.0).
+RAIL_FAST_WEIGHT: float = 0.4385
+#: First step at which the blend reads both rails.
+RAIL_ENGAGE_STEP: int = 514
+
+# The rail-beta schedule get_rail_beta (seed README, "public facts"): linear warm-up from
+# RAIL_BETA_MIN to RAIL_BETA_MAX over RAIL_BETA_WARMUP_STEPS, flat, then a linear cool-down back to
+# RAIL_BETA_MIN over the last RAIL_BETA_COOLDOWN_STEPS of the run.
+RAIL_BETA_MIN: float = 0.85
+RAIL_BETA_MAX: float = 0.93
+RAIL_BETA_WARMUP_STEPS: int = 240
+RAIL_BETA_COOLDOWN_STEPS: int = 50
+
+# ---------------------------------------------------------------------------------------------
+# The lane-energy equalizer (seed: _rail_equalizer).
+
+#: Floor under the lane energy before its inverse square root, and under the post-gain norm.
+LANE_ENERGY_FLOOR: float = 1e-10
+
+# ---------------------------------------------------------------------------------------------
+# Per-matrix learning-rate multipliers (seed: AnvilAndAdam._build_param_cfg).
+
+#: The bank whose odd-indexed matrices (its c_proj matrices) get ODD_MATRIX_LR_MUL.
+MLP_BANK_LABEL: str = "mlp_bank"
+ODD_MATRIX_LR_MUL: float = 2.0
+
+#: Labels with tied-embedding semantics (seed: AnvilAndAdam.step).
+EMBED_LABEL: str = "embed"
+LM_HEAD_LABEL: str = "lm_head"
+
+# ---------------------------------------------------------------------------------------------
+# Hyper-parameter defaults of the record's lineage: matrix lr 0.023, equalizer beta2 0.9, Adam lr
+# 0.008 with eps 1e-10 (seed README); momentum 0.95 (overwritten every step by the rail schedule)
+# and the weight decays 2.25 (ANVIL) and 0.005 (Adam) from the record's public training.py.
+
+ANVIL_DEFAULTS: dict[str, float] = dict(lr=0.023, momentum=0.95, beta2=0.9, weight_decay=2.25)
+ADAM_DEFAULTS: dict[str, float] = dict(lr=0.008, eps=1e-10, weight_decay=0.005)
+
+__all__ = [
+    "ANVIL_MAPS", "FROBENIUS_MARGIN", "FROBENIUS_EPS", "SPLIT_BADDBMM_MIN_ROWS",
+    "RAIL_FAST_BETA", "RAIL_SLOW_BETA", "RAIL_FAST_WEIGHT", "RAIL_ENGAGE_STEP",
+    "RAIL_BETA_MIN", "RAIL_BETA_MAX", "RAIL_BETA_WARMUP_STEPS", "RAIL_BETA_COOLDOWN_STEPS",
+    "LANE_ENERGY_FLOOR", "MLP_BANK_LABEL", "ODD_MATRIX_LR_MUL", "EMBED_LABEL", "LM_HEAD_LABEL",
+    "ANVIL_DEFAULTS", "ADAM_DEFAULTS",
+]
