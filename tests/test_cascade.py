@@ -1,0 +1,161 @@
+"""anvil_ref.cascade: Frobenius normalization, the quintic maps, the composite and the cascade."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import anvil_ref as A
+from anvil_ref.cascade import cascade, composite, frobenius_normalize, gram, is_tall, quintic, quintic_map
+from tests.helpers import exact_cascade_spectrum, matrix_with_spectrum
+
+U64 = np.finfo(np.float64).eps / 2  # unit roundoff of binary64
+
+
+def lipschitz_of_composite(maps) -> float:
+    """max |F'| over [0, 1/margin] on a fine grid (for ANVIL_MAPS it is F'(0) = prod a_k ~ 643)."""
+    s = np.linspace(0.0, 1.0 / A.FROBENIUS_MARGIN, 100_001)
+    return float(np.max(np.abs(np.gradient(composite(s, maps=maps), s))))
+
+
+def reference_tolerance(n: int, maps=A.ANVIL_MAPS) -> float:
+    """Bound on ||cascade(X) - U F(S/d) V^T||_2 from float64 rounding: each map does 3 products of
+    inner dimension <= n, each entry with relative error <= n*u (Higham's gamma_n); 3 per map, K maps,
+    plus forming X itself, and the chain amplifies input errors by at most max|F'|."""
+    k = len(maps)
+    return (3 * k + 1) * n * U64 * lipschitz_of_composite(maps) * 4
+
+
+# ------------------------------------------------------------------ hand-derived cases
+def test_quintic_and_composite_by_hand():
+    assert quintic(0.5, (1.0, 2.0, 4.0)) == 0.5 + 2 * 0.125 + 4 * 0.03125
+    # composite applies the maps in order: p2(p1(s))
+    p1, p2 = (2.0, 0.0, 0.0), (1.0, 1.0, 0.0)
+    assert composite(0.25, maps=[p1, p2]) == 0.5 + 0.125
+    assert composite(0.25, maps=[p2, p1]) == 2 * (0.25 + 0.25 ** 3)
+
+
+def test_cascade_one_by_one_matrix_by_hand():
+    # X = [[3]]: ||X||_F = 3, d = 1.05*3 + 1e-6, one cubic map s -> 1.5 s - 0.5 s^3.
+    out = cascade(np.array([[3.0]]), maps=[(1.5, -0.5, 0.0)])
+    s = 3.0 / (1.05 * 3.0 + 1e-6)
+    assert out.shape == (1, 1)
+    assert out[0, 0] == pytest.approx(1.5 * s - 0.5 * s ** 3, rel=1e-15)
+
+
+def test_frobenius_normalize_by_hand():
+    x = np.array([[3.0, 0.0], [0.0, 4.0], [0.0, 0.0]])  # ||X||_F = 5
+    np.testing.assert_allclose(frobenius_normalize(x), x / (1.05 * 5 + 1e-6), rtol=1e-15)
+    np.testing.assert_allclose(frobenius_normalize(x, margin=2.0, eps=0.0), x / 10.0, rtol=1e-15)
+
+
+def test_gram_orientation():
+    x = np.arange(6.0).reshape(3, 2)  # tall: X^T X is 2 x 2
+    assert is_tall(x.shape) and not is_tall(x.T.shape) and not is_tall((4, 4))
+    np.testing.assert_array_equal(gram(x), x.T @ x)
+    np.testing.assert_array_equal(gram(x.T), x.T @ x)  # wide: X X^T of the 2 x 3 matrix
+    sq = np.array([[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(gram(sq), sq @ sq.T)  # square takes the wide branch (seed: rows > cols)
+
+
+def test_quintic_map_sides():
+    """Tall right-multiplies X (B acts on the columns' space), wide left-multiplies."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 3)) * 0.1
+    a, b, c = 1.0, 2.0, 3.0
+    g = x.T @ x
+    np.testing.assert_allclose(quintic_map(x, (a, b, c)), a * x + x @ (b * g + c * g @ g), rtol=1e-14)
+    y = x.T
+    h = y @ y.T
+    np.testing.assert_allclose(quintic_map(y, (a, b, c)), a * y + (b * h + c * h @ h) @ y, rtol=1e-14)
+
+
+def test_zero_matrix_is_finite_zero():
+    out = cascade(np.zeros((2, 4, 3)))
+    assert np.all(out == 0.0)
+
+
+# ------------------------------------------------------------------ against mpmath at 50 digits
+CASES = [
+    ("tall", (1, 48, 12), None),
+    ("wide", (1, 12, 48), None),
+    ("square", (1, 24, 24), None),
+    ("batched", (3, 40, 20), None),
+    ("rank-deficient", (2, 30, 20), 7),
+]
+
+
+@pytest.mark.parametrize("name,shape,rank", CASES, ids=[c[0] for c in CASES])
+def test_cascade_equals_exact_composite_on_singular_values(name, shape, rank):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    batch, m, n = shape
+    r = rank or min(m, n)
+    xs, exps = [], []
+    for _ in range(batch):
+        s = np.exp(rng.uniform(math.log(1e-3), 0.0, r))
+        x, u, s, v = matrix_with_spectrum(rng, m, n, s)
+        f = exact_cascade_spectrum(s, A.ANVIL_MAPS, margin=A.FROBENIUS_MARGIN, eps=A.FROBENIUS_EPS)
+        xs.append(x)
+        exps.append((u * f) @ v.T)
+    out = cascade(np.stack(xs))
+    tol = reference_tolerance(max(m, n))
+    for i in range(batch):
+        err = np.linalg.norm(out[i] - exps[i], 2)
+        assert err <= tol, f"{name}[{i}]: ||err||_2 = {err:.3e} > {tol:.3e}"
+    if rank:
+        # the null space stays null: singular values beyond the rank stay ~0 (F(0) = 0)
+        sv = np.linalg.svd(out, compute_uv=False)
+        assert np.all(sv[:, rank:] < tol) and np.all(sv[:, rank - 1] > 0.1)
+
+
+def test_cascade_catches_wrong_margin():
+    """The exact-composite comparison is sharp enough to see a 0.1% change of the margin."""
+    rng = np.random.default_rng(7)
+    x, u, s, v = matrix_with_spectrum(rng, 20, 10, np.linspace(1.0, 0.9, 10))
+    exp = (u * exact_cascade_spectrum(s, A.ANVIL_MAPS, margin=1.05, eps=1e-6)) @ v.T
+    err = np.linalg.norm(cascade(x, margin=1.05 * 1.001) - exp, 2)
+    assert err > 100 * reference_tolerance(20)
+
+
+def test_torch_in_torch_out():
+    x = torch.randn(2, 6, 4, dtype=torch.bfloat16)
+    out = cascade(x)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.shape == x.shape
+    np.testing.assert_allclose(out.numpy(), cascade(x.double().numpy()), rtol=0, atol=0)
+
+
+def test_named_map_set_equals_constant():
+    x = np.random.default_rng(3).standard_normal((8, 5))
+    np.testing.assert_array_equal(cascade(x, maps="anvil"), cascade(x, maps=A.ANVIL_MAPS))
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("bad,match", [
+    (np.ones(4), "at least 2 dimensions"),
+    (np.array([[1.0, np.nan]]), "non-finite"),
+    (np.array([[np.inf, 1.0]]), "non-finite"),
+    (np.zeros((3, 0)), "at least one row"),
+    ("abc", "expected a real array"),
+])
+def test_cascade_bad_input(bad, match):
+    with pytest.raises(A.ReferenceInputError, match=match):
+        cascade(bad)
+
+
+@pytest.mark.parametrize("maps,match", [
+    ([], "at least one"),
+    ([(1.0, 2.0)], "triple"),
+    ([(1.0, float("nan"), 0.0)], "finite"),
+    ("no_such_set", "unknown map set"),
+])
+def test_cascade_bad_maps(maps, match):
+    with pytest.raises(A.ReferenceInputError, match=match):
+        cascade(np.eye(3), maps=maps)
+
+
+def test_cascade_bad_normalization():
+    with pytest.raises(A.ReferenceInputError, match="divide by zero"):
+        cascade(np.eye(2), margin=0.0, eps=0.0)

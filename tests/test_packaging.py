@@ -1,0 +1,86 @@
+"""Packaging invariants: the README's quick start, CI running it, no JAX, anvil_ref standing alone."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quick_start_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```\n(.*?)```", section, flags=re.S)
+    return [line for b in blocks for line in b.splitlines() if line.strip()]
+
+
+def test_readme_quick_start_has_exactly_two_command_lines():
+    cmds = quick_start_commands()
+    assert len(cmds) == 2, cmds
+    assert "pytest" not in cmds[0] and "pytest" in cmds[1]
+
+
+def test_ci_runs_the_readme_test_line_verbatim():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert quick_start_commands()[1] in ci
+    # and installs the CPU torch wheel explicitly before it
+    assert ci.index("python -m pip install torch==2.13.0") < ci.index(quick_start_commands()[1])
+
+
+def python_files():
+    for p in ROOT.rglob("*.py"):
+        if not any(part.startswith(".") or part in {"build", "dist"} for part in p.relative_to(ROOT).parts):
+            yield p
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module.split(".")[0])
+    return mods
+
+
+def test_no_jax_anywhere():
+    offenders = [str(p) for p in python_files() if {"jax", "jaxlib", "flax"} & imported_modules(p)]
+    assert not offenders
+
+
+def test_anvil_ref_never_imports_the_fast_path():
+    allowed = {"numpy", "torch", "mpmath", "scipy", "__future__", "anvil_ref"}
+    stdlib = set(sys.stdlib_module_names)
+    for p in (ROOT / "anvil_ref").rglob("*.py"):
+        bad = imported_modules(p) - allowed - stdlib
+        assert not bad, f"{p.name} imports {bad}"
+        assert "torch.compile(" not in p.read_text(), p.name
+
+
+def test_setup_cfg_declares_the_packages_and_extras():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    pkgs = {s.strip() for s in cfg["options"]["packages"].split(",")}
+    assert {"anvil_ref", "anvil_fast", "derive_maps"} <= pkgs
+    assert "pytest" in cfg["options.extras_require"]["test"]
+    reqs = cfg["options"]["install_requires"]
+    assert "torch>=2.9" in reqs and "jax" not in reqs
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "[build-system]" in pyproject and "[project]" not in pyproject
+
+
+def test_main_job_runs():
+    out = subprocess.run([sys.executable, "-m", "anvil_ref", "demo", "--shape", "2", "12", "8"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = out.splitlines()[2:]
+    assert len(rows) == 2
+    for row in rows:
+        lo, hi = (float(v) for v in re.findall(r"([0-9.e+-]+)\.\.\s*([0-9.e+-]+)", row)[-1])
+        assert 0.99 < lo <= hi < 1.01  # the cascade drives the spectrum to ~1

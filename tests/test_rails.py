@@ -1,0 +1,112 @@
+"""anvil_ref.rails: twin-rail momentum, the lookahead and the rail schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import anvil_ref as A
+from anvil_ref.rails import blend_rails, ema, nesterov_lookahead, rail_beta, rail_scalars, twin_rail
+
+
+# ------------------------------------------------------------------ one step, by hand
+def test_ema_by_hand():
+    np.testing.assert_allclose(ema(np.array([1.0, -2.0]), np.array([3.0, 4.0]), beta=0.75),
+                               [0.75 * 1 + 0.25 * 3, 0.75 * -2 + 0.25 * 4], rtol=1e-15)
+
+
+def test_blend_and_lookahead_by_hand():
+    assert blend_rails(np.array([2.0]), np.array([10.0]), fast_weight=0.25)[0] == pytest.approx(0.5 + 7.5)
+    assert nesterov_lookahead(np.array([4.0]), np.array([8.0]), momentum=0.75)[0] == pytest.approx(1 + 6)
+
+
+def test_twin_rail_one_step_by_hand():
+    g, v0, v1 = np.array([[1.0]]), np.array([[2.0]]), np.array([[-4.0]])
+    r = twin_rail(g, v0, v1, momentum=0.5, fast_beta=0.5, fast_weight=0.25, slow_beta=0.75)
+    fast = 0.5 * 2 + 0.5 * 1  # 1.5
+    slow = 0.75 * -4 + 0.25 * 1  # -2.75
+    blend = 0.25 * fast + 0.75 * slow
+    assert r.v_fast[0, 0] == pytest.approx(fast)
+    assert r.v_slow[0, 0] == pytest.approx(slow)
+    assert r.lookahead[0, 0] == pytest.approx(0.5 * 1 + 0.5 * blend)
+
+
+def test_twin_rail_default_slow_beta_is_the_constant():
+    r = twin_rail(np.ones((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), momentum=0.0, fast_beta=0.0, fast_weight=1.0)
+    assert r.v_slow[0, 0] == pytest.approx(1 - A.RAIL_SLOW_BETA)
+
+
+# ------------------------------------------------------------------ many steps, unrolled
+def test_twin_rail_matches_closed_form_over_many_steps():
+    """v_t = (1 - beta) sum_{i<=t} beta^(t-i) g_i for a rail started at zero, with the schedule's
+    changing fast beta folded in as a product; the lookahead of the last step from the two sums."""
+    rng = np.random.default_rng(0)
+    gs = rng.standard_normal((30, 3, 2))
+    betas_f = [0.85 + 0.003 * t for t in range(30)]  # a changing fast beta
+    beta_s, w, mu = 0.98, 0.4385, 0.9
+    v0 = v1 = np.zeros((3, 2))
+    for t in range(30):
+        r = twin_rail(gs[t], v0, v1, momentum=mu, fast_beta=betas_f[t], fast_weight=w, slow_beta=beta_s)
+        v0, v1 = r.v_fast, r.v_slow
+    fast = sum((1 - betas_f[i]) * np.prod(betas_f[i + 1:]) * gs[i] for i in range(30))
+    slow = sum((1 - beta_s) * beta_s ** (29 - i) * gs[i] for i in range(30))
+    np.testing.assert_allclose(v0, fast, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(v1, slow, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(r.lookahead, (1 - mu) * gs[-1] + mu * (w * fast + (1 - w) * slow),
+                               rtol=1e-13, atol=1e-15)
+
+
+def test_inputs_not_modified_and_torch_roundtrip():
+    g = torch.randn(2, 3)
+    v0, v1 = torch.randn(2, 3), torch.randn(2, 3)
+    copies = [t.clone() for t in (g, v0, v1)]
+    r = twin_rail(g, v0, v1, momentum=0.9, fast_beta=0.8, fast_weight=0.5)
+    assert all(torch.equal(a, b) for a, b in zip((g, v0, v1), copies))
+    assert isinstance(r.lookahead, torch.Tensor) and r.lookahead.dtype == torch.float64
+
+
+# ------------------------------------------------------------------ the schedule
+def test_rail_beta_warmup_flat_cooldown():
+    total = 1000
+    assert rail_beta(0, total) == 0.85
+    assert rail_beta(120, total) == pytest.approx(0.85 + 0.5 * 0.08)
+    assert rail_beta(239, total) == pytest.approx(0.85 + 239 / 240 * 0.08)
+    assert rail_beta(240, total) == 0.93  # first flat step
+    assert rail_beta(950, total) == 0.93  # cool-down starts *after* total - 50
+    assert rail_beta(951, total) == pytest.approx(0.93 - 0.08 / 50)
+    assert rail_beta(975, total) == pytest.approx(0.89)
+    assert rail_beta(1000, total) == pytest.approx(0.85)
+
+
+def test_rail_beta_short_run_warmup_wins():
+    # total 100 < 240 + 50: the warm-up branch is taken first, as in the record's code.
+    assert rail_beta(90, 100) == pytest.approx(0.85 + 90 / 240 * 0.08)
+
+
+def test_rail_scalars_engage_step():
+    total = 2000
+    before = rail_scalars(A.RAIL_ENGAGE_STEP - 1, total)
+    at = rail_scalars(A.RAIL_ENGAGE_STEP, total)
+    assert before == (0.93, 0.93, 1.0)
+    assert at == (0.93, A.RAIL_FAST_BETA, A.RAIL_FAST_WEIGHT)
+    early = rail_scalars(10, total)
+    assert early.momentum == early.fast_beta == pytest.approx(0.85 + 10 / 240 * 0.08) and early.fast_weight == 1.0
+    late = rail_scalars(total, total)
+    assert late == (pytest.approx(0.85), A.RAIL_FAST_BETA, A.RAIL_FAST_WEIGHT)
+
+
+@pytest.mark.parametrize("step,total", [(-1, 10), (11, 10), (0, 0), (1.5, 10)])
+def test_rail_beta_bad_steps(step, total):
+    with pytest.raises(A.ReferenceInputError):
+        rail_beta(step, total)
+
+
+# ------------------------------------------------------------------ bad input
+def test_rails_bad_input():
+    with pytest.raises(A.ReferenceInputError, match="does not match"):
+        ema(np.zeros(3), np.zeros(4), beta=0.5)
+    with pytest.raises(A.ReferenceInputError, match="non-finite"):
+        twin_rail(np.array([np.nan]), np.zeros(1), np.zeros(1), momentum=0.5, fast_beta=0.5, fast_weight=0.5)
+    with pytest.raises(A.ReferenceInputError, match=r"\[0.0, 1.0\]"):
+        ema(np.zeros(3), np.zeros(3), beta=1.5)

@@ -1,0 +1,80 @@
+"""anvil_ref.update: effective rates, per-matrix multipliers and the sign-aligned decay update."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import anvil_ref as A
+from anvil_ref.update import (
+    decay_mask,
+    effective_lrs,
+    effective_weight_decay,
+    per_matrix_lr_multipliers,
+    shape_lr_multiplier,
+    sign_aligned_update,
+)
+
+
+def test_shape_multiplier():
+    assert shape_lr_multiplier(2816, 768) == pytest.approx(math.sqrt(2816 / 768))
+    assert shape_lr_multiplier(256, 768) == 1.0
+    assert shape_lr_multiplier(768, 768) == 1.0
+    with pytest.raises(A.ReferenceInputError):
+        shape_lr_multiplier(0, 3)
+
+
+def test_per_matrix_multipliers():
+    assert per_matrix_lr_multipliers("mlp_bank", 6) == (1.0, 2.0, 1.0, 2.0, 1.0, 2.0)
+    assert per_matrix_lr_multipliers("mlp_bank", 4, frozen={1, 2}) == (1.0, 0.0, 0.0, 2.0)
+    assert per_matrix_lr_multipliers("qk_bank", 3, frozen={0}) == (0.0, 1.0, 1.0)
+    with pytest.raises(A.ReferenceInputError, match="outside"):
+        per_matrix_lr_multipliers("mlp_bank", 4, frozen={4})
+
+
+def test_effective_rates():
+    assert effective_weight_decay(lr=0.02, weight_decay=2.25, wd_mul=0.5) == pytest.approx(0.5 * 2.25 * 0.02)
+    lrs = effective_lrs(lr=0.02, lr_mul=3.0, per_matrix=(1.0, 2.0, 0.0))
+    assert lrs.shape == (3, 1, 1)
+    np.testing.assert_allclose(lrs.ravel(), [0.06, 0.12, 0.0])
+
+
+def test_decay_mask_counts_zero_as_aligned():
+    np.testing.assert_array_equal(decay_mask(np.array([1.0, -1.0, 0.0, 2.0]), np.array([2.0, 3.0, -5.0, 0.0])),
+                                  [1.0, 0.0, 1.0, 1.0])
+
+
+def test_sign_aligned_update_by_hand():
+    p = np.array([[[1.0, -1.0], [2.0, 0.0]], [[4.0, 4.0], [-2.0, 1.0]]])
+    gate = np.array([[[1.0, 1.0], [-1.0, 5.0]], [[-1.0, 1.0], [-3.0, 0.0]]])
+    u = np.array([[[0.5, 0.5], [-1.0, 2.0]], [[1.0, -1.0], [0.0, 0.0]]])
+    lr = np.array([0.1, 0.2])[:, None, None]
+    wd = 0.5
+    expected = np.array([
+        [[1 - 1 * 0.5 * 0.1 - 0.5 * 0.1, -1 - 0.5 * 0.1],  # aligned; not aligned
+         [2 + 1.0 * 0.1, 0 - 2.0 * 0.1]],  # not aligned; p = 0
+        [[4 - 1.0 * 0.2, 4 - 4 * 0.5 * 0.2 + 1.0 * 0.2],  # not aligned; aligned
+         [-2 - (-2) * 0.5 * 0.2, 1 - 1 * 0.5 * 0.2]],  # aligned (both negative); gate 0
+    ])
+    np.testing.assert_allclose(sign_aligned_update(p, u, gate, eff_lr=lr, eff_wd=wd), expected, rtol=1e-15)
+
+
+def test_frozen_matrix_does_not_move():
+    rng = np.random.default_rng(0)
+    p, u, g = (rng.standard_normal((3, 4, 5)) for _ in range(3))
+    lrs = effective_lrs(lr=0.1, lr_mul=1.0, per_matrix=per_matrix_lr_multipliers("mlp_bank", 3, frozen={1}))
+    out = sign_aligned_update(p, u, g, eff_lr=lrs, eff_wd=3.0)
+    np.testing.assert_array_equal(out[1], p[1])
+    assert not np.allclose(out[0], p[0])
+
+
+def test_bad_input():
+    with pytest.raises(A.ReferenceInputError, match="does not match"):
+        sign_aligned_update(np.ones((2, 2)), np.ones((2, 3)), np.ones((2, 2)), eff_lr=0.1, eff_wd=0.1)
+    with pytest.raises(A.ReferenceInputError, match="broadcast"):
+        sign_aligned_update(np.ones((2, 2, 2)), np.ones((2, 2, 2)), np.ones((2, 2, 2)),
+                            eff_lr=np.ones((3, 1, 1)), eff_wd=0.1)
+    with pytest.raises(A.ReferenceInputError, match="non-finite"):
+        sign_aligned_update(np.ones((2, 2)), np.full((2, 2), np.nan), np.ones((2, 2)), eff_lr=0.1, eff_wd=0.1)
