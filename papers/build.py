@@ -107,7 +107,8 @@ def figure_rail_schedule() -> str:
     return line_plot([Series("momentum (lookahead)", t, [x.momentum for x in sc]),
                       Series("fast rail beta", t, [x.fast_beta for x in sc], dashed=True),
                       Series("fast rail weight", t, [x.fast_weight for x in sc])],
-                     title=f"Rail scalars over a {total}-step run", xlabel="step", ylabel="value", ylim=(0.4, 1.02))
+                     title=f"Rail scalars over a {total}-step run", xlabel="step", ylabel="value", ylim=(0.4, 1.02),
+                     legend="lower right")
 
 
 VALUE_PRODUCERS: Callable[[], dict[str, str]] = values

@@ -43,7 +43,7 @@ def _fmt(v: float) -> str:
 
 def line_plot(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str, logx: bool = False,
               ylim: tuple[float, float] | None = None, width: int = 640, height: int = 360,
-              hlines: Sequence[float] = ()) -> str:
+              hlines: Sequence[float] = (), legend: str = "upper left") -> str:
     """An SVG document with one polyline per series, axes with ticks, a legend and a title."""
     left, right, top, bottom = 70, 20, 36, 50
     xs = [v for s in series for v in s.x]
@@ -77,14 +77,21 @@ def line_plot(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str,
     out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 12}" text-anchor="middle">{xlabel}</text>')
     out.append(f'<text x="16" y="{top + ph / 2:.1f}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + ph / 2:.1f})">{ylabel}</text>')
+    lw = 40 + 7 * max(len(s.label) for s in series)
+    lx = left + 4 if legend == "upper left" else left + pw - lw - 4
+    ly0 = top + 4 if legend == "upper left" else top + ph - 16 * len(series) - 8
     for i, s in enumerate(series):
         pts = " ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in zip(s.x, s.y) if math.isfinite(b))
         dash = ' stroke-dasharray="6,3"' if s.dashed else ""
         color = PALETTE[i % len(PALETTE)]
         out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{pts}"/>')
-        ly = top + 14 + 16 * i
-        out.append(f'<line x1="{left + 10}" y1="{ly - 4}" x2="{left + 34}" y2="{ly - 4}" stroke="{color}" '
+    out.append(f'<rect x="{lx}" y="{ly0}" width="{lw}" height="{16 * len(series) + 4}" fill="white" '
+               'fill-opacity="0.85" stroke="#ccc"/>')
+    for i, s in enumerate(series):
+        color, dash = PALETTE[i % len(PALETTE)], ' stroke-dasharray="6,3"' if s.dashed else ""
+        ly = ly0 + 14 + 16 * i
+        out.append(f'<line x1="{lx + 6}" y1="{ly - 4}" x2="{lx + 30}" y2="{ly - 4}" stroke="{color}" '
                    f'stroke-width="2"{dash}/>')
-        out.append(f'<text x="{left + 40}" y="{ly}">{s.label}</text>')
+        out.append(f'<text x="{lx + 36}" y="{ly}">{s.label}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
