@@ -1,0 +1,97 @@
+"""Where Triton can run, and two bugs of its CPU interpreter that the kernels work around soundly.
+
+Imported lazily by the kernel modules; ``import anvil_fast`` never imports Triton.
+
+The interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors with NumPy. Under triton 3.9 two
+of its bf16 operations are wrong (both checked at run time by the probes below, on every test run):
+
+1. ``tl.dot`` on bf16 operands returns garbage (relative error ~1e9-1e10), while fp16 and fp32
+   operands are right (:func:`interpreter_bf16_dot_is_broken`, a 32 x 32 product both ways).
+2. ``x.to(tl.bfloat16)`` from fp32 truncates (rounds toward zero; ``fp_downcast_rounding="rtne"`` is
+   ignored) where compiled Triton rounds to nearest even (:func:`interpreter_bf16_cast_truncates`).
+
+The kernels take two switches. ``DOT_F32`` widens every bf16 tile to fp32 right before ``tl.dot``:
+bf16 -> fp32 is exact and both paths accumulate in fp32, so the product is the same real number up
+to fp32 summation order. ``ROUND_FIX`` rounds fp32 to bf16 on the bit pattern (round to nearest
+even, the GPU's rounding). Everything else the kernels do (index math, masks, 64-bit offsets, the
+mirrored stores, the epilogues, bf16 loads) is the very same code. Each switch is on only under the
+interpreter and only while its probe finds the bug, so a fixed interpreter tests the native path.
+What only a GPU run covers: the native bf16 ``tl.dot`` lowering (wgmma), the native cast, real
+layouts / pipelining (``num_warps``, ``num_stages``), and offsets past 2**31 elements (too large
+for a CI machine's memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_bf16_dot_is_broken() -> bool:
+    """Run a 32 x 32 bf16 product through the interpreter with and without widening; True when the
+    native bf16 ``tl.dot`` is wrong (relative error > 1e-2) while the widened one is right."""
+    if not (triton_available() and interpreting()):
+        return False
+    import torch
+
+    from .gram import _probe_dot
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(32, 32, generator=g).to(torch.bfloat16)
+    ref = a.double() @ b.double()
+    errs = []
+    for widen in (False, True):
+        c = torch.empty(32, 32, dtype=torch.float32)
+        _probe_dot[(1,)](a, b, c, N=32, DOT_F32=widen)
+        errs.append(float((c.double() - ref).norm() / ref.norm()))
+    if errs[1] > 1e-5:
+        raise RuntimeError(f"Triton interpreter: even the widened fp32 tl.dot is wrong (rel. error {errs[1]:.3g})")
+    return errs[0] > 1e-2
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_bf16_cast_truncates() -> bool:
+    """True when the interpreter's fp32 -> bf16 cast differs from torch's round-to-nearest-even on
+    random values (the native cast, without ROUND_FIX)."""
+    if not (triton_available() and interpreting()):
+        return False
+    import torch
+
+    from .gram import _probe_cast
+
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    ok = []
+    for fix in (False, True):
+        c = torch.empty(1024, dtype=torch.bfloat16)
+        _probe_cast[(1,)](x, c, N=1024, ROUND_FIX=fix)
+        ok.append(bool((c == x.bfloat16()).all()))
+    if not ok[1]:
+        raise RuntimeError("Triton interpreter: the bit-level round-to-nearest-even cast is wrong")
+    return not ok[0]
+
+
+def round_fix() -> bool:
+    """The ``ROUND_FIX`` switch for kernel launches (see the module docstring)."""
+    return interpreting() and interpreter_bf16_cast_truncates()
+
+
+def dot_f32() -> bool:
+    """The ``DOT_F32`` switch for kernel launches (see the module docstring)."""
+    return interpreting() and interpreter_bf16_dot_is_broken()
