@@ -1,0 +1,641 @@
+"""AnvilAndAdam on the fast path: the seed's optimizer with its explicit communication schedule.
+
+ANVIL updates the *banks* (3-D bf16 parameters ``[n_matrices, rows, cols]``, sharded over ranks by
+matrix); Adam updates everything else, either *sharded* (first dimension split over ranks) or
+*replicated* (every rank updates the whole parameter, on flat buffers: :mod:`.replicated_adam`).
+The math is anvil_ref's (:class:`anvil_ref.optimizer.ReferenceAnvilAndAdam` is the specification;
+its module docstring states the semantics, including the Adam gradients kept between Adam steps).
+
+One step (:meth:`AnvilAndAdam.step`), in launch order; on NCCL the launch order *is* the comms
+schedule, since the collectives run on one stream in enqueue order and ``Handle.wait()`` is a stream
+wait:
+
+0. Stage this step's scalars: one host-to-device copy (:mod:`.bank_scalars`). On Adam steps, the
+   replicated parameters' flat all-reduce starts (one per dtype).
+1. Scatter phase, in ``scatter_order``: each sharded parameter with a gradient starts its
+   reduce-scatter (a bank's lands in the bank's persistent ``grad`` buffer); the sparse update's
+   ``launch()`` runs at :data:`SPARSE_UPDATE_LABEL`'s place; while tied, ``embed.grad^T`` is added
+   into ``lm_head.grad`` (Triton ``transpose_add``) just before lm_head's reduce.
+2. Work phase, in ``work_order``: wait for the reduce, update (``bank_update(bank)`` or Adam),
+   start the gather; at the first replicated label, the fused replicated Adam pass; the sparse
+   update's ``update()`` at its place.
+3. Finish: wait for lm_head's gather, then (tied) ``embed = lm_head^T`` (``transpose_copy``), the
+   sparse update's ``finish()``, then wait for every gather not deferred. Deferred gathers come back
+   as :class:`~anvil_fast.comms.Handle` objects the caller waits before reading the parameter.
+
+Adam runs only when ``do_adam``; on other steps Adam gradients stay in ``.grad`` and the next
+backward accumulates into them. ANVIL runs every step. Everything the step will read is checked
+before anything is written (shapes, dtypes, devices; with ``check_finite=True`` also NaN/inf, on all
+ranks together), so a refused step leaves parameters and state untouched.
+
+Departures from the seed, each for a reason:
+
+* ``param_cfgs`` and the state are keyed by label, not by parameter object, and ``state_dict`` is
+  keyed by label too: the seed's ``id(p)`` keys do not survive a process restart.
+* The comms go through :mod:`.comms` (gloo has no ``get_future``; one process needs no group).
+* Adam's scalars come from a device table inside the one per-step upload instead of 0-D CPU
+  tensors, so one Triton kernel serves sharded and replicated parameters without recompiling.
+* Tied ``embed``/``lm_head`` may also be replicated (the seed assumes sharded).
+* ``allow_fp32_banks=True`` accepts float32 banks (for the drop-in optimizer on fp32 models): the
+  parameter itself is the fp32 master, split exactly into the bf16 + uint16 halves the bank update
+  works on before each update and joined back after it (same bits as the seed's storage).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, fields
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from anvil_ref.config import ConfigError, ParamConfig, build_param_config, check_labels, check_order
+from anvil_ref.constants import (
+    ADAM_DEFAULTS,
+    ANVIL_DEFAULTS,
+    EMBED_LABEL,
+    LM_HEAD_LABEL,
+)
+
+from .adam import adam_row, adam_update_
+from .bank_scalars import ADAM_COLUMNS, BankScalarStaging
+from .comms import DONE, Comms, Handle, resolve_comms
+from .replicated_adam import ReplicatedAdam
+from .transpose import transpose_add, transpose_copy
+
+#: The label at whose places in scatter_order and work_order the row-sparse updates run (seed).
+SPARSE_UPDATE_LABEL = "value_embeds"
+
+STATE_FORMAT = "anvil_fast.AnvilAndAdam/1"
+
+
+class SparseUpdate(Protocol):
+    """Row-sparse updates outside the dense reduce/gather path (seed: the n-gram table,
+    value_embeds), slotted into the step's schedule so their exchanges overlap the dense ones."""
+
+    def launch(self) -> None:
+        """At SPARSE_UPDATE_LABEL's place in scatter_order: start the gradient exchange."""
+
+    def update(self) -> None:
+        """At SPARSE_UPDATE_LABEL's place in work_order: wait for the exchange and update (e.g.
+        with :meth:`AnvilAndAdam.adam_update_shard`)."""
+
+    def finish(self) -> None:
+        """After the lm_head gather: land what the next steps read before deferred gathers."""
+
+
+class NonFiniteGradientError(ValueError):
+    """A gradient holds NaN or infinity (raised by the opt-in check before anything is written)."""
+
+
+def _bank_api():
+    """The kernels' AnvilBank and anvil_bank_update (anvil_fast.bank)."""
+    try:
+        from . import bank
+    except ImportError as exc:  # pragma: no cover - only while anvil_fast.bank is missing
+        raise ImportError("anvil_fast.bank (AnvilBank, anvil_bank_update) is needed for the ANVIL "
+                          f"bank update: {exc}") from exc
+    return bank
+
+
+def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
+    # Tensor.reshape is a method; the seed shadows it with a tuple attribute on bank parameters.
+    r = param.__dict__.get("reshape") if hasattr(param, "__dict__") else None
+    if isinstance(r, (tuple, list)):
+        return tuple(r)
+    r = entry.get("reshape") if isinstance(entry, Mapping) else None
+    return tuple(r) if r is not None else None
+
+
+def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact, bit ops)."""
+    bits = master.view(torch.int32)
+    hi.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    lo.view(torch.int16).copy_((bits & 0xFFFF).to(torch.int16))
+
+
+def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
+    """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
+    h = hi.view(torch.int16).to(torch.int32) << 16
+    lo32 = lo.view(torch.int16).to(torch.int32) & 0xFFFF
+    master.view(torch.int32).copy_(h | lo32)
+
+
+class AnvilAndAdam:
+    """ANVIL for the banks + Adam for the rest, with the seed's explicit comms schedule.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs; each parameter carries ``.label`` (its
+            ``param_table`` key) and, for banks, ``.reshape`` (``[n_matrices, rows, cols]``; or a
+            ``"reshape"`` table entry) and optionally ``.frozen_matrices`` (global indices, LR 0).
+        param_table: label -> entry (see :mod:`anvil_ref.config`).
+        scatter_order, work_order: every label exactly once (None: the parameters' order).
+        adam_defaults, anvil_defaults: as in the seed (anvil_ref.constants' defaults).
+        bank_update: ``f(bank)`` running one bank's update; default ``anvil_fast.bank.anvil_bank_update``
+            (or a :class:`~anvil_fast.graphs.BankUpdateGraphs`, see :meth:`use_cuda_graphs`).
+        comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group when
+            torch.distributed is initialized, else one process).
+        check_finite: check every gradient the step reads for NaN/inf first (one host sync per step).
+        tie_embeddings: treat ``embed``/``lm_head`` as tied until :meth:`copy_lm_state_to_embed`;
+            None: tied when both labels are present (the seed).
+        allow_fp32_banks: accept float32 banks (module docstring).
+        bank_config, maps: the bank update's cascade configuration (``"safe"``/``"faithful"`` or an
+            :class:`anvil_fast.cascade.CascadeConfig`; default: anvil_fast.cascade's default) and
+            map set (default ANVIL_MAPS), passed to :meth:`anvil_fast.bank.AnvilBank.create`.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, Tensor]], param_table: Mapping[str, Mapping],
+                 scatter_order: Sequence[str] | None = None, work_order: Sequence[str] | None = None,
+                 adam_defaults: Mapping = ADAM_DEFAULTS, anvil_defaults: Mapping = ANVIL_DEFAULTS,
+                 bank_update: Callable | None = None, *, comms: Comms | Any = None, check_finite: bool = False,
+                 tie_embeddings: bool | None = None, allow_fp32_banks: bool = False, bank_config: Any = None,
+                 maps: Any = None):
+        self.comms = resolve_comms(comms)
+        self.world_size, self.rank = self.comms.world_size, self.comms.rank
+        self.adam_defaults, self.anvil_defaults = dict(adam_defaults), dict(anvil_defaults)
+        self.param_table = param_table
+        self.check_finite = bool(check_finite)
+
+        # ---- read and check everything before touching any parameter
+        named = list(named_params)
+        for name, p in named:
+            if getattr(p, "label", None) is None:
+                raise ConfigError(f"parameter {name!r} has no .label attribute (its param_table key)")
+        labels = check_labels([p.label for _, p in named], param_table)
+        if not labels:
+            raise ConfigError("AnvilAndAdam needs at least one parameter")
+        self.scatter_order = check_order("scatter_order", scatter_order, labels)
+        self.work_order = check_order("work_order", work_order, labels)
+        self.labels = labels
+        self.params: dict[str, Tensor] = {p.label: p for _, p in named}
+        self.names: dict[str, str] = {p.label: name for name, p in named}
+        self.param_cfgs: dict[str, ParamConfig] = {}
+        devices = {p.device for p in self.params.values()}
+        if len(devices) != 1:
+            raise ConfigError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        for label, p in self.params.items():
+            entry = param_table[label]
+            cfg = build_param_config(label, entry, shape=tuple(p.shape), reshape=_reshape_of(p, entry),
+                                     frozen_matrices=set(getattr(p, "frozen_matrices", ()) or ()) |
+                                     set(entry.get("frozen_matrices", ()) if isinstance(entry, Mapping) else ()),
+                                     adam_defaults=self.adam_defaults, anvil_defaults=self.anvil_defaults,
+                                     world_size=self.world_size, rank=self.rank)
+            if not p.is_contiguous():
+                raise ConfigError(f"{label}: parameters must be contiguous (shards and flat buffers are views)")
+            if not p.dtype.is_floating_point:
+                raise ConfigError(f"{label}: parameters must be floating point, got {p.dtype}")
+            if cfg.optim == "anvil":
+                ok = (torch.bfloat16, torch.float32) if allow_fp32_banks else (torch.bfloat16,)
+                if p.dtype not in ok:
+                    raise ConfigError(f"{label}: ANVIL banks must be bfloat16 (the fp32 master is the bf16 "
+                                      f"parameter + a uint16 mantissa), got {p.dtype}"
+                                      + ("" if allow_fp32_banks else "; convert it, or pass "
+                                         "allow_fp32_banks=True to keep a float32 parameter"))
+            self.param_cfgs[label] = cfg
+        if tie_embeddings is None:
+            tie_embeddings = EMBED_LABEL in self.params and LM_HEAD_LABEL in self.params
+        self.tied = bool(tie_embeddings)
+        if self.tied:
+            if EMBED_LABEL not in self.params or LM_HEAD_LABEL not in self.params:
+                raise ConfigError(f"tie_embeddings needs both {EMBED_LABEL!r} and {LM_HEAD_LABEL!r} parameters")
+            e, h = self.params[EMBED_LABEL], self.params[LM_HEAD_LABEL]
+            if e.ndim != 2 or tuple(e.shape) != tuple(h.shape)[::-1]:
+                raise ConfigError(f"tied {EMBED_LABEL} {tuple(e.shape)} and {LM_HEAD_LABEL} {tuple(h.shape)} "
+                                  "must be 2-D transposes of each other")
+            if self.param_cfgs[EMBED_LABEL].optim != "adam" or self.param_cfgs[LM_HEAD_LABEL].optim != "adam":
+                raise ConfigError("tied embed and lm_head must both be Adam parameters")
+        if bank_update is None and any(c.optim == "anvil" for c in self.param_cfgs.values()):
+            bank_update = _bank_api().anvil_bank_update
+        self.bank_update = bank_update
+
+        # ---- state (new tensors only)
+        self.param_states: dict[str, dict[str, Any]] = {}
+        for label, cfg in self.param_cfgs.items():
+            p = self.params[label]
+            if cfg.optim == "adam":
+                shape = (cfg.chunk_size, *p.shape[1:]) if cfg.comms == "sharded" else tuple(p.shape)
+                z = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                self.param_states[label] = dict(step=0, exp_avg=z, exp_avg_sq=torch.zeros_like(z))
+            else:
+                chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
+                rows, cols = chunk_shape[-2:]
+                lane = (cfg.chunk_size, rows, 1) if rows >= cols else (cfg.chunk_size, 1, cols)
+                self.param_states[label] = dict(
+                    velocity=torch.zeros((2, *chunk_shape), dtype=torch.float32, device=self.device),
+                    lane_energy=torch.zeros(lane, dtype=torch.float32, device=self.device),
+                    mantissa=torch.zeros(chunk_shape, dtype=torch.uint16, device=self.device))
+        self._fp32_bank_slices: dict[str, Tensor] = {}
+
+        # ---- Adam table rows (one per Adam parameter) and the replicated flat buffers
+        self.adam_labels = [l for l in self.labels if self.param_cfgs[l].optim == "adam"]
+        self.adam_row = {label: i for i, label in enumerate(self.adam_labels)}
+        self.replicated_labels = [l for l in self.adam_labels if self.param_cfgs[l].comms == "replicated"]
+        self.replicated = ReplicatedAdam(
+            [(l, self.params[l], self.param_states[l], self.adam_row[l]) for l in self.replicated_labels],
+            self.device, self.comms) if self.replicated_labels else None
+
+        # ---- banks: persistent buffers + device scalars, one staging buffer for every scalar
+        self.bank_labels = [l for l in self.labels if self.param_cfgs[l].optim == "anvil"]
+        self.staging = BankScalarStaging([self.param_cfgs[l].chunk_size for l in self.bank_labels],
+                                         self.device, adam_rows=len(self.adam_labels))
+        self.adam_table = self.staging.adam_table()
+        self._shard_staging = BankScalarStaging([], self.device, adam_rows=1)  # adam_update_shard
+        self.banks: dict[str, Any] = {}
+        if self.bank_labels:
+            AnvilBank = _bank_api().AnvilBank
+            extra = {} if bank_config is None else {"config": bank_config}
+            if maps is not None:
+                extra["maps"] = maps
+            for i, label in enumerate(self.bank_labels):
+                cfg = self.param_cfgs[label]
+                chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
+                if self.params[label].dtype == torch.float32:
+                    self._fp32_bank_slices[label] = torch.empty(chunk_shape, dtype=torch.bfloat16, device=self.device)
+                live = self.live_bank_state(label)
+                self.banks[label] = AnvilBank.create(
+                    label, live["p_slice"], beta2=cfg.beta2, velocity=live["velocity"],
+                    lane_energy=live["lane_energy"], mantissa=live["mantissa"],
+                    grad=torch.zeros(chunk_shape, dtype=torch.bfloat16, device=self.device),
+                    scalars=self.staging.scalars(i), eff_lr=self.staging.eff_lr(i), **extra)
+
+        self.fast_beta, self.fast_weight = 0.0, 1.0
+        self.split_embed = False
+        self._pending: dict[str, tuple[Handle, Tensor]] = {}
+
+    # ------------------------------------------------------------------ views and helpers
+    def _lo_hi(self, cfg: ParamConfig) -> tuple[int, int]:
+        lo = self.rank * cfg.chunk_size
+        return lo, lo + cfg.chunk_size
+
+    def _param_shard(self, label: str) -> Tensor:
+        """This rank's slice of a sharded parameter (a bank: in its bank shape)."""
+        cfg, p = self.param_cfgs[label], self.params[label]
+        lo, hi = self._lo_hi(cfg)
+        full = p.data.view(cfg.reshape) if cfg.optim == "anvil" else p.data
+        return full[lo:hi]
+
+    def live_bank_state(self, label: str) -> dict[str, Tensor]:
+        """The bank's state tensors as the live optimizer and parameter hold them now (the one
+        definition both the bank and the CUDA graphs' address check use)."""
+        st = self.param_states[label]
+        p_slice = self._fp32_bank_slices.get(label)
+        if p_slice is None:
+            p_slice = self._param_shard(label)
+        return dict(velocity=st["velocity"], lane_energy=st["lane_energy"], mantissa=st["mantissa"], p_slice=p_slice)
+
+    def set_rails(self, fast_beta: float, fast_weight: float) -> None:
+        """The fast rail's beta and its weight in the twin-rail blend, for the following steps."""
+        fb, fw = float(fast_beta), float(fast_weight)
+        if not (0.0 <= fb <= 1.0) or not math.isfinite(fw):
+            raise ValueError(f"set_rails: fast_beta must lie in [0, 1] and fast_weight be finite, got {fb}, {fw}")
+        self.fast_beta, self.fast_weight = fb, fw
+
+    def set_rail_scalars(self, scalars) -> None:
+        """Apply :func:`anvil_ref.rails.rail_scalars`' output: rails and every bank's momentum."""
+        self.set_rails(scalars.fast_beta, scalars.fast_weight)
+        for label in self.bank_labels:
+            self.param_cfgs[label].momentum = float(scalars.momentum)
+
+    def use_cuda_graphs(self, **kwargs) -> Any:
+        """Capture every bank's update in a CUDA graph and use the replays from now on (returns the
+        :class:`~anvil_fast.graphs.BankUpdateGraphs`)."""
+        from .graphs import BankUpdateGraphs
+
+        graphs = BankUpdateGraphs(self, update=self.bank_update, **kwargs)
+        self.bank_update = graphs
+        return graphs
+
+    # ------------------------------------------------------------------ per-step scalars
+    def _check_hyperparameters(self) -> None:
+        for label, cfg in self.param_cfgs.items():
+            vals = dict(lr=cfg.lr, lr_mul=cfg.lr_mul, wd_mul=cfg.wd_mul, weight_decay=cfg.weight_decay)
+            if cfg.optim == "anvil":
+                vals.update(momentum=cfg.momentum, beta2=cfg.beta2)
+            bad = {k: v for k, v in vals.items() if v is None or not math.isfinite(v)}
+            if bad:
+                raise ValueError(f"{label}: hyper-parameters must be finite numbers, got {bad}")
+
+    def _active_adam(self, do_adam: bool) -> list[str]:
+        if not do_adam:
+            return []
+        return [l for l in self.adam_labels if self.params[l].grad is not None
+                and not (l == EMBED_LABEL and self.tied and not self.split_embed)]
+
+    def _bank_fields(self) -> tuple[list, list]:
+        fields_, lrs = [], []
+        for label in self.bank_labels:
+            cfg = self.param_cfgs[label]
+            # the products keep the seed's order (wd_mul * weight_decay * lr; lr_mul * mult * lr)
+            fields_.append((cfg.momentum, cfg.wd_mul * cfg.weight_decay * cfg.lr, self.fast_beta, self.fast_weight))
+            lrs.append([cfg.lr_mul * m * cfg.lr for m in cfg.per_matrix_lr_mul])
+        return fields_, lrs
+
+    def stage_bank_scalars(self, active_adam: Sequence[str] = ()) -> None:
+        """Upload this step's scalars (banks', and the Adam rows of ``active_adam``, whose step
+        counts advance here) in one host-to-device copy."""
+        table = None
+        if active_adam:
+            table = np.array([adam_row(lr=0, beta1=0, beta2=0, eps=1, weight_decay=0, wd_mul=0, step=1,
+                                       active=False)] * len(self.adam_labels))
+            for label in active_adam:
+                cfg, st = self.param_cfgs[label], self.param_states[label]
+                st["step"] += 1
+                b1, b2 = cfg.adam_betas
+                table[self.adam_row[label]] = adam_row(lr=cfg.lr * cfg.lr_mul, beta1=b1, beta2=b2, eps=cfg.eps,
+                                                       weight_decay=cfg.weight_decay, wd_mul=cfg.wd_mul,
+                                                       step=st["step"])
+        fields_, lrs = self._bank_fields()
+        self.staging.upload(fields_, lrs, table)
+
+    # ------------------------------------------------------------------ checks before a step
+    def _grads_read(self, do_adam: bool) -> list[str]:
+        out = [l for l in self.bank_labels if self.params[l].grad is not None]
+        if do_adam:
+            out += [l for l in self.adam_labels if self.params[l].grad is not None]
+        return out
+
+    def _validate(self, do_adam: bool, deferred: frozenset[str]) -> None:
+        for label in deferred:
+            if label not in self.params:
+                raise ConfigError(f"deferred_labels: unknown label {label!r}")
+            if self.param_cfgs[label].comms != "sharded":
+                raise ConfigError(f"deferred_labels: {label!r} is replicated; only sharded parameters gather")
+        self._check_hyperparameters()
+        read = self._grads_read(do_adam)
+        for label in read:
+            p, g = self.params[label], self.params[label].grad
+            if tuple(g.shape) != tuple(p.shape):
+                raise ValueError(f"{label}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
+            if g.device != p.device:
+                raise ValueError(f"{label}: gradient on {g.device}, parameter on {p.device}")
+            if g.dtype != p.dtype:
+                raise ValueError(f"{label}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}")
+            if g.is_sparse:
+                raise ValueError(f"{label}: sparse gradients are not supported (route them through a SparseUpdate)")
+        if self.check_finite:
+            flags = torch.zeros(len(self.labels), dtype=torch.float32, device=self.device)
+            if read:
+                idx = torch.tensor([self.labels.index(l) for l in read], device=self.device)
+                bad = torch.stack([(~torch.isfinite(self.params[l].grad)).any() for l in read]).float()
+                flags.index_copy_(0, idx, bad)
+            self.comms.all_reduce_sum_now(flags)  # every rank refuses together
+            hit = flags.nonzero().flatten().tolist()
+            if hit:
+                names = [f"{self.labels[i]} ({self.names[self.labels[i]]})" for i in hit]
+                raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}"
+                                             f"{'' if self.world_size == 1 else ' on at least one rank'}; "
+                                             "nothing was updated")
+
+    # ------------------------------------------------------------------ comms
+    def _launch_reduce(self, label: str, grad: Tensor) -> None:
+        cfg = self.param_cfgs[label]
+        if cfg.optim == "anvil":
+            bank = self.banks[label]
+            src = grad.contiguous().view(cfg.reshape)
+            if src.dtype != bank.grad.dtype:  # fp32 banks: the gradient travels in bf16, as the seed's
+                src = src.to(bank.grad.dtype)
+            self._pending[label] = (self.comms.reduce_scatter_avg(bank.grad, src), bank.grad)
+        elif self.world_size == 1:
+            self._pending[label] = (DONE, grad.contiguous())
+        else:
+            g = grad.contiguous()
+            chunk = torch.empty_like(g[:cfg.chunk_size])
+            self._pending[label] = (self.comms.reduce_scatter_avg(chunk, g), chunk)
+
+    def _launch_gather(self, label: str) -> Handle:
+        cfg, p = self.param_cfgs[label], self.params[label]
+        full = p.data.view(cfg.reshape) if cfg.optim == "anvil" else p.data
+        return self.comms.all_gather(full, self._param_shard(label))
+
+    # ------------------------------------------------------------------ updates
+    def _adam_update(self, label: str, grad_chunk: Tensor) -> None:
+        st = self.param_states[label]
+        p_slice = self._param_shard(label) if self.param_cfgs[label].comms == "sharded" else self.params[label].data
+        adam_update_(p_slice, grad_chunk, st["exp_avg"], st["exp_avg_sq"], self.adam_table, self.adam_row[label])
+
+    def _anvil_update(self, label: str, grad_chunk: Tensor) -> None:
+        bank = self.banks[label]
+        assert grad_chunk is bank.grad
+        fp32_slice = self._fp32_bank_slices.get(label)
+        if fp32_slice is not None:
+            split_fp32_(self._param_shard(label), fp32_slice, bank.mantissa)
+        self.bank_update(bank)
+        if fp32_slice is not None:
+            join_fp32_(fp32_slice, bank.mantissa, self._param_shard(label))
+
+    @torch.no_grad()
+    def adam_update_shard(self, param: Tensor, grad_chunk: Tensor) -> None:
+        """Adam on this rank's shard of a sharded parameter whose gradient was reduced outside
+        :meth:`step` (a SparseUpdate's rows). Same update, state and config as in step()."""
+        label = getattr(param, "label", None)
+        if label not in self.params or self.params[label] is not param:
+            raise ConfigError(f"adam_update_shard: parameter {label!r} is not one of this optimizer's")
+        cfg, st = self.param_cfgs[label], self.param_states[label]
+        if cfg.optim != "adam" or cfg.comms != "sharded":
+            raise ConfigError(f"adam_update_shard: {label!r} is not a sharded Adam parameter")
+        if param.grad is not None:
+            raise ConfigError(f"adam_update_shard: {label!r} has a .grad; step() would update it a second time")
+        if tuple(grad_chunk.shape) != tuple(st["exp_avg"].shape):
+            raise ValueError(f"adam_update_shard: gradient shard {tuple(grad_chunk.shape)}, expected "
+                             f"{tuple(st['exp_avg'].shape)}")
+        st["step"] += 1
+        b1, b2 = cfg.adam_betas
+        row = adam_row(lr=cfg.lr * cfg.lr_mul, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       wd_mul=cfg.wd_mul, step=st["step"])
+        self._shard_staging.upload([], [], np.array([row]))
+        adam_update_(self._param_shard(label), grad_chunk.contiguous(), st["exp_avg"], st["exp_avg_sq"],
+                     self._shard_staging.adam_table(), 0)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, do_adam: bool = True, sparse_update: SparseUpdate | None = None,
+             deferred_labels: Iterable[str] = frozenset()) -> dict[str, Handle]:
+        """One step (module docstring). Returns label -> gather handle for each deferred label that
+        gathered; wait each before the first read of that parameter's full replica."""
+        deferred = frozenset(deferred_labels)
+        self._validate(do_adam, deferred)
+        tied_now = self.tied and not self.split_embed
+        lm, embed = self.params.get(LM_HEAD_LABEL), self.params.get(EMBED_LABEL)
+        active = self._active_adam(do_adam)
+        active_set = set(active)
+
+        # ---- phase 0: scalars (one H2D), the replicated flat all-reduce
+        self.stage_bank_scalars(active)
+        if tied_now and do_adam and lm.grad is not None and embed.grad is not None \
+                and self.param_cfgs[LM_HEAD_LABEL].comms == "replicated":
+            transpose_add(embed.grad, lm.grad)
+        if do_adam and self.replicated is not None:
+            self.replicated.launch_reduce(active_set & set(self.replicated_labels))
+
+        # ---- phase 1: reduces in scatter_order
+        for label in self.scatter_order:
+            if label == SPARSE_UPDATE_LABEL and sparse_update is not None:
+                sparse_update.launch()
+            cfg, p = self.param_cfgs[label], self.params[label]
+            if cfg.optim == "adam" and not do_adam:
+                continue
+            if p.grad is None or cfg.comms == "replicated":
+                continue
+            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:
+                transpose_add(embed.grad, p.grad)
+            if label == EMBED_LABEL and tied_now:
+                continue
+            self._launch_reduce(label, p.grad)
+
+        # ---- phase 2: updates in work_order
+        gathers: list[Handle] = []
+        deferred_handles: dict[str, Handle] = {}
+        lm_gather = None
+        replicated_done = False
+        for label in self.work_order:
+            if label == SPARSE_UPDATE_LABEL and sparse_update is not None:
+                sparse_update.update()
+            cfg = self.param_cfgs[label]
+            if cfg.optim == "adam" and cfg.comms == "replicated":
+                if do_adam and not replicated_done and self.replicated is not None:
+                    self.replicated.update(self.adam_table)
+                    replicated_done = True
+                continue
+            if label not in self._pending:
+                continue
+            handle, grad_chunk = self._pending.pop(label)
+            handle.wait()
+            if cfg.optim == "adam":
+                self._adam_update(label, grad_chunk)
+            else:
+                self._anvil_update(label, grad_chunk)
+            g = self._launch_gather(label)
+            if label in deferred:
+                deferred_handles[label] = g
+            elif label == LM_HEAD_LABEL:
+                lm_gather = g
+            else:
+                gathers.append(g)
+
+        # ---- phase 3: lm_head's gather, the tied copy, the sparse finish, the other gathers
+        if lm_gather is not None:
+            lm_gather.wait()
+        if do_adam and tied_now:
+            transpose_copy(lm.data, embed.data)
+        if sparse_update is not None:
+            sparse_update.finish()
+        for g in gathers:
+            g.wait()
+        self._pending.clear()
+
+        for label, cfg in self.param_cfgs.items():
+            if cfg.optim == "adam" and not do_adam:
+                continue  # kept: the next backward accumulates into it
+            self.params[label].grad = None
+        return deferred_handles
+
+    # ------------------------------------------------------------------ untie, reset
+    @torch.no_grad()
+    def copy_lm_state_to_embed(self) -> None:
+        """Untie: embed's Adam moments become lm_head's, transposed (all-gather lm_head's shards,
+        transpose, take embed's shard), and its step count lm_head's."""
+        if not self.tied:
+            raise ConfigError(f"untie needs tied {EMBED_LABEL!r} and {LM_HEAD_LABEL!r} parameters")
+        lm_cfg, em_cfg = self.param_cfgs[LM_HEAD_LABEL], self.param_cfgs[EMBED_LABEL]
+        lm_st, em_st = self.param_states[LM_HEAD_LABEL], self.param_states[EMBED_LABEL]
+        lm_shape = tuple(self.params[LM_HEAD_LABEL].shape)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if lm_cfg.comms == "sharded" and self.world_size > 1:
+                full = torch.empty(lm_shape, dtype=torch.float32, device=self.device)
+                self.comms.all_gather(full, lm_st[key].contiguous()).wait()
+            else:
+                full = lm_st[key]
+            if em_cfg.comms == "sharded":
+                lo, hi = self._lo_hi(em_cfg)
+            else:
+                lo, hi = 0, lm_shape[1]
+            transpose_copy(full[:, lo:hi], em_st[key])
+        em_st["step"] = lm_st["step"]
+        self.split_embed = True
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero every bank's rails, lane energy and mantissa (which truncates the fp32 masters to
+        their bf16 halves) and tie the embeddings again. Adam state is left alone (the seed)."""
+        self.split_embed = False
+        for label in self.bank_labels:
+            st = self.param_states[label]
+            st["velocity"].zero_()
+            st["mantissa"].zero_()
+            st["lane_energy"].zero_()
+            if self.params[label].dtype == torch.float32:
+                self.params[label].data.view(torch.int32).bitwise_and_(-65536)  # 0xFFFF0000
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """This rank's optimizer state, keyed by label: Adam moments and step counts, bank rails,
+        lane energies and mantissas, the configs (lr, momentum, ...), rails, untie state, and the
+        Adam gradients kept from non-Adam steps. Sharded tensors are this rank's shards, so a
+        checkpoint is loaded by the same rank of the same world size. ``copy=False`` returns the
+        live tensors (cheaper; they change with the next step)."""
+        c = (lambda t: t.detach().clone()) if copy else (lambda t: t)
+        state = {label: {k: (c(v) if isinstance(v, Tensor) else v) for k, v in st.items()}
+                 for label, st in self.param_states.items()}
+        pending = {l: c(self.params[l].grad) for l in self.adam_labels if self.params[l].grad is not None}
+        return dict(format=STATE_FORMAT, world_size=self.world_size, rank=self.rank, labels=list(self.labels),
+                    state=state, param_cfgs={l: asdict(cfg) for l, cfg in self.param_cfgs.items()},
+                    rails=(self.fast_beta, self.fast_weight), split_embed=self.split_embed, pending_grads=pending)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output in place (every tensor is copied into the live one:
+        the replicated moments are views into flat buffers and the CUDA graphs bake the banks'
+        addresses). Everything is checked before anything is written."""
+        sd = state_dict
+        if sd.get("format") != STATE_FORMAT:
+            raise ConfigError(f"not an AnvilAndAdam state dict (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
+        if (sd["world_size"], sd["rank"]) != (self.world_size, self.rank):
+            raise ConfigError(f"state dict of rank {sd['rank']} of {sd['world_size']} cannot be loaded by rank "
+                              f"{self.rank} of {self.world_size} (sharded state is per rank)")
+        if list(sd["labels"]) != self.labels:
+            raise ConfigError(f"state dict labels {sd['labels']} differ from this optimizer's {self.labels}")
+        for label, st in sd["state"].items():
+            live = self.param_states[label]
+            if set(st) != set(live):
+                raise ConfigError(f"{label}: state keys {sorted(st)} differ from {sorted(live)}")
+            for k, v in st.items():
+                if isinstance(live[k], Tensor) and (tuple(v.shape) != tuple(live[k].shape) or v.dtype != live[k].dtype):
+                    raise ConfigError(f"{label}.{k}: saved {tuple(v.shape)} {v.dtype}, live "
+                                      f"{tuple(live[k].shape)} {live[k].dtype}")
+        for label, f in sd["param_cfgs"].items():
+            cfg = self.param_cfgs[label]
+            for k in ("optim", "comms", "reshape", "chunk_size"):
+                saved = tuple(f[k]) if isinstance(f[k], list) else f[k]
+                if saved != getattr(cfg, k):
+                    raise ConfigError(f"{label}: saved {k}={f[k]!r} differs from this optimizer's {getattr(cfg, k)!r}")
+        for label, g in sd["pending_grads"].items():
+            if label not in self.adam_labels or tuple(g.shape) != tuple(self.params[label].shape):
+                raise ConfigError(f"pending gradient {label!r}: not an Adam parameter of this shape")
+        # ---- write
+        for label, st in sd["state"].items():
+            live = self.param_states[label]
+            for k, v in st.items():
+                if isinstance(live[k], Tensor):
+                    live[k].copy_(v)
+                else:
+                    live[k] = v
+        names = {f.name for f in fields(ParamConfig)}
+        for label, f in sd["param_cfgs"].items():
+            cfg = self.param_cfgs[label]
+            for k, v in f.items():
+                if k in names:
+                    setattr(cfg, k, tuple(v) if isinstance(v, list) else (frozenset(v) if k == "frozen_matrices" else v))
+        self.fast_beta, self.fast_weight = (float(x) for x in sd["rails"])
+        self.split_embed = bool(sd["split_embed"])
+        for label in self.adam_labels:
+            p = self.params[label]
+            g = sd["pending_grads"].get(label)
+            p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype).clone()
+
+
+__all__ = ["AnvilAndAdam", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError",
+           "split_fp32_", "join_fp32_"]
