@@ -5,6 +5,12 @@ and no torch.compile.
 They serve two purposes: the "eager bf16" error floor that the fast path is judged against (see
 tests/tolerances.py), and a seed-faithful bf16 cascade that runs anywhere (derive_maps measures
 bf16-realized envelopes with it).
+
+``eager_bf16_cascade`` with its defaults is the seed; ``fp32_trace=True, prescale=True`` and a
+widened ``margin`` give the eager floor of the fast path's SAFE configuration (anvil_fast.cascade).
+``eager_rails``, ``eager_equalizer`` and ``eager_update`` are the seed's remaining operations,
+written out plainly and out of place (the update joins the fp32 master by stacking the two 16-bit
+halves and viewing them as float32, a formulation independent of anvil_fast.update's).
 """
 
 from __future__ import annotations
@@ -12,7 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.constants import (
+    ANVIL_MAPS,
+    FROBENIUS_EPS,
+    FROBENIUS_MARGIN,
+    LANE_ENERGY_FLOOR,
+    RAIL_SLOW_BETA,
+    SPLIT_BADDBMM_MIN_ROWS,
+)
 from anvil_ref.maps import MapsLike, load_maps
 
 
@@ -21,23 +34,37 @@ def _gram(x: Tensor, tall: bool) -> Tensor:
 
 
 def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float = FROBENIUS_MARGIN,
-                       eps: float = FROBENIUS_EPS, split: bool | None = None) -> Tensor:
+                       eps: float = FROBENIUS_EPS, split: bool | None = None, fp32_trace: bool = False,
+                       prescale: bool = False) -> Tensor:
     """The seed's bf16 cascade in eager torch: ``x`` ([..., m, n], any float dtype) is cast to bf16;
     every Gram, ``b*A + c*A@A`` (one baddbmm: fp32 accumulation, one rounding) and ``a*X + X@B``
     (one baddbmm, or bmm then add when ``split``; default: rows > SPLIT_BADDBMM_MIN_ROWS, as the
     seed) is rounded to bf16; the trace and the normalization are computed in fp32. Returns bf16.
+
+    ``fp32_trace``: take the trace as the fp32 sum of squares of the bf16 X instead of the bf16
+    Gram's diagonal. ``prescale``: multiply x by an exact power of two (max |x| in [1, 2)) before the
+    cast, and eps alike. Both off reproduce the seed.
     """
     maps_ = load_maps(maps)
     if x.ndim < 2:
         raise ValueError(f"x: expected [..., rows, cols], got shape {tuple(x.shape)}")
     lead = x.shape[:-2]
-    X = x.reshape(-1, *x.shape[-2:]).to(torch.bfloat16)
+    x3 = x.reshape(-1, *x.shape[-2:])
+    scale = torch.ones((x3.shape[0], 1, 1), dtype=torch.float32, device=x.device)
+    if prescale:
+        amax = x3.float().abs().amax(dim=(-2, -1), keepdim=True)
+        scale = torch.exp2(-torch.floor(torch.log2(amax)).clamp(-126, 126))
+        x3 = x3.float() * scale
+    X = x3.to(torch.bfloat16)
     tall = X.size(-2) > X.size(-1)
     if split is None:
         split = X.size(-2) > SPLIT_BADDBMM_MIN_ROWS
     A = _gram(X, tall)
-    tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
-    d = tr.sqrt() * margin + eps
+    if fp32_trace:
+        tr = X.float().square().sum(dim=(-2, -1), keepdim=True)
+    else:
+        tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
+    d = tr.sqrt() * margin + eps * scale
     X = (X.float() / d).bfloat16()
     A = (A.float() / d.square()).bfloat16()
     for k, (a, b, c) in enumerate(maps_):
@@ -50,3 +77,44 @@ def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float 
         else:
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(*lead, *X.shape[-2:])
+
+
+def eager_rails(grad: Tensor, v_fast: Tensor, v_slow: Tensor, *, momentum: float, fast_beta: float,
+                fast_weight: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The seed's twin-rail step and Nesterov lookahead in eager fp32, out of place. The scalars are
+    taken as fp32 0-D tensors, as the bank stores them. Returns (lookahead fp32, v_fast', v_slow')."""
+    g = grad.float()
+    f32 = dict(dtype=torch.float32, device=g.device)
+    mu, fb, w = (torch.tensor(v, **f32) for v in (momentum, fast_beta, fast_weight))
+    v0 = v_fast.float().lerp(g, 1 - fb)
+    v1 = v_slow.float().lerp(g, 1 - RAIL_SLOW_BETA)
+    blend = w * v0 + (1 - w) * v1
+    return g.lerp(blend, mu), v0, v1
+
+
+def eager_equalizer(v: Tensor, lane_energy: Tensor, *, beta2: float) -> tuple[Tensor, Tensor]:
+    """The seed's equalizer in eager torch, out of place: returns (equalized bf16 V, new lane
+    energy). Lanes: reduced over the columns when rows >= cols, else the rows (the seed's red_dim)."""
+    red_dim = -1 if v.size(-2) >= v.size(-1) else -2
+    lane_power = v.float().square().mean(dim=red_dim, keepdim=True)
+    lane_len = v.size(red_dim)
+    pre_norm = (lane_power.sum(dim=(-2, -1), keepdim=True) * lane_len).sqrt()
+    energy = lane_energy.lerp(lane_power.to(lane_energy.dtype), 1 - beta2)
+    gain = energy.clamp_min(LANE_ENERGY_FLOOR).rsqrt()
+    post_norm = ((lane_power * lane_len) * gain.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    scale = gain * (pre_norm / post_norm.clamp_min(LANE_ENERGY_FLOOR))
+    return v * scale.to(v.dtype), energy
+
+
+def eager_update(p: Tensor, mantissa: Tensor, update: Tensor, gate: Tensor, *, eff_wd: Tensor,
+                 eff_lr: Tensor) -> tuple[Tensor, Tensor]:
+    """The seed's sign-aligned decay + update in eager fp32, out of place: returns the new (bf16
+    parameter, uint16 mantissa). The master is joined by stacking the int16 halves (low half first,
+    little-endian) and viewing the pair as one float32."""
+    lo, hi = mantissa.view(torch.int16), p.view(torch.int16)
+    w = torch.stack([lo, hi], dim=-1).view(torch.float32).squeeze(-1)
+    wd, lr = eff_wd.to(torch.float32), eff_lr.to(torch.float32)
+    aligned = (gate.float() * w) >= 0
+    w_new = w - (w * aligned * wd * lr) - (update.float() * lr)
+    halves = w_new.unsqueeze(-1).view(torch.int16)
+    return halves[..., 1].contiguous().view(torch.bfloat16), halves[..., 0].contiguous().view(torch.uint16)

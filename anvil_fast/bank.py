@@ -1,0 +1,172 @@
+"""One ANVIL bank's update on the fast path: :class:`AnvilBank` and :func:`anvil_bank_update`
+(seed: ``AnvilBank`` and ``anvil_bank_update``).
+
+An :class:`AnvilBank` holds every tensor the update reads or writes. Each is allocated once and only
+ever written in place, and every per-step hyper-parameter is a device tensor (0-D for momentum,
+eff_wd, fast_beta, fast_weight; ``[chunk, 1, 1]`` for eff_lr), so
+
+* changing lr, momentum, weight decay or the rails never recompiles anything, and
+* ``anvil_bank_update(bank)`` can be captured in a CUDA graph once and replayed every step (the
+  graph bakes the addresses; refresh the scalars in place with :meth:`AnvilBank.set_scalars`
+  or your own copy into them, outside the graph).
+
+The update, in the seed's order::
+
+    rails_lookahead   twin rails + Nesterov lookahead -> bf16 X         (compiled; velocity in place)
+    cascade           Gram kernels + maps on the bank's workspace        (Triton + compiled normalize)
+    rail_equalizer    lane-energy equalizer (+ guard in SAFE)            (compiled; lane_energy in place)
+    decay + update    sign-aligned decay on the fp32 master p|mantissa  (compiled; p, mantissa in place)
+
+On a machine without CUDA or Triton the same code runs with plain-torch kernels, eagerly (see
+:mod:`anvil_fast.gram` and :mod:`anvil_fast._compile`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from anvil_ref.constants import ANVIL_MAPS, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.maps import load_maps
+
+from .cascade import DEFAULT_CONFIG, CascadeConfig, CascadeWorkspace, cascade_workspace, get_config
+from .equalizer import rail_equalizer, reduction_dim
+from .rails import rails_lookahead
+from .update import sign_aligned_decay_update
+
+
+@dataclass(eq=False)
+class AnvilBank:
+    """One ANVIL bank's update on this rank: every tensor :func:`anvil_bank_update` reads or writes.
+
+    Build one with :meth:`AnvilBank.create`. Field by field (``chunk`` matrices of ``rows x cols``):
+    """
+
+    label: str
+    grad: Tensor  #: [chunk, rows, cols] bf16: this rank's (reduce-scattered) gradient; never written
+    velocity: Tensor  #: [2, chunk, rows, cols] fp32: fast (0) and slow (1) rail
+    lane_energy: Tensor  #: fp32 [chunk, rows, 1] if rows >= cols else [chunk, 1, cols]
+    mantissa: Tensor  #: [chunk, rows, cols] uint16: low halves of the fp32 masters
+    p_slice: Tensor  #: [chunk, rows, cols] bf16 view of the parameter (high halves)
+    momentum: Tensor  #: 0-D fp32: Nesterov lookahead (the scheduled rail beta)
+    eff_wd: Tensor  #: 0-D fp32: wd_mul * weight_decay * lr
+    fast_beta: Tensor  #: 0-D fp32: the fast rail's beta
+    fast_weight: Tensor  #: 0-D fp32: the fast rail's weight in the blend
+    eff_lr: Tensor  #: [chunk, 1, 1] fp32: lr_mul * per-matrix multiplier * lr
+    beta2: float  #: the equalizer's EMA decay (a Python float, as in the seed: changing it recompiles)
+    split_baddbmm: bool  #: the seed's two-kernel a*X + X@B (rows > SPLIT_BADDBMM_MIN_ROWS)
+    red_dim: int  #: -1 if rows >= cols else -2
+    config: CascadeConfig = DEFAULT_CONFIG
+    maps: tuple = ANVIL_MAPS
+    guard_trips: Tensor | None = None  #: [chunk] int32: how often the guard refused each matrix (SAFE)
+    workspace: CascadeWorkspace | None = field(default=None, repr=False)
+
+    def mutated(self) -> dict[str, Tensor]:
+        """What the update writes (besides its workspace)."""
+        out = {"velocity": self.velocity, "lane_energy": self.lane_energy, "mantissa": self.mantissa,
+               "p_slice": self.p_slice}
+        if self.guard_trips is not None:
+            out["guard_trips"] = self.guard_trips
+        return out
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int]:
+        return tuple(self.p_slice.shape)  # type: ignore[return-value]
+
+    def set_scalars(self, *, momentum: float | None = None, eff_wd: float | None = None,
+                    fast_beta: float | None = None, fast_weight: float | None = None, eff_lr=None) -> None:
+        """Write new per-step values into the device scalars in place (addresses unchanged). For a
+        CUDA-graph replay do this outside the graph; the optimizer may instead stage all banks'
+        scalars in one host-to-device copy into views of one buffer."""
+        for name, val in (("momentum", momentum), ("eff_wd", eff_wd), ("fast_beta", fast_beta),
+                          ("fast_weight", fast_weight)):
+            if val is not None:
+                getattr(self, name).fill_(float(val))
+        if eff_lr is not None:
+            lr = torch.as_tensor(eff_lr, dtype=torch.float32)
+            self.eff_lr.copy_(lr.reshape(-1, 1, 1).expand_as(self.eff_lr) if lr.numel() > 1 else lr.expand_as(self.eff_lr))
+
+    @classmethod
+    def create(cls, label: str, p_slice: Tensor, *, beta2: float, config: CascadeConfig | str = DEFAULT_CONFIG,
+               maps=ANVIL_MAPS, velocity: Tensor | None = None, lane_energy: Tensor | None = None,
+               mantissa: Tensor | None = None, grad: Tensor | None = None, scalars: dict[str, Tensor] | None = None,
+               eff_lr: Tensor | None = None) -> "AnvilBank":
+        """A bank over ``p_slice`` ([chunk, rows, cols] bf16, updated in place). State tensors and
+        scalars not given are allocated (zeros; scalars momentum/eff_wd/fast_beta 0, fast_weight 1,
+        eff_lr 0 -- set them with :meth:`set_scalars`). Given ones are checked and used as they are
+        (the optimizer passes views of its own state and of its one scalar staging buffer)."""
+        if not isinstance(p_slice, torch.Tensor) or p_slice.dtype != torch.bfloat16 or p_slice.ndim != 3:
+            raise ValueError(f"{label}: p_slice must be a [chunk, rows, cols] bf16 tensor, got "
+                             f"{getattr(p_slice, 'dtype', type(p_slice))} {tuple(getattr(p_slice, 'shape', ()))}")
+        if not p_slice.is_contiguous():
+            raise ValueError(f"{label}: p_slice must be contiguous (it is updated in place through a uint16 view)")
+        if not 0.0 <= float(beta2) <= 1.0:
+            raise ValueError(f"{label}: beta2 must lie in [0, 1], got {beta2}")
+        shape, dev = tuple(p_slice.shape), p_slice.device
+        chunk, rows, cols = shape
+        red = reduction_dim(shape)
+        lane_shape = (chunk, rows, 1) if red == -1 else (chunk, 1, cols)
+        f32 = dict(dtype=torch.float32, device=dev)
+
+        def given(name, t, want_shape, want_dtype):
+            if t is None:
+                return None
+            if tuple(t.shape) != tuple(want_shape) or t.dtype != want_dtype or t.device != dev:
+                raise ValueError(f"{label}: {name} must be {want_dtype} {tuple(want_shape)} on {dev}, got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+            return t
+
+        velocity = given("velocity", velocity, (2, *shape), torch.float32)
+        lane_energy = given("lane_energy", lane_energy, lane_shape, torch.float32)
+        mantissa = given("mantissa", mantissa, shape, torch.uint16)
+        grad = given("grad", grad, shape, torch.bfloat16)
+        sc = dict(scalars or {})
+        for k in sc:
+            if k not in ("momentum", "eff_wd", "fast_beta", "fast_weight"):
+                raise ValueError(f"{label}: unknown scalar {k!r}")
+            given(k, sc[k], (), torch.float32)
+        cfg = get_config(config)
+        return cls(
+            label=label,
+            grad=grad if grad is not None else torch.zeros(shape, dtype=torch.bfloat16, device=dev),
+            velocity=velocity if velocity is not None else torch.zeros((2, *shape), **f32),
+            lane_energy=lane_energy if lane_energy is not None else torch.zeros(lane_shape, **f32),
+            mantissa=mantissa if mantissa is not None else torch.zeros(shape, dtype=torch.uint16, device=dev),
+            p_slice=p_slice,
+            momentum=sc.get("momentum", torch.zeros((), **f32)),
+            eff_wd=sc.get("eff_wd", torch.zeros((), **f32)),
+            fast_beta=sc.get("fast_beta", torch.zeros((), **f32)),
+            fast_weight=sc.get("fast_weight", torch.ones((), **f32)),
+            eff_lr=given("eff_lr", eff_lr, (chunk, 1, 1), torch.float32) if eff_lr is not None
+            else torch.zeros((chunk, 1, 1), **f32),
+            beta2=float(beta2),
+            split_baddbmm=rows > SPLIT_BADDBMM_MIN_ROWS,
+            red_dim=red,
+            config=cfg,
+            maps=load_maps(maps),
+            guard_trips=torch.zeros((chunk,), dtype=torch.int32, device=dev) if cfg.guard else None,
+            workspace=CascadeWorkspace.for_shape(shape, dev),
+        )
+
+
+def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool | None = None) -> None:
+    """One bank's ANVIL update, from ``bank.grad`` (the body a CUDA graph captures). Writes
+    ``bank.mutated()`` and the workspace, nothing else; allocates nothing on the host side that a
+    graph would bake except the compiled functions' temporaries."""
+    ws = bank.workspace
+    if ws is None:
+        ws = bank.workspace = CascadeWorkspace.for_shape(tuple(bank.p_slice.shape), bank.p_slice.device)
+    cfg = bank.config
+    # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (prescaled in SAFE)
+    rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
+                    x_out=ws.X, scale_out=ws.scale, prescale=cfg.prescale, compile=compile)
+    # 2. The cascade
+    v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile)
+    # 3. Equalize per-lane update energy (guarded in SAFE)
+    v = rail_equalizer(v, bank.lane_energy, bank.beta2, bank.red_dim,
+                       guard_trips=bank.guard_trips if cfg.guard else None, compile=compile)
+    # 4. Sign-aligned decay + update on the fp32 master, gated on the slow rail after this step
+    sign_aligned_decay_update(bank.p_slice, bank.mantissa, v, bank.eff_wd, bank.eff_lr, bank.velocity[1],
+                              compile=compile)

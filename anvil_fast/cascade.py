@@ -1,0 +1,195 @@
+"""The fast ANVIL cascade: Frobenius normalization and the six quintic maps on bf16 banks
+(seed: ``anvil_cascade`` after the rails; reference: :mod:`anvil_ref.cascade`).
+
+Per matrix, with ``G`` = :func:`~anvil_fast.gram.XTX` for tall X (rows > cols) and
+:func:`~anvil_fast.gram.XXT` otherwise::
+
+    A = G(X)                                   on the unnormalized X (the seed's free norm)
+    d = margin * sqrt(tr) + eps                tr: see the configurations below
+    X <- bf16(X / d),  A <- bf16(A / d**2)     the first Gram is rescaled, not recomputed
+    for (a, b, c) in maps:
+        A <- G(X)                              (not for the first map)
+        B <- ba_plus_cAA(A, alpha=c, beta=b)   B = b A + c A^2
+        X <- a X + X B  (tall)  |  a X + B X  (wide/square)
+
+Two configurations (:class:`CascadeConfig`):
+
+``FAITHFUL`` -- the seed's operations and roundings: the trace is read off the bf16-rounded first
+Gram; ``a X + X B`` is one ``baddbmm``, or ``bmm`` then ``add_`` (two roundings) for banks with more
+than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-1 input (below).
+
+``SAFE`` (the default) -- the same math with four changes, each measured in NOTES.md:
+
+1. the trace is the fp32 sum of squares of the bf16 X (not the bf16-rounded Gram diagonal);
+2. the input is prescaled by an exact power of two (:mod:`anvil_fast.rails`), and eps with it;
+3. the margin is ``FROBENIUS_MARGIN * (1 + SAFE_MARGIN_SLACK)``;
+4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.gram.aX_plus_mm`: one rounding, no extra
+   pass over X), and the equalizer's guard is on (:mod:`anvil_fast.equalizer`).
+
+Why SAFE exists. A rank-1 matrix has ``sigma_max = ||X||_F``, so after the normalization
+``sigma_max / d = 1 / margin`` -- exactly the end of the interval the maps are designed for. There
+every partial composite ``p_k o ... o p_1`` attains its maximum, and those maxima lie on the rising
+arms of the next maps (past their local minima), so the composite is steep: in exact arithmetic
+``F(s (1 + 1e-5)) = 1.004``, ``F(s (1 + 3e-5)) = 1.04``, ``F(s (1 + 6e-5)) = 1.44`` and
+``F(s (1 + 1e-4)) = 6.4`` at ``s = 1/1.05``, and past that each map's ``c x**5`` compounds up to 1e15
+and inf. The seed's trace is a sum of bf16-rounded diagonal entries, whose relative error is about
+``2**-8 / sqrt(3 n)`` (1.4e-4 for n = 768): roughly a third of the time it rounds down by more than
+the ~5e-5 the composite tolerates, and the output explodes. With the fp32 trace the remaining
+perturbation (roundings of A_1, X_1 and of every later iterate) is ~1e-5 and smaller, and
+SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``, where an interval analysis of
+the maps (:func:`anvil_fast.safety.worst_case_output`) shows the output stays <= 1.0005 under a
+relative perturbation of up to 4e-3 (~ one bf16 ulp) of every singular value at every stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.maps import MapsLike, load_maps
+
+from ._compile import maybe_compiled, want_compile
+from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+from .rails import PRESCALE_EXP_LIMIT
+
+#: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).
+SAFE_MARGIN_SLACK = 2.0 ** -7
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    """How the fast path runs the cascade (and whether the equalizer guards its output)."""
+
+    name: str
+    fp32_trace: bool  #: trace from the fp32 sum of squares of X (else the bf16 Gram's diagonal)
+    prescale: bool  #: exact power-of-two prescale of the input (eps scaled alike)
+    margin_slack: float  #: margin = FROBENIUS_MARGIN * (1 + margin_slack)
+    fused_axb: bool  #: a*X + X@B as one kernel, one rounding (else the seed's baddbmm / bmm + add_)
+    guard: bool  #: the equalizer zeroes (and counts) matrices whose update is non-finite or exploded
+
+    def margin(self, base: float = FROBENIUS_MARGIN) -> float:
+        return base * (1.0 + self.margin_slack)
+
+
+FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
+SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True)
+DEFAULT_CONFIG = SAFE
+CONFIGS = {c.name: c for c in (FAITHFUL, SAFE)}
+
+
+def get_config(config: CascadeConfig | str) -> CascadeConfig:
+    if isinstance(config, CascadeConfig):
+        return config
+    try:
+        return CONFIGS[config]
+    except KeyError:
+        raise ValueError(f"config: expected one of {sorted(CONFIGS)} or a CascadeConfig, got {config!r}") from None
+
+
+def is_tall(shape) -> bool:
+    """The seed's orientation rule: tall when rows > cols (square matrices take the X X^T side)."""
+    return shape[-2] > shape[-1]
+
+
+@dataclass
+class CascadeWorkspace:
+    """Persistent buffers of one bank's cascade (allocated once, written in place: fixed addresses
+    for CUDA graphs). X and C are the ping-pong iterates, A the Gram, B the polynomial, scale the
+    prescale factor per matrix."""
+
+    X: Tensor
+    C: Tensor
+    A: Tensor
+    B: Tensor
+    scale: Tensor = field(repr=False)
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, ...], device) -> "CascadeWorkspace":
+        if len(shape) != 3:
+            raise ValueError(f"a bank chunk must be [chunk, rows, cols], got {tuple(shape)}")
+        k = shape[-1] if is_tall(shape) else shape[-2]
+        bf = dict(dtype=torch.bfloat16, device=device)
+        return cls(X=torch.empty(shape, **bf), C=torch.empty(shape, **bf), A=torch.empty((shape[0], k, k), **bf),
+                   B=torch.empty((shape[0], k, k), **bf),
+                   scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device))
+
+
+def _normalize(X: Tensor, A: Tensor, scale: Tensor, fp32_trace: bool, margin: float, eps: float) -> None:
+    if fp32_trace:
+        tr = X.float().square().sum(dim=(-2, -1), keepdim=True)
+    else:
+        tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
+    # With the prescale X holds x * scale; eps * scale keeps d's meaning in x's units.
+    d = tr.sqrt() * margin + eps * scale
+    X.copy_(X.float() / d)
+    A.copy_(A.float() / d.square())
+
+
+def _prescale_cast(x: Tensor, x_out: Tensor, scale_out: Tensor, prescale: bool) -> None:
+    if prescale:
+        xf = x.float()
+        e = torch.floor(torch.log2(xf.abs().amax(dim=(-2, -1), keepdim=True)))
+        scale = torch.exp2(-e.clamp(-PRESCALE_EXP_LIMIT, PRESCALE_EXP_LIMIT))
+        scale_out.copy_(scale)
+        x_out.copy_(xf * scale)
+    else:
+        scale_out.fill_(1.0)
+        x_out.copy_(x)
+
+
+def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
+                      split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
+                      backend: str = "auto", compile: bool | None = None) -> Tensor:
+    """Run the cascade on ``ws.X`` (bf16, already prescaled into ``ws.scale`` when the config says
+    so); returns the buffer (``ws.X`` or ``ws.C``) holding the result. ``split``: the seed's two-kernel
+    ``a X + X B`` (default: rows > SPLIT_BADDBMM_MIN_ROWS); ignored when the config fuses it."""
+    cfg = get_config(config)
+    maps_ = load_maps(maps)
+    X, C, A, B = ws.X, ws.C, ws.A, ws.B
+    tall = is_tall(X.shape)
+    gram = XTX if tall else XXT
+    if split is None:
+        split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
+    gram(X, out=A, backend=backend)
+    norm = maybe_compiled(_normalize, want_compile(compile, X))
+    norm(X, A, ws.scale, cfg.fp32_trace, cfg.margin(margin), float(eps))
+    for k, (a, b, c) in enumerate(maps_):
+        if k > 0:
+            gram(X, out=A, backend=backend)
+        ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
+        if cfg.fused_axb:
+            if tall:
+                aX_plus_mm(X, X, B, a=a, out=C, backend=backend)
+            else:
+                aX_plus_mm(X, B, X, a=a, out=C, backend=backend)
+        elif split:
+            torch.bmm(X, B, out=C) if tall else torch.bmm(B, X, out=C)
+            C.add_(X, alpha=a)
+        else:
+            torch.baddbmm(X, X, B, beta=a, out=C) if tall else torch.baddbmm(X, B, X, beta=a, out=C)
+        X, C = C, X
+    return X
+
+
+def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
+                 split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
+                 backend: str = "auto", compile: bool | None = None) -> Tensor:
+    """The fast cascade of ``x`` ([..., rows, cols], any float dtype; cast to bf16 as the seed casts
+    its fp32 lookahead). Returns a new bf16 tensor of x's shape. ``margin`` is the base margin (the
+    SAFE config widens it by SAFE_MARGIN_SLACK)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
+        raise ValueError(f"x: expected a floating-point tensor [..., rows, cols], got "
+                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
+    if x.shape[-1] == 0 or x.shape[-2] == 0:
+        raise ValueError(f"x: matrices must have at least one row and one column, got {tuple(x.shape)}")
+    cfg = get_config(config)
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, *x.shape[-2:])
+    ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
+    maybe_compiled(_prescale_cast, want_compile(compile, x))(x3, ws.X, ws.scale, cfg.prescale)
+    y = cascade_workspace(ws, maps=maps, config=cfg, split=split, margin=margin, eps=eps, backend=backend,
+                          compile=compile)
+    return y.reshape(*lead, *y.shape[-2:])

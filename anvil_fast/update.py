@@ -1,0 +1,81 @@
+"""Sign-aligned decay and the parameter update on a bf16 parameter with a uint16 mantissa
+(seed: ``AnvilAndAdam._sign_aligned_decay_update``; reference: :mod:`anvil_ref.update` for the math,
+:mod:`anvil_ref.storage` for the bits).
+
+The fp32 master weight is the bit pattern ``(p << 16) | mantissa``: ``p`` is the bf16 parameter the
+model reads (the master truncated), ``mantissa`` its low half. One step, all in fp32 and in the seed's
+order::
+
+    W   = master(p, mantissa)
+    on  = (gate * W >= 0)                       gate: the slow rail (fp32)
+    W' = W - W * on * eff_wd * eff_lr - U * eff_lr
+    p, mantissa <- high and low halves of W'
+
+so the master is exact fp32 and the bf16 parameter is always its truncation.
+
+Why not the seed's shifts: the seed widens to uint32 and shifts (``p.to(uint32) << 16``), and torch
+on the CPU implements no shifts for uint32. This module forms the same bit pattern with int32
+arithmetic that both devices implement and that cannot overflow::
+
+    raw = int32(int16 view of p) * 65536 + (int32(int16 view of mantissa) & 0xFFFF)
+    hi  = raw >> 16                (arithmetic shift: back to the signed 16-bit pattern)
+    lo  = raw & 0xFFFF, wrapped to int16 by subtracting 65536 when bit 15 is set
+
+``raw`` is the two's-complement int32 whose bits are ``(p << 16) | mantissa``; viewing it as float32
+gives the master. Tests check it against :func:`anvil_ref.storage.join_fp32` / ``split_fp32`` on all
+16-bit halves that matter (signs, zeros, subnormals, infinities, NaN payloads).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._compile import maybe_compiled, want_compile
+
+
+def join_master(p16: Tensor, m16: Tensor) -> Tensor:
+    """fp32 master from the int16 views of the parameter and the mantissa (bit-exact)."""
+    raw = p16.to(torch.int32) * 65536 + (m16.to(torch.int32) & 0xFFFF)
+    return raw.view(torch.float32)
+
+
+def split_master(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) int16 halves of an fp32 tensor's bit pattern."""
+    raw = w.view(torch.int32)
+    hi = (raw >> 16).to(torch.int16)
+    lo = raw & 0xFFFF
+    lo = (lo - ((lo >> 15) << 16)).to(torch.int16)
+    return hi, lo
+
+
+def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
+                               gate_src: Tensor) -> None:
+    update = update.float()
+    wd_factor = wd_tensor.to(torch.float32)
+    lr_factor = lr_tensor.to(torch.float32)
+    w = join_master(p16, m16)
+    aligned = (gate_src.float() * w) >= 0
+    w_new = w - (w * aligned * wd_factor * lr_factor) - (update * lr_factor)
+    hi, lo = split_master(w_new)
+    p16.copy_(hi)
+    m16.copy_(lo)
+
+
+def _int16_view(t: Tensor, name: str) -> Tensor:
+    if t.dtype not in (torch.bfloat16, torch.uint16, torch.int16, torch.float16):
+        raise ValueError(f"{name}: expected a 16-bit tensor (bf16 parameter / uint16 mantissa), got {t.dtype}")
+    return t.view(torch.int16)
+
+
+def sign_aligned_decay_update(p: Tensor, mantissa: Tensor, update: Tensor, eff_wd: Tensor, eff_lr: Tensor,
+                              gate: Tensor, *, compile: bool | None = None) -> None:
+    """In place on ``p`` (the bf16 parameter slice, or its uint16 view) and ``mantissa`` (uint16):
+    ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr`` on the fp32 master ``W``.
+    ``eff_wd`` is a 0-D fp32 tensor, ``eff_lr`` ``[chunk, 1, 1]`` fp32, ``gate`` fp32 like ``p``."""
+    if p.shape != mantissa.shape or p.shape != update.shape or p.shape != gate.shape:
+        raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa {tuple(mantissa.shape)}, "
+                         f"update {tuple(update.shape)}, gate {tuple(gate.shape)}")
+    p16, m16 = _int16_view(p, "p"), _int16_view(mantissa, "mantissa")
+    fn = maybe_compiled(_sign_aligned_decay_update, want_compile(compile, p))
+    fn(p16, m16, update, eff_wd, eff_lr, gate)
