@@ -1,0 +1,37 @@
+"""Test session setup shared by all test files.
+
+* ``gpu`` marker: tests that need a CUDA device are skipped without one.
+* Without CUDA, Triton kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` must be set
+  before any kernel module is imported, so it is set here (conftest is imported first). The library
+  itself never runs the interpreter on its own: CPU tensors take the plain-torch path unless a test
+  asks for ``backend="triton"`` (see anvil_fast/gram.py and anvil_fast/_triton.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+HAS_CUDA = _cuda()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
