@@ -37,6 +37,22 @@ implementation, the seed's included, is "wrong" by thousands of its ulps (measur
   a lane power P that is itself an fp32 mean of L squares. Torch and Inductor reduce in blocks and
   trees, so the sum sees at most a few dozen sequential roundings (<= ~0.5 ulp each) for L <= 4096;
   LANE_ENERGY_ULPS = 32 bounds that with room (measured: <= 2, NOTES.md).
+
+Adam (anvil_fast.adam, the fast optimizer's sharded and replicated Adam; fp32 moments), in fp32 ulps
+of the largest term that entered an element, ``max(|p|, |p| * eff_wd, T)`` with
+``T = step_size * max(|m|, |g|) / (sqrt(v') + eps)``, the size of the update before ``m'`` cancels:
+
+* moments: ``m' = m*b1 + g*(1 - b1)`` is a lerp (<= 1.5 ulps of ``max(|m|, |g|)``, as the rails) on a
+  gradient that may carry one rounding of its own (the tied ``lm_head.grad += embed.grad^T`` in the
+  parameter's dtype: 0.5 ulp); ``v'`` adds two non-negative terms (no cancellation; <= 1.5 ulps of
+  ``max(v, g^2)`` plus 2 x 0.5 from the squared gradient's rounding). ADAM_MOMENT_ULPS = 3.
+* parameter: ``u = m' / (sqrt(v') + eps) * step_size`` carries m''s absolute error (<= 2 ulps of
+  ``max(|m|, |g|)``, at most 4 ulps of T after scaling, since two values' ulps differ by <= 2x per
+  binade crossed) plus <= 3 relative roundings (sqrt of a 1.5-ulp v': 1.25; +eps, /, *: 0.5 each);
+  the cautious decay adds two roundings (<= 1 ulp of ``max(|u|, |p| eff_wd)``) and ``p - u`` one
+  (0.5 ulp of the largest term): <= ~9.5 ulps. ADAM_ULPS = 10.
+* bf16 parameters: the fp32 result above (<= 10 fp32 ulps = 0.0002 bf16 ulps) rounded once to
+  bf16 (0.5 bf16 ulp): within ADAM_BF16_ULPS = 1 bf16 ulp of the largest term, against the exact value.
 """
 
 from __future__ import annotations
@@ -46,6 +62,9 @@ ATOL = 2.0 ** -8
 RAILS_ULPS = 2
 UPDATE_ULPS = 2
 LANE_ENERGY_ULPS = 32
+ADAM_MOMENT_ULPS = 3
+ADAM_ULPS = 10
+ADAM_BF16_ULPS = 1
 
 BF16_COMPONENTS = ("momentum", "cascade", "equalizer")
 
