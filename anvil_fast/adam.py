@@ -94,10 +94,9 @@ if triton is not None:
 
 
 def use_triton(t: Tensor) -> bool:
-    """Triton runs the kernel on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``)."""
-    import os
-
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """The Triton kernels run on CUDA tensors; CPU tensors take the plain-torch path. (The tests
+    run the kernels on CPU through Triton's interpreter by passing ``force_triton=True``.)"""
+    return triton is not None and t.is_cuda
 
 
 def _check(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> None:
@@ -128,13 +127,14 @@ def adam_torch_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cols: list[Tensor]) 
     p.copy_(torch.where(keep, (pf - u).to(p.dtype), p))
 
 
-def adam_update_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor, row: int) -> None:
+def adam_update_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor, row: int, *,
+                 force_triton: bool = False) -> None:
     """Adam on one tensor (a sharded parameter's slice), its scalars from ``table[row]``."""
     _check(p, g, exp_avg, exp_avg_sq)
     n = p.numel()
     if n == 0:
         return
-    if use_triton(p):
+    if force_triton or use_triton(p):
         grid = (triton.cdiv(n, BLOCK),)
         _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, table, table, row, n,
                            SEGMENTED=False, BLOCK=BLOCK)
@@ -143,7 +143,8 @@ def adam_update_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, tabl
         adam_torch_(p.view(-1), g.reshape(-1), exp_avg.view(-1), exp_avg_sq.view(-1), cols)
 
 
-def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segment: Tensor, table: Tensor) -> None:
+def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segment: Tensor, table: Tensor, *,
+                force_triton: bool = False) -> None:
     """Adam on flat buffers holding many parameters: element i uses ``table[segment[i]]``."""
     _check(p, g, exp_avg, exp_avg_sq)
     if segment.numel() != p.numel() or segment.dtype != torch.int32:
@@ -151,7 +152,7 @@ def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segme
     n = p.numel()
     if n == 0:
         return
-    if use_triton(p):
+    if force_triton or use_triton(p):
         grid = (triton.cdiv(n, BLOCK),)
         _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, segment, table, 0, n,
                            SEGMENTED=True, BLOCK=BLOCK)

@@ -13,7 +13,8 @@ memory (``tl.trans``), and writes it along ``dst``'s rows (coalesced). Offsets a
 results are bitwise those of ``dst.add_(src.T)`` / ``dst.copy_(src.T)`` in torch (one fp32 add and
 one rounding per element), which the tests check.
 
-On CPU (or without Triton) the torch expressions above run instead.
+On CPU (or without Triton) the torch expressions above run instead; ``force_triton=True`` runs the
+kernel anyway (on CPU under ``TRITON_INTERPRET=1``, as the tests do).
 """
 
 from __future__ import annotations
@@ -69,24 +70,24 @@ def _launch(src: Tensor, dst: Tensor, add: bool) -> None:
 
 
 @torch.no_grad()
-def transpose_add(src: Tensor, dst: Tensor) -> None:
+def transpose_add(src: Tensor, dst: Tensor, *, force_triton: bool = False) -> None:
     """``dst += src^T`` in place (src [R, C], dst [C, R]; any strides)."""
     _check(src, dst, "transpose_add")
     if src.numel() == 0:
         return
-    if use_triton(dst):
+    if force_triton or use_triton(dst):
         _launch(src, dst, True)
     else:
         dst.add_(src.T)
 
 
 @torch.no_grad()
-def transpose_copy(src: Tensor, dst: Tensor) -> None:
+def transpose_copy(src: Tensor, dst: Tensor, *, force_triton: bool = False) -> None:
     """``dst = src^T`` in place (src [R, C], dst [C, R]; any strides)."""
     _check(src, dst, "transpose_copy")
     if src.numel() == 0:
         return
-    if use_triton(dst):
+    if force_triton or use_triton(dst):
         _launch(src, dst, False)
     else:
         dst.copy_(src.T)

@@ -152,7 +152,7 @@ def master64(opt, label: str) -> np.ndarray:
     return p.data.double().cpu().numpy()
 
 
-def to_reference(opt, *, extra_pending: dict | None = None) -> ReferenceAnvilAndAdam:
+def to_reference(opt, *, extra_pending: dict | None = None, margin: float = A.FROBENIUS_MARGIN) -> ReferenceAnvilAndAdam:
     """A reference optimizer in exactly the fast optimizer's current state (one process): masters,
     rails, lane energies, moments, step counts, configs, rails scalars, untie state, and the kept
     Adam gradients (``opt``'s ``.grad`` of Adam parameters plus ``extra_pending``) as pending."""
@@ -160,7 +160,7 @@ def to_reference(opt, *, extra_pending: dict | None = None) -> ReferenceAnvilAnd
     params = {l: ParamSpec(master64(opt, l), opt.param_cfgs[l].reshape, opt.param_cfgs[l].frozen_matrices)
               for l in opt.labels}
     ref = ReferenceAnvilAndAdam(params, opt.param_table, adam_defaults=opt.adam_defaults,
-                                anvil_defaults=opt.anvil_defaults)
+                                anvil_defaults=opt.anvil_defaults, margin=margin)
     for l, st in opt.param_states.items():
         if opt.param_cfgs[l].optim == "anvil":
             ref.state[l] = dict(velocity=st["velocity"].double().cpu().numpy(),
@@ -183,3 +183,42 @@ def set_hyper(opt, step: int) -> None:
     opt.set_rail_scalars(A.rail_scalars(step, 40, engage_step=3))
     for cfg in opt.param_cfgs.values():
         cfg.lr = cfg.initial_lr * (1.0 - 0.02 * step)
+
+
+def eager_bank_update(bank) -> None:
+    """The bank update as plain eager torch (anvil_fast.eager: the seed's roundings with library
+    matmuls): the "eager" floor of tests/tolerances.py for a whole optimizer step. Same fields
+    read and written as anvil_fast.bank.anvil_bank_update."""
+    from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
+
+    cfg = bank.config
+    look, v0, v1 = eager_rails(bank.grad, bank.velocity[0], bank.velocity[1], momentum=float(bank.momentum),
+                               fast_beta=float(bank.fast_beta), fast_weight=float(bank.fast_weight))
+    u = eager_bf16_cascade(look, maps=bank.maps, margin=cfg.margin(), fp32_trace=cfg.fp32_trace,
+                           prescale=cfg.prescale, split=False if cfg.fused_axb else None)
+    v, e = eager_equalizer(u, bank.lane_energy, beta2=bank.beta2)
+    p, m = eager_update(bank.p_slice, bank.mantissa, v, v1, eff_wd=bank.eff_wd, eff_lr=bank.eff_lr)
+    bank.velocity[0].copy_(v0)
+    bank.velocity[1].copy_(v1)
+    bank.lane_energy.copy_(e)
+    bank.p_slice.copy_(p)
+    bank.mantissa.copy_(m)
+
+
+def adam_terms(cfg, p_old: np.ndarray, g: np.ndarray, m_old: np.ndarray, v_old: np.ndarray, step: int) -> np.ndarray:
+    """The largest term entering each element of an Adam step (float64): |p|, |p * eff_wd| and
+    T = step_size * max(|m|, |g|) / (sqrt(v') + eps), the size the update has before m' cancels.
+    An fp32 implementation's error is bounded in ulps of this (tests/tolerances.py, ADAM_ULPS)."""
+    b1, b2 = cfg.adam_betas
+    lr = cfg.lr * cfg.lr_mul
+    ss = A.adam_step_size(lr=lr, beta1=b1, beta2=b2, step=step)
+    v_new = b2 * v_old + (1 - b2) * g * g
+    t = ss * np.maximum(np.abs(m_old), np.abs(g)) / (np.sqrt(v_new) + cfg.eps)
+    eff_wd = lr * lr * cfg.weight_decay * cfg.wd_mul
+    return np.maximum.reduce([np.abs(p_old), np.abs(p_old) * eff_wd, t])
+
+
+def ulp(x: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """The ulp at |x| of a binary format with ``mantissa_bits`` explicit bits (fp32: 23, bf16: 7)."""
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -126)))
+    return np.exp2(e - mantissa_bits)

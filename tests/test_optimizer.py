@@ -235,3 +235,356 @@ def test_duplicate_labels_from_named_parameters():
     c = torch.zeros(3)
     with pytest.raises(A.ConfigError, match="no .label"):
         ReferenceAnvilAndAdam.from_named_parameters([("c", c)], TABLE)
+
+
+# =================================================================================================
+# Fast path: anvil_fast.optimizer.AnvilAndAdam against this reference (anvil_fast section; the
+# model with every kind of parameter is tests/optimizer_cases.py)
+# =================================================================================================
+import io  # noqa: E402
+
+from anvil_fast.comms import LocalComms, NullComms  # noqa: E402
+from anvil_fast.difftest import err_ulps, rel_err  # noqa: E402
+from anvil_fast.optimizer import AnvilAndAdam as FastAnvilAndAdam  # noqa: E402
+from anvil_fast.optimizer import NonFiniteGradientError  # noqa: E402
+from tests import optimizer_cases as C  # noqa: E402
+from tests import tolerances as TOL  # noqa: E402
+
+
+def _fast(config="faithful", params=None, **kw):
+    return FastAnvilAndAdam(params or C.make_params(), C.TABLE, C.SCATTER, C.WORK, bank_config=config, **kw)
+
+
+def _sync(dst, src):
+    """dst takes src's parameters, state and gradients (bitwise)."""
+    for label, p in src.params.items():
+        dst.params[label].data.copy_(p.data)
+        dst.params[label].grad = None if p.grad is None else p.grad.clone()
+    sd = src.state_dict()
+    dst.load_state_dict(sd)
+    for label in src.bank_labels:  # ANVIL gradients are not part of a state dict
+        g = src.params[label].grad
+        dst.params[label].grad = None if g is None else g.clone()
+
+
+def _bank_delta(opt, label, before):
+    cfg = opt.param_cfgs[label]
+    return torch.from_numpy(C.master64(opt, label) - before).reshape(cfg.reshape)
+
+
+@pytest.mark.parametrize("config", ["faithful", "safe"])
+def test_fast_step_matches_reference_at_every_step(config):
+    """A trajectory covering Adam/non-Adam steps, the sparse update, deferred gathers, a frozen matrix,
+    the tie and the untie; at every step fast, eager-bf16 and reference start from the same state."""
+    from anvil_fast.cascade import get_config
+
+    margin = get_config(config).margin()
+    fast, eager = _fast(config), _fast(config, bank_update=C.eager_bank_update)
+    ve = None
+    worst = {}
+    for t in range(6):
+        C.set_hyper(fast, t)
+        g = C.gradients(t)
+        C.accumulate(fast.params, {l: g[l] for l in C.DENSE})
+        ve = g["value_embeds"] if ve is None else ve + g["value_embeds"]
+        do_adam = t % 2 == 1
+        if t == 3:
+            fast.copy_lm_state_to_embed()
+        _sync(eager, fast)
+        ref = C.to_reference(fast, extra_pending={"value_embeds": ve}, margin=margin)
+        ref.set_rail_scalars(A.rail_scalars(t, 40, engage_step=3))
+        before = {l: C.master64(fast, l) for l in fast.labels}
+        old = {l: {k: (v.double().numpy().copy() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+               for l, st in fast.param_states.items()}
+        grads_now = {l: fast.params[l].grad.double().numpy() for l in fast.labels if fast.params[l].grad is not None}
+        grads_now["value_embeds"] = ve.double().numpy()
+        tied_now = not fast.split_embed
+        for opt in (fast, eager):
+            handles = opt.step(do_adam, C.ValueEmbedSparse(opt, ve) if do_adam else None,
+                               deferred_labels={"qk_bank", "lm_head"} if t % 3 == 0 else ())
+            for h in handles.values():
+                h.wait()
+        ref.step({l: grads_now[l] for l in fast.bank_labels}, do_adam=do_adam)
+        if do_adam:
+            ve = None
+        for label in fast.bank_labels:
+            d_ref = _bank_delta_ref = torch.from_numpy(ref.params[label] - before[label]).reshape(fast.param_cfgs[label].reshape)
+            e_fast = rel_err(_bank_delta(fast, label, before[label]), d_ref)
+            e_eager = rel_err(_bank_delta(eager, label, before[label]), _bank_delta_ref)
+            assert e_fast <= TOL.bf16_bound(e_eager), (t, label, e_fast, e_eager)
+            g = torch.from_numpy(grads_now[label]).reshape(fast.param_cfgs[label].reshape)
+            for r in (0, 1):
+                scale = torch.maximum(torch.from_numpy(old[label]["velocity"][r]).abs(), g.abs())
+                u = err_ulps(fast.param_states[label]["velocity"][r], torch.from_numpy(ref.state[label]["velocity"][r]), scale)
+                assert u <= TOL.RAILS_ULPS, (t, label, r, u)
+            worst[label] = max(worst.get(label, 0), e_fast)
+        # the frozen matrix never moves, bit for bit
+        frozen = fast.params["mlp_bank"].data.view(C.RESHAPES["mlp_bank"])[2]
+        assert torch.equal(frozen, dict(C.make_params())["model.mlp_bank"].data.view(C.RESHAPES["mlp_bank"])[2])
+        for label in fast.adam_labels:
+            cfg, st = fast.param_cfgs[label], fast.param_states[label]
+            if not do_adam:
+                assert np.array_equal(C.master64(fast, label), before[label]), (t, label)
+                continue
+            if label == "embed" and tied_now:  # not Adam's: embed = lm_head^T (checked below)
+                assert st["step"] == 0
+                continue
+            assert st["step"] == ref.state[label]["step"], label
+            g_eff = grads_now[label] + (grads_now["embed"].T if label == "lm_head" and tied_now else 0)
+            terms = C.adam_terms(cfg, before[label], g_eff, old[label]["exp_avg"], old[label]["exp_avg_sq"], st["step"])
+            err = np.abs(C.master64(fast, label) - ref.params[label])
+            if fast.params[label].dtype == torch.bfloat16:
+                assert np.all(err <= TOL.ADAM_BF16_ULPS * C.ulp(terms, 7)), label
+            else:
+                assert np.all(err <= TOL.ADAM_ULPS * C.ulp(terms, 23)), (label, (err / C.ulp(terms, 23)).max())
+            for k in ("exp_avg", "exp_avg_sq"):
+                sc = np.maximum(np.abs(old[label][k]), np.abs(g_eff) if k == "exp_avg" else g_eff ** 2)
+                e = np.abs(st[k].double().numpy() - ref.state[label][k])
+                assert np.all(e <= TOL.ADAM_MOMENT_ULPS * C.ulp(sc, 23)), (label, k)
+        if do_adam and tied_now:
+            assert torch.equal(fast.params["embed"].data, fast.params["lm_head"].data.T)
+    assert fast.split_embed and fast.param_states["embed"]["step"] == ref.state["embed"]["step"] == 3
+    assert all(v < 0.05 for v in worst.values()), worst  # a bf16 cascade, not noise
+
+
+def _expected_schedule(opt, do_adam, tied):
+    """The collectives and hooks one step must issue, derived from the two orders (the spec). The
+    sparse hooks run whenever a SparseUpdate is given; C.ValueEmbedSparse's launch reduces and its
+    update gathers."""
+    out = []
+    if do_adam:
+        out += [("all_reduce", "replicated")] * len({opt.params[l].dtype for l in opt.replicated_labels})
+
+    def skip(label):
+        cfg = opt.param_cfgs[label]
+        return cfg.comms == "replicated" or (cfg.optim == "adam" and not do_adam) or (label == "embed" and tied)
+    for label in C.SCATTER:
+        if label == "value_embeds":
+            out += [("sparse", "launch"), ("reduce_scatter", "value_embeds")]
+        elif not skip(label):
+            out.append(("reduce_scatter", label))
+    for label in C.WORK:
+        if label == "value_embeds":
+            out += [("sparse", "update"), ("all_gather", "value_embeds")]
+        elif not skip(label):
+            out.append(("all_gather", label))
+    return out + [("sparse", "finish")]
+
+
+@pytest.mark.parametrize("do_adam", [False, True])
+def test_fast_step_follows_scatter_and_work_orders(do_adam):
+    """Collectives launch in scatter_order (reduces) and work_order (gathers), the replicated flat
+    all-reduces first, the sparse hooks at value_embeds' places; on two (simulated) ranks."""
+    log = []
+    opt = _fast(comms=C.RecordingComms(NullComms(world_size=2, rank=1), log))
+    g = C.gradients(0)
+    C.accumulate(opt.params, {l: g[l] for l in C.DENSE})
+    names = {}
+    for label, p in opt.params.items():
+        names[p.data.data_ptr()] = label
+        if p.grad is not None:
+            names[p.grad.data_ptr()] = label
+    for grp in opt.replicated.groups:
+        names[grp.grad.data_ptr()] = "replicated"
+    sparse = C.ValueEmbedSparse(opt, g["value_embeds"].contiguous(), log)
+    names[sparse.grad.data_ptr()] = "value_embeds"
+    opt.step(do_adam, sparse)
+    got = [(op, x if op == "sparse" else names.get(x, x)) for op, x in log]
+    assert got == _expected_schedule(opt, do_adam, tied=True)
+
+
+def test_fast_adam_gradients_kept_between_adam_steps():
+    opt = _fast()
+    g0 = C.gradients(0)
+    C.accumulate(opt.params, {l: g0[l] for l in C.DENSE})
+    kept = {l: opt.params[l].grad.clone() for l in opt.adam_labels if opt.params[l].grad is not None}
+    adam_before = {l: opt.params[l].data.clone() for l in opt.adam_labels}
+    opt.step(do_adam=False)
+    for l in opt.bank_labels:
+        assert opt.params[l].grad is None
+    for l, g in kept.items():
+        assert torch.equal(opt.params[l].grad, g) and torch.equal(opt.params[l].data, adam_before[l])
+        assert opt.param_states[l]["step"] == 0
+    opt.step(do_adam=True)  # no new backward: the kept gradients alone drive Adam
+    assert all(opt.params[l].grad is None for l in opt.labels)
+    assert opt.param_states["scalars"]["step"] == 1 and opt.param_states["embed"]["step"] == 0  # tied
+    assert not torch.equal(opt.params["scalars"].data, adam_before["scalars"])
+
+
+def test_fast_one_upload_per_step_and_aligned_scalars():
+    opt = _fast()
+    for bank in opt.banks.values():
+        for name in ("momentum", "eff_wd", "fast_beta", "fast_weight", "eff_lr"):
+            assert getattr(bank, name).data_ptr() % 16 == 0, name
+            assert getattr(bank, name).untyped_storage().data_ptr() == opt.staging.buffer.untyped_storage().data_ptr()
+    n0 = opt.staging.uploads
+    for t in range(3):
+        C.accumulate(opt.params, {l: g for l, g in C.gradients(t).items() if l in C.DENSE})
+        opt.step(do_adam=t % 2 == 1)
+    assert opt.staging.uploads - n0 == 3
+
+
+def test_fast_per_matrix_lr_and_frozen_matrix():
+    opt = _fast()
+    C.set_hyper(opt, 5)
+    opt.stage_bank_scalars()
+    for label in opt.bank_labels:
+        cfg = opt.param_cfgs[label]
+        mults = A.per_matrix_lr_multipliers(label, cfg.reshape[0], frozen=C.FROZEN.get(label, ()))
+        want = np.array([cfg.lr_mul * m * cfg.lr for m in mults], dtype=np.float32)
+        assert np.array_equal(opt.banks[label].eff_lr.flatten().numpy(), want)
+        assert float(opt.banks[label].eff_wd) == np.float32(cfg.wd_mul * cfg.weight_decay * cfg.lr)
+    assert opt.param_cfgs["mlp_bank"].lr_mul == pytest.approx(math.sqrt(20 / 8))  # tall shape multiplier
+    frozen0 = opt.params["mlp_bank"].data.view(C.RESHAPES["mlp_bank"])[2].clone()
+    for t in range(3):
+        C.accumulate(opt.params, {l: g for l, g in C.gradients(t).items() if l in C.DENSE})
+        opt.step(do_adam=False)
+    m = opt.params["mlp_bank"].data.view(C.RESHAPES["mlp_bank"])
+    assert torch.equal(m[2], frozen0) and not torch.equal(m[3], frozen0)
+    assert torch.count_nonzero(opt.param_states["mlp_bank"]["velocity"][:, 2]) > 0  # its rails still run
+
+
+def test_fast_reset_and_fp32_bank_truncation():
+    opt = _fast()
+    for t in range(2):
+        C.accumulate(opt.params, {l: g for l, g in C.gradients(t).items() if l in C.DENSE})
+        opt.step(do_adam=t % 2 == 1)
+    opt.copy_lm_state_to_embed()
+    bf16_before = opt.params["qk_bank"].data.clone()
+    adam_state = opt.param_states["scalars"]["exp_avg"].clone()
+    opt.reset()
+    assert not opt.split_embed
+    for label in opt.bank_labels:
+        for k in ("velocity", "lane_energy", "mantissa"):
+            st = opt.param_states[label][k]
+            assert torch.count_nonzero(st.view(torch.int16) if st.dtype == torch.uint16 else st) == 0
+    assert torch.equal(opt.params["qk_bank"].data, bf16_before)
+    assert torch.equal(opt.param_states["scalars"]["exp_avg"], adam_state)  # Adam state is not reset
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    p.label, p.reshape = "qk_bank", (2, 8, 8)
+    o32 = FastAnvilAndAdam([("w", p)], {"qk_bank": C.TABLE["qk_bank"]}, allow_fp32_banks=True)
+    o32.reset()
+    assert torch.all(p.data.view(torch.int32) & 0xFFFF == 0)
+
+
+def test_fast_fp32_banks_equal_bf16_banks_bitwise():
+    """An fp32 bank (the parameter is the master, split around each update) computes the same bits
+    as a bf16 bank with its mantissa: master32 == join(bf16 parameter, mantissa) at every step."""
+    ps16 = C.make_params()
+    ps32 = C.make_params()
+    for (_, a), (_, b) in zip(ps16, ps32):
+        if b.label in C.RESHAPES:
+            b.data = b.data.float()
+    o16, o32 = _fast(params=ps16), _fast(params=ps32, allow_fp32_banks=True)
+    for t in range(4):
+        C.set_hyper(o16, t)
+        C.set_hyper(o32, t)
+        g = C.gradients(t)
+        C.accumulate(o16.params, {l: g[l] for l in C.DENSE})
+        C.accumulate(o32.params, {l: g[l].to(o16.params[l].dtype) for l in C.DENSE})  # the same values
+        o16.step(t % 2 == 1)
+        o32.step(t % 2 == 1)
+        for label in o16.bank_labels:
+            assert np.array_equal(C.master64(o16, label), C.master64(o32, label)), (t, label)
+
+
+# ------------------------------------------------------------------ bad input
+def _named(**overrides):
+    ps = C.make_params()
+    for name, p in ps:
+        for attr, v in overrides.get(p.label, {}).items():
+            setattr(p, attr, v)
+    return ps
+
+
+@pytest.mark.parametrize("make,kw,err,match", [
+    (lambda: _named(scalars={"label": None}), {}, A.ConfigError, "model.scalars.*no .label"),
+    (lambda: _named(gates={"label": "scalars"}), {}, A.ConfigError, "more than one"),
+    (lambda: _named(gates={"label": "nope"}), {}, A.ConfigError, "no entry in param_table"),
+    (lambda: C.make_params(), {"scatter_order": C.SCATTER[:-1]}, A.ConfigError, "missing"),
+    (lambda: C.make_params(), {"work_order": C.WORK + ["qk_bank"]}, A.ConfigError, "duplicated"),
+    (lambda: C.make_params(), {"comms": NullComms(world_size=3)}, A.ConfigError, "divisible by world_size=3"),
+    (lambda: _named(vo_bank={"reshape": (8, 8, 9)}), {}, A.ConfigError, "holds"),
+])
+def test_fast_bad_configuration(make, kw, err, match):
+    args = dict(scatter_order=C.SCATTER, work_order=C.WORK)
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        FastAnvilAndAdam(make(), C.TABLE, **args)
+
+
+def test_fast_bank_must_be_bf16_and_nothing_is_touched():
+    ps = C.make_params()
+    d = dict(ps)
+    d["model.qk_bank"].data = d["model.qk_bank"].data.float()
+    before = {n: p.data.clone() for n, p in ps}
+    ptrs = {n: p.data.data_ptr() for n, p in ps}
+    with pytest.raises(A.ConfigError, match="qk_bank: ANVIL banks must be bfloat16.*allow_fp32_banks"):
+        FastAnvilAndAdam(ps, C.TABLE, C.SCATTER, C.WORK)
+    for n, p in ps:  # the replicated flat buffers were not built: nothing re-pointed
+        assert p.data.data_ptr() == ptrs[n] and torch.equal(p.data, before[n])
+    d["model.qk_bank"].data = d["model.qk_bank"].data.bfloat16()
+    d["model.embed"].data = torch.zeros(40, 9)
+    with pytest.raises(A.ConfigError, match="transposes"):
+        FastAnvilAndAdam(ps, C.TABLE, C.SCATTER, C.WORK)
+
+
+def _snapshot(opt):
+    return io.BytesIO(), {l: p.data.clone() for l, p in opt.params.items()}, opt.state_dict()
+
+
+def _unchanged(opt, snap):
+    _, params, sd = snap
+    for l, p in opt.params.items():
+        assert torch.equal(p.data, params[l]), l
+    now = opt.state_dict()
+    for l, st in sd["state"].items():
+        for k, v in st.items():
+            assert (torch.equal(now["state"][l][k], v) if isinstance(v, torch.Tensor) else now["state"][l][k] == v), (l, k)
+
+
+@pytest.mark.parametrize("label,bad,match", [
+    ("mlp_bank", "nan", "non-finite gradient.*mlp_bank \\(model.mlp_bank\\)"),
+    ("gates", "inf", "non-finite gradient.*gates"),
+    ("lm_head", "nan", "non-finite gradient.*lm_head"),
+])
+def test_fast_nonfinite_gradient_refused_before_any_write(label, bad, match):
+    opt = _fast(check_finite=True)
+    C.accumulate(opt.params, {l: g for l, g in C.gradients(0).items() if l in C.DENSE})
+    opt.step(do_adam=True)
+    C.accumulate(opt.params, {l: g for l, g in C.gradients(1).items() if l in C.DENSE})
+    opt.params[label].grad.view(-1)[3] = float(bad)
+    snap = _snapshot(opt)
+    n_uploads = opt.staging.uploads
+    with pytest.raises(NonFiniteGradientError, match=match):
+        opt.step(do_adam=True)
+    _unchanged(opt, snap)
+    assert opt.staging.uploads == n_uploads
+    opt.params[label].grad.view(-1)[3] = 0.0  # repaired, the step goes through
+    opt.step(do_adam=True)
+
+
+def test_fast_bad_gradients_and_arguments_refused_before_any_write():
+    opt = _fast()
+    C.accumulate(opt.params, {l: g for l, g in C.gradients(0).items() if l in C.DENSE})
+    snap = _snapshot(opt)
+    good = opt.params["vo_bank"].grad.clone()
+    # torch refuses such assignments to .grad; .grad.data = ... slips through, and the step refuses it
+    for grad, match in [(good[:10], "gradient shape"), (good.float(), "gradient dtype")]:
+        opt.params["vo_bank"].grad.data = grad
+        with pytest.raises(ValueError, match=match):
+            opt.step(do_adam=True)
+        _unchanged(opt, snap)
+    opt.params["vo_bank"].grad.data = good
+    with pytest.raises(A.ConfigError, match="deferred_labels.*replicated"):
+        opt.step(do_adam=True, deferred_labels={"scalars"})
+    with pytest.raises(A.ConfigError, match="deferred_labels: unknown"):
+        opt.step(do_adam=True, deferred_labels={"nope"})
+    opt.param_cfgs["qk_bank"].lr = float("nan")
+    with pytest.raises(ValueError, match="qk_bank: hyper-parameters must be finite"):
+        opt.step(do_adam=True)
+    _unchanged(opt, snap)
+    with pytest.raises(A.ConfigError, match="not a sharded Adam"):
+        opt.adam_update_shard(opt.params["scalars"], torch.zeros(6))
+    with pytest.raises(ValueError, match="set_rails"):
+        opt.set_rails(1.5, 0.4)
