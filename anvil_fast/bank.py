@@ -85,8 +85,11 @@ class AnvilBank:
             if val is not None:
                 getattr(self, name).fill_(float(val))
         if eff_lr is not None:
-            lr = torch.as_tensor(eff_lr, dtype=torch.float32)
-            self.eff_lr.copy_(lr.reshape(-1, 1, 1).expand_as(self.eff_lr) if lr.numel() > 1 else lr.expand_as(self.eff_lr))
+            lr = torch.as_tensor(eff_lr, dtype=torch.float32).reshape(-1)
+            if lr.numel() not in (1, self.eff_lr.shape[0]):
+                raise ValueError(f"{self.label}: eff_lr needs 1 or {self.eff_lr.shape[0]} values (one per matrix), "
+                                 f"got {lr.numel()}")
+            self.eff_lr.copy_(lr.reshape(-1, 1, 1).expand_as(self.eff_lr))
 
     @classmethod
     def create(cls, label: str, p_slice: Tensor, *, beta2: float, config: CascadeConfig | str = DEFAULT_CONFIG,

@@ -206,6 +206,7 @@ def _bank_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations of each kernel")
+    ap.add_argument("--sweep-shapes", default=None, help="shapes for --sweep (default: --shapes)")
 
 
 def _bank_run(a: argparse.Namespace) -> int:
@@ -218,7 +219,8 @@ def _bank_run(a: argparse.Namespace) -> int:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 8192^3 matmul {tflops:.0f} TFLOP/s, "
           f"copy {gbs:.0f} GB/s (read + write)", flush=True)
     if a.sweep:
-        sweep_rows(shapes, rep_ms=max(50, a.rep_ms // 2))
+        sshapes = shapes if not a.sweep_shapes else [tuple(int(v) for v in s.split("x")) for s in a.sweep_shapes.split(",")]
+        sweep_rows(sshapes, rep_ms=max(50, a.rep_ms // 2))
     rows = bank_rows(shapes, rep_ms=a.rep_ms)
     print(format_bank(rows, tflops, gbs))
     return 0

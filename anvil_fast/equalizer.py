@@ -14,9 +14,11 @@ in-place bf16 multiply)::
 ``guard=True`` (the SAFE configuration) adds one test per matrix on numbers the equalizer already
 has: ``ok = isfinite(r) and r <= GUARD_NORM_RATIO * sqrt(min(rows, cols))``. Any cascade output
 whose singular values are all <= 1.1 passes (its Frobenius norm is at most 1.1 sqrt(min(rows,
-cols))); a non-finite or exploded one fails. A failing matrix gets a zero update, its lane energy is
-left unchanged, and ``guard_trips[i]`` is incremented: the step is skipped for that matrix, visibly,
-instead of writing NaN or a 1e15-sized step into the weights. Branchless (``torch.where``), so it
+cols))); a non-finite or exploded one fails. A failing matrix gets a zero orthogonalized update (as if
+the cascade had returned zero: only the sign-aligned weight decay still moves it), its lane energy is
+left unchanged, and ``guard_trips[i]`` is incremented: visibly, instead of writing NaN or a
+1e15-sized step into the weights. (The guard protects the weights and the lane energy; a non-finite
+*gradient* still enters the rails -- the optimizer's opt-in finite-gradient check runs before.) Branchless (``torch.where``), so it
 captures in a CUDA graph.
 """
 

@@ -1,0 +1,168 @@
+"""AnvilBank / anvil_bank_update: one step against the reference chain, the guard, scalars without
+recompiling, the compiled path (one CPU smoke test), CUDA-graph capture (GPU), bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import anvil_ref as R
+from anvil_fast.bank import AnvilBank, anvil_bank_update
+from anvil_fast.cascade import FAITHFUL, SAFE
+from anvil_fast.difftest import err_ulps
+from tests.tolerances import RAILS_ULPS, bf16_bound
+
+SHAPE = (3, 40, 24)
+
+
+def _bank(config=SAFE, shape=SHAPE, device="cpu", seed=0, grad=None):
+    g = torch.Generator().manual_seed(seed)
+    p = (0.02 * torch.randn(shape, generator=g)).bfloat16().to(device)
+    bank = AnvilBank.create("bank", p, beta2=0.9, config=config)
+    bank.grad.copy_(torch.randn(shape, generator=g) if grad is None else grad)
+    bank.velocity.copy_(0.1 * torch.randn((2, *shape), generator=g))
+    bank.lane_energy.fill_(0.01)
+    bank.mantissa.copy_(torch.randint(0, 2 ** 16, shape, generator=g).to(torch.uint16))
+    chunk = shape[0]
+    lrs = [0.0 if i == 2 else 0.023 * (1 + i % 2) for i in range(chunk)]  # matrix 2 frozen
+    bank.set_scalars(momentum=0.93, eff_wd=0.023 * 2.25 * 0.023, fast_beta=0.85, fast_weight=0.4385, eff_lr=lrs)
+    return bank
+
+
+def _snapshot(bank):
+    return {k: v.clone() for k, v in bank.mutated().items()} | {"grad": bank.grad.clone()}
+
+
+def test_one_step_matches_the_reference_chain():
+    bank = _bank()
+    before = _snapshot(bank)
+    anvil_bank_update(bank)
+    assert torch.equal(bank.grad, before["grad"]), "grad must not be written"
+    # rails: fp32, within RAILS_ULPS of the exact result
+    sc = {k: float(getattr(bank, k)) for k in ("momentum", "fast_beta", "fast_weight")}
+    ref = R.twin_rail(before["grad"], before["velocity"][0], before["velocity"][1], **sc)
+    for i, v in enumerate((ref.v_fast, ref.v_slow)):
+        big = torch.maximum(before["velocity"][i].abs(), before["grad"].float().abs())
+        assert err_ulps(bank.velocity[i], v, big) <= RAILS_ULPS
+    # the whole update, against the float64 chain (cascade with SAFE's margin, equalizer, decay):
+    # the master moved by -lr * (decay + U) with U within the bf16 tolerance of the reference's
+    eq = R.equalize(R.cascade(ref.lookahead, margin=SAFE.margin()), before["lane_energy"], beta2=0.9)
+    lr = bank.eff_lr.double()
+    w0 = R.join_fp32(before["p_slice"], before["mantissa"])
+    w_ref = R.sign_aligned_update(w0, eq.v, ref.v_slow, eff_lr=lr, eff_wd=float(bank.eff_wd))
+    w_new = R.join_fp32(bank.p_slice, bank.mantissa).double()
+    assert torch.equal(w_new[2], w0[2]), "a frozen matrix (eff_lr 0) must not move"
+    for i in (0, 1):
+        step_fast, step_ref = (w_new[i] - w0[i]) / lr[i], (w_ref[i] - w0[i]) / lr[i]
+        err = ((step_fast - step_ref).norm() / step_ref.norm()).item()
+        assert err <= bf16_bound(0.02), err  # cascade + equalizer error of a bf16 path (~0.5-1%)
+    # lane energy: the reference EMA of the fast output's lane power (fp32 statistics)
+    assert torch.allclose(bank.lane_energy.double(), eq.lane_energy, rtol=0.02)
+    assert int(bank.guard_trips.sum()) == 0
+
+
+def test_faithful_bank_equals_the_seed_step_on_cpu():
+    # FAITHFUL with plain-torch kernels is the seed's arithmetic; compare with the eager seed chain.
+    from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
+
+    bank = _bank(FAITHFUL)
+    b = _snapshot(bank)
+    anvil_bank_update(bank)
+    look, v0, v1 = eager_rails(b["grad"], b["velocity"][0], b["velocity"][1], momentum=float(bank.momentum),
+                               fast_beta=float(bank.fast_beta), fast_weight=float(bank.fast_weight))
+    assert torch.equal(bank.velocity[0], v0) and torch.equal(bank.velocity[1], v1)
+    v, e = eager_equalizer(eager_bf16_cascade(look), b["lane_energy"], beta2=0.9)
+    p, m = eager_update(b["p_slice"], b["mantissa"], v, v1, eff_wd=bank.eff_wd, eff_lr=bank.eff_lr)
+    same = (R.join_fp32(bank.p_slice, bank.mantissa) == R.join_fp32(p, m)).double().mean().item()
+    assert same >= 0.99, same  # only the Gram kernels' exact-symmetry mirroring may differ
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** 100])
+def test_guard_refuses_exploded_or_nonfinite_updates_visibly(scale):
+    # FAITHFUL's cascade explodes on near-rank-1 input and overflows at 2**100; with the guard on,
+    # those matrices are not moved, their lane energy is kept, and the trips are counted.
+    from anvil_fast.near_rank1 import near_rank1
+
+    cfg = dataclasses.replace(FAITHFUL, name="faithful+guard", guard=True)
+    shape = (16, 32, 32)
+    grad = (near_rank1(16, 32, 32, seed=3) * scale).bfloat16()
+    bank = _bank(cfg, shape=shape, grad=grad)
+    bank.velocity.zero_()
+    bank.set_scalars(eff_lr=0.023, eff_wd=0.0, fast_weight=1.0, fast_beta=0.0, momentum=0.0)  # no decay: a
+    b = _snapshot(bank)                                                                       # refused matrix stays put
+    anvil_bank_update(bank)
+    trips = bank.guard_trips.bool()
+    assert trips.any(), "expected at least one exploded matrix"
+    w0, w1 = R.join_fp32(b["p_slice"], b["mantissa"]), R.join_fp32(bank.p_slice, bank.mantissa)
+    assert torch.equal(w1[trips], w0[trips]) and torch.isfinite(w1).all()
+    assert torch.equal(bank.lane_energy[trips], b["lane_energy"][trips])
+    assert not torch.equal(w1[~trips], w0[~trips]) if (~trips).any() else True
+
+
+def test_safe_bank_never_trips_on_near_rank1():
+    from anvil_fast.near_rank1 import near_rank1
+
+    bank = _bank(SAFE, shape=(16, 32, 32), grad=near_rank1(16, 32, 32, seed=3).bfloat16())
+    bank.velocity.zero_()
+    bank.set_scalars(fast_weight=1.0, fast_beta=0.0, momentum=0.0)
+    anvil_bank_update(bank)
+    assert int(bank.guard_trips.sum()) == 0
+
+
+def test_compiled_cpu_smoke_and_scalars_do_not_recompile():
+    # One torch.compile'd step on CPU equals the eager step; new scalar values reuse the graphs.
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    a, b = _bank(SAFE, shape=(2, 24, 16)), _bank(SAFE, shape=(2, 24, 16))
+    w0 = R.join_fp32(a.p_slice, a.mantissa).double()
+    anvil_bank_update(a, compile=False)
+    anvil_bank_update(b, compile=True)
+    for k in ("velocity", "lane_energy"):
+        assert torch.allclose(getattr(a, k), getattr(b, k), rtol=1e-5, atol=1e-7), k
+    # Inductor may round a bf16 intermediate differently: the steps agree to bf16 precision
+    wa, wb = R.join_fp32(a.p_slice, a.mantissa).double(), R.join_fp32(b.p_slice, b.mantissa).double()
+    assert ((wa - wb).norm() / (wa - w0).norm()).item() <= 2.0 ** -6
+    frames = counters["stats"]["unique_graphs"]
+    b.set_scalars(momentum=0.5, eff_wd=0.001, fast_beta=0.9, fast_weight=0.3, eff_lr=[0.01, 0.02])
+    anvil_bank_update(b, compile=True)
+    assert counters["stats"]["unique_graphs"] == frames, "changing scalars recompiled"
+
+
+def test_create_checks_its_input():
+    with pytest.raises(ValueError, match="bf16"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4), beta2=0.9)
+    with pytest.raises(ValueError, match="contiguous"):
+        AnvilBank.create("x", torch.zeros(2, 4, 6, dtype=torch.bfloat16).mT, beta2=0.9)
+    with pytest.raises(ValueError, match="velocity"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4, dtype=torch.bfloat16), beta2=0.9, velocity=torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match="beta2"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4, dtype=torch.bfloat16), beta2=1.5)
+    with pytest.raises(ValueError, match="config"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4, dtype=torch.bfloat16), beta2=0.9, config="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [SAFE, FAITHFUL], ids=lambda c: c.name)
+def test_gpu_graph_capture_replays_with_new_scalars(config):
+    shape = (4, 256, 768)
+    live, ref = _bank(config, shape=shape, device="cuda"), _bank(config, shape=shape, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        anvil_bank_update(live)  # warm-up: compile and autotune outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    anvil_bank_update(ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        anvil_bank_update(live)
+    for step, (mu, lr) in enumerate([(0.9, 0.01), (0.5, 0.03)]):
+        for bk in (live, ref):
+            bk.set_scalars(momentum=mu, eff_lr=lr)
+            bk.grad.normal_(generator=torch.Generator(device="cuda").manual_seed(step))
+        graph.replay()
+        anvil_bank_update(ref)
+        for k, v in live.mutated().items():
+            assert torch.equal(v, ref.mutated()[k]), f"{k} differs after replay {step}"
