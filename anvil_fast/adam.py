@@ -17,7 +17,9 @@ IEEE round-to-nearest forms (``div_rn``, ``sqrt_rn``), like torch, not Triton's 
 A row whose ``active`` column is 0 leaves ``p``, ``m`` and ``v`` unchanged (a parameter with no
 gradient this step). ``p`` may be fp32 or bf16 (computed in fp32, rounded once at the store).
 
-On CPU (or without Triton) the same arithmetic runs as plain torch ops (:func:`adam_torch_`).
+On CPU (or without Triton) the same arithmetic runs as plain torch ops (:func:`adam_torch_`); tests
+run the kernel on CPU through Triton's interpreter (``force_triton=True``; ``ROUND_FIX`` rounds the
+bf16 store on the bit pattern there, see :mod:`anvil_fast._triton`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ from torch import Tensor
 
 from .bank_scalars import ADAM_COLUMNS
 
-try:  # Triton is optional: the CPU path never needs it
+from ._triton import round_fix, triton_available
+
+if triton_available():  # Triton is optional: the CPU path never needs it
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
+
+    from .gram import _to_bf16
+else:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 N_COLS = len(ADAM_COLUMNS)
@@ -52,8 +58,8 @@ def adam_row(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay:
 if triton is not None:
 
     @triton.jit
-    def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, seg_ptr, table_ptr, row, n,
-                     SEGMENTED: tl.constexpr, BLOCK: tl.constexpr):
+    def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, seg_ptr, table_ptr, row, n, SEGMENTED: tl.constexpr,
+                     BF16_P: tl.constexpr, ROUND_FIX: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         if SEGMENTED:
@@ -90,7 +96,11 @@ if triton is not None:
         keep = active > 0
         tl.store(m_ptr + offs, tl.where(keep, m_new, m), mask=mask)
         tl.store(v_ptr + offs, tl.where(keep, v_new, v), mask=mask)
-        tl.store(p_ptr + offs, tl.where(keep, p_new.to(p_raw.dtype), p_raw), mask=mask)
+        if BF16_P:
+            p_out = _to_bf16(p_new, ROUND_FIX)
+        else:
+            p_out = p_new.to(p_raw.dtype)
+        tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
 
 
 def use_triton(t: Tensor) -> bool:
@@ -136,8 +146,8 @@ def adam_update_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, tabl
         return
     if force_triton or use_triton(p):
         grid = (triton.cdiv(n, BLOCK),)
-        _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, table, table, row, n,
-                           SEGMENTED=False, BLOCK=BLOCK)
+        _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, table, table, row, n, SEGMENTED=False,
+                           BF16_P=p.dtype == torch.bfloat16, ROUND_FIX=round_fix(), BLOCK=BLOCK)
     else:
         cols = [table[row, k] for k in range(N_COLS)]
         adam_torch_(p.view(-1), g.reshape(-1), exp_avg.view(-1), exp_avg_sq.view(-1), cols)
@@ -154,8 +164,8 @@ def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segme
         return
     if force_triton or use_triton(p):
         grid = (triton.cdiv(n, BLOCK),)
-        _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, segment, table, 0, n,
-                           SEGMENTED=True, BLOCK=BLOCK)
+        _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, segment, table, 0, n, SEGMENTED=True,
+                           BF16_P=p.dtype == torch.bfloat16, ROUND_FIX=round_fix(), BLOCK=BLOCK)
     else:
         per_elem = table.index_select(0, segment.long())
         adam_torch_(p, g, exp_avg, exp_avg_sq, [per_elem[:, k] for k in range(N_COLS)])

@@ -14,7 +14,9 @@ results are bitwise those of ``dst.add_(src.T)`` / ``dst.copy_(src.T)`` in torch
 one rounding per element), which the tests check.
 
 On CPU (or without Triton) the torch expressions above run instead; ``force_triton=True`` runs the
-kernel anyway (on CPU under ``TRITON_INTERPRET=1``, as the tests do).
+kernel anyway (on CPU under ``TRITON_INTERPRET=1``, as the tests do; there the fp32 -> bf16 store
+rounds on the bit pattern, ``ROUND_FIX`` of :mod:`anvil_fast._triton`, because the interpreter's
+own cast truncates).
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from torch import Tensor
 
 from .adam import use_triton
 
-try:
+from ._triton import round_fix, triton_available
+
+if triton_available():
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover
+
+    from .gram import _to_bf16
+else:  # pragma: no cover
     triton = None
 
 BR, BC = 64, 64
@@ -36,8 +42,8 @@ BR, BC = 64, 64
 if triton is not None:
 
     @triton.jit
-    def _transpose_kernel(src, dst, R, C, s_sr, s_sc, s_dr, s_dc,
-                          ADD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    def _transpose_kernel(src, dst, R, C, s_sr, s_sc, s_dr, s_dc, ADD: tl.constexpr, BF16_OUT: tl.constexpr,
+                          ROUND_FIX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
         mask = (r[:, None] < R) & (c[None, :] < C)
@@ -47,7 +53,11 @@ if triton is not None:
         d_ptr = dst + c[:, None] * s_dr + r[None, :] * s_dc
         if ADD:
             d = tl.load(d_ptr, mask=mask_t, other=0.0)
-            out = (d.to(tl.float32) + xt.to(tl.float32)).to(d.dtype)
+            val = d.to(tl.float32) + xt.to(tl.float32)
+            if BF16_OUT:
+                out = _to_bf16(val, ROUND_FIX)
+            else:
+                out = val.to(dst.dtype.element_ty)
         else:
             out = xt.to(dst.dtype.element_ty)
         tl.store(d_ptr, out, mask=mask_t)
@@ -66,7 +76,7 @@ def _launch(src: Tensor, dst: Tensor, add: bool) -> None:
     R, C = src.shape
     grid = (triton.cdiv(R, BR), triton.cdiv(C, BC))
     _transpose_kernel[grid](src, dst, R, C, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-                            ADD=add, BR=BR, BC=BC)
+                            ADD=add, BF16_OUT=dst.dtype == torch.bfloat16, ROUND_FIX=round_fix(), BR=BR, BC=BC)
 
 
 @torch.no_grad()

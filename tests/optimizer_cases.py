@@ -222,3 +222,13 @@ def ulp(x: np.ndarray, mantissa_bits: int) -> np.ndarray:
     """The ulp at |x| of a binary format with ``mantissa_bits`` explicit bits (fp32: 23, bf16: 7)."""
     e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -126)))
     return np.exp2(e - mantissa_bits)
+
+
+def sync_optimizer(dst, src) -> None:
+    """``dst`` takes ``src``'s parameters, state and gradients, bit for bit (one process each)."""
+    for label, p in src.params.items():
+        dst.params[label].data.copy_(p.data)
+    dst.load_state_dict(src.state_dict())  # also the kept Adam gradients
+    for label in src.bank_labels:  # ANVIL gradients are not part of a state dict
+        g = src.params[label].grad
+        dst.params[label].grad = None if g is None else g.clone()

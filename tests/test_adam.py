@@ -73,3 +73,84 @@ def test_bad_input():
         adam_update(np.ones(3), np.ones(3), np.zeros(3), np.zeros(3), **{**kw, "beta1": 1.0})
     with pytest.raises(A.ReferenceInputError, match="eps"):
         adam_update(np.ones(3), np.ones(3), np.zeros(3), np.zeros(3), **{**kw, "eps": 0.0})
+
+
+# =================================================================================================
+# Fast path: anvil_fast.adam (the Triton kernel through the interpreter, and the CPU fallback)
+# against anvil_ref.adam.adam_update, within tests/tolerances.py's Adam rows
+# =================================================================================================
+import torch  # noqa: E402
+
+from anvil_fast.adam import adam_row, adam_update_, fused_adam_  # noqa: E402
+from tests import tolerances as TOL  # noqa: E402
+
+
+def _fast_ulp(x, bits):
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -126)))
+    return np.exp2(e - bits)
+
+
+HYPER = [dict(lr=0.04, beta1=0.9, beta2=0.99, eps=1e-10, weight_decay=0.5, wd_mul=3.0, step=1),
+         dict(lr=0.008, beta1=0.5, beta2=0.95, eps=1e-8, weight_decay=0.005, wd_mul=150.0, step=7)]
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_adam_matches_reference(force_triton, dtype):
+    rng = np.random.default_rng(3)
+    n = 3000
+    seg = rng.integers(0, 3, n)
+    p64 = rng.standard_normal(n) * 0.1
+    p = torch.from_numpy(p64).to(dtype)
+    g = torch.from_numpy(rng.standard_normal(n)).to(dtype)
+    m = torch.from_numpy(rng.standard_normal(n) * 0.1).float()
+    v = torch.from_numpy(rng.random(n) * 0.1).float()
+    rows = [adam_row(**h) for h in HYPER] + [adam_row(**HYPER[0], active=False)]
+    table = torch.tensor(rows, dtype=torch.float32)
+    p0, m0, v0 = p.clone(), m.clone(), v.clone()
+    fused_adam_(p, g, m, v, torch.from_numpy(seg).int(), table, force_triton=force_triton)
+    for k, h in enumerate(HYPER):
+        sel = seg == k
+        # the reference on the fp32-rounded scalars the kernel reads, so only the pass itself is judged
+        r = adam_update(p0.double().numpy()[sel], g.double().numpy()[sel], m0.double().numpy()[sel],
+                        v0.double().numpy()[sel], step=h["step"], lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
+                        eps=h["eps"], weight_decay=h["weight_decay"], wd_mul=h["wd_mul"])
+        gg, mm, vv, pp = (t.double().numpy()[sel] for t in (g, m0, v0, p0))
+        ss = adam_step_size(lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], step=h["step"])
+        t_big = ss * np.maximum(np.abs(mm), np.abs(gg)) / (np.sqrt(r.exp_avg_sq) + h["eps"])
+        terms = np.maximum.reduce([np.abs(pp), np.abs(pp) * h["lr"] ** 2 * h["weight_decay"] * h["wd_mul"], t_big])
+        err = np.abs(p.double().numpy()[sel] - r.p)
+        if dtype == torch.bfloat16:
+            assert np.all(err <= TOL.ADAM_BF16_ULPS * _fast_ulp(terms, 7))
+        else:
+            assert np.all(err <= TOL.ADAM_ULPS * _fast_ulp(terms, 23)), (err / _fast_ulp(terms, 23)).max()
+        for got, want, sc in ((m, r.exp_avg, np.maximum(np.abs(mm), np.abs(gg))),
+                              (v, r.exp_avg_sq, np.maximum(vv, gg ** 2))):
+            assert np.all(np.abs(got.double().numpy()[sel] - want) <= TOL.ADAM_MOMENT_ULPS * _fast_ulp(sc, 23))
+    off = seg == 2  # the inactive row changes nothing
+    assert torch.equal(p[off], p0[off]) and torch.equal(m[off], m0[off]) and torch.equal(v[off], v0[off])
+
+
+def test_fast_adam_single_row_equals_fused_and_cautious_decay_is_strict():
+    h = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.2, wd_mul=3.0, step=1)
+    table = torch.tensor([adam_row(**h)], dtype=torch.float32)
+    p = torch.tensor([1.0, 1.0, -1.0, 0.5])
+    g = torch.tensor([2.0, -2.0, 0.0, 1.0])
+    m, v = torch.zeros(4), torch.zeros(4)
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    adam_update_(p, g, m, v, table, 0)
+    fused_adam_(p2, g, m2, v2, torch.zeros(4, dtype=torch.int32), table)
+    assert torch.equal(p, p2) and torch.equal(m, m2) and torch.equal(v, v2)
+    assert p[2] == -1.0  # g = 0: u = 0, u * p = 0 is not > 0, no decay
+    r = adam_update(np.array([1.0, 1.0, -1.0, 0.5]), g.double().numpy(), np.zeros(4), np.zeros(4), **h)
+    np.testing.assert_allclose(p.double().numpy(), r.p, rtol=1e-6)
+
+
+def test_fast_adam_bad_input():
+    table = torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="grad has 3 elements"):
+        adam_update_(torch.zeros(4), torch.zeros(3), torch.zeros(4), torch.zeros(4), table, 0)
+    with pytest.raises(ValueError, match="moments must be float32"):
+        adam_update_(torch.zeros(4), torch.zeros(4), torch.zeros(4).double(), torch.zeros(4), table, 0)
+    with pytest.raises(ValueError, match="segment must be int32"):
+        fused_adam_(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4).long(), table)

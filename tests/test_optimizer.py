@@ -255,16 +255,7 @@ def _fast(config="faithful", params=None, **kw):
     return FastAnvilAndAdam(params or C.make_params(), C.TABLE, C.SCATTER, C.WORK, bank_config=config, **kw)
 
 
-def _sync(dst, src):
-    """dst takes src's parameters, state and gradients (bitwise)."""
-    for label, p in src.params.items():
-        dst.params[label].data.copy_(p.data)
-        dst.params[label].grad = None if p.grad is None else p.grad.clone()
-    sd = src.state_dict()
-    dst.load_state_dict(sd)
-    for label in src.bank_labels:  # ANVIL gradients are not part of a state dict
-        g = src.params[label].grad
-        dst.params[label].grad = None if g is None else g.clone()
+_sync = C.sync_optimizer
 
 
 def _bank_delta(opt, label, before):
