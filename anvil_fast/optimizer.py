@@ -365,6 +365,9 @@ class AnvilAndAdam:
             if self.param_cfgs[label].comms != "sharded":
                 raise ConfigError(f"deferred_labels: {label!r} is replicated; only sharded parameters gather")
         self._check_hyperparameters()
+        check_graphs = getattr(self.bank_update, "check_all", None)
+        if check_graphs is not None:  # CUDA graphs: every baked address still live, before any write
+            check_graphs()
         read = self._grads_read(do_adam)
         for label in read:
             p, g = self.params[label], self.params[label].grad
