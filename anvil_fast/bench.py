@@ -6,6 +6,8 @@ Commands (each registered in :data:`COMMANDS` as ``name -> (add_arguments, run)`
            (the seed's update with a torch.compile'd plain-matmul cascade, eagerly launched and
            captured in a CUDA graph), against the roofline measured in the same run.
            ``--sweep`` also times a few tile configurations of each kernel per shape.
+``optimizer`` one full AnvilAndAdam step on a GPT-2-small bank layout next to torch.optim.Muon +
+           fused AdamW (:mod:`anvil_fast.bench_optimizer`).
 
 Method (METHOD.md of the device notes): the bf16 matmul peak (8192^3, random data) and the
 device-to-device copy bandwidth are measured first; every timing is the median of
@@ -226,8 +228,21 @@ def _bank_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _optimizer_args(ap: argparse.ArgumentParser) -> None:
+    from .bench_optimizer import add_args
+
+    add_args(ap)
+
+
+def _optimizer_run(a: argparse.Namespace) -> int:
+    from .bench_optimizer import run
+
+    return run(a)
+
+
 #: name -> (add_arguments(parser), run(namespace) -> exit code)
-COMMANDS: dict[str, tuple[Callable, Callable]] = {"bank": (_bank_args, _bank_run)}
+COMMANDS: dict[str, tuple[Callable, Callable]] = {"bank": (_bank_args, _bank_run),
+                                                  "optimizer": (_optimizer_args, _optimizer_run)}
 
 
 def main(argv=None) -> int:
