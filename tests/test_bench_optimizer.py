@@ -1,0 +1,35 @@
+"""anvil_fast.bench_optimizer: the benchmark's layout and plumbing (timings come only from the GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from anvil_fast import bench_optimizer as B
+
+
+def test_gpt2_small_layout():
+    layout = B.gpt2_small_layout()
+    assert 123e6 < B.n_params(layout, tied=True) < 124e6  # GPT-2 small's 124M less its 0.8M position embeddings
+    for label, (shape, reshape, dtype, entry) in layout.items():
+        if reshape is not None:
+            assert dtype == torch.bfloat16 and math.prod(reshape) == math.prod(shape) and reshape[0] % 8 == 0
+        elif entry["comms"] == "sharded":
+            assert shape[0] % 8 == 0
+    assert sorted(B.SCATTER) == sorted(layout) == sorted(B.WORK)
+
+
+def test_tiny_layout_runs_on_cpu_and_floor_is_positive():
+    layout = B.gpt2_small_layout(n_layer=1, width=16, vocab=64, heads=2, head_dim=8, hidden=32)
+    opt, params = B.fast_optimizer(layout, "cpu", graphs=False, untie=True)
+    grads = B.make_grads(params)
+    before = {l: p.detach().clone() for l, p in params}
+    B.step_fn(opt, params, grads, True)()
+    assert all(not torch.equal(before[l], p) for l, p in params)
+    run, n = B.baseline(layout, "cpu")
+    run()
+    assert n == B.n_params(layout)
+    mm, mem, total = B.floor_ms(layout, 772.0, 4300.0)
+    assert mm > 0 and mem > 0 and total == mm + mem
+    assert B.floor_ms(layout, 772.0, 4300.0, world_size=2)[2] < total
