@@ -236,19 +236,17 @@ if triton_available():
 
 def default_config(kind: str, n: int, k: int, batch: int) -> TileConfig:
     """Tile sizes by problem size (``kind``: "gram", "ba_plus_cAA" or "mm_add"; ``n`` the output's
-    larger side, ``k`` the reduction length). Small problems get 64-tiles so that the grid still
-    covers the 132 SMs of an H100/H200; the rest 128-tiles (wgmma-sized). Under the interpreter,
-    small tiles keep CPU tests fast. NOTES.md records the sweep these came from."""
+    larger side, ``k`` the reduction length). From the H200 sweep of ``python -m anvil_fast.bench
+    bank --sweep`` (NOTES.md): 128-tiles with 4 stages for the symmetric kernels and 128 x 256 tiles
+    for the GEMM on large banks; 64-tiles with a 128-deep K step where the grid would not cover the
+    132 SMs. Under the interpreter, small tiles keep CPU tests fast."""
     if interpreting():
         return TileConfig(32, 32, 32, 4, 1)
-    if kind == "mm_add":
-        if n * batch <= 8 * 1024:
-            return TileConfig(64, 128, 64, 4, 4)
-        return TileConfig(128, 128, 64, 8, 3)
     tiles128 = math.ceil(n / 128)
-    if n <= 256 or batch * tiles128 * (tiles128 + 1) // 2 < 2 * 132:
-        return TileConfig(64, 64, 64, 4, 4)
-    return TileConfig(128, 128, 64, 8, 3)
+    small = n <= 256 or batch * tiles128 * (tiles128 + 1) // 2 < 2 * 132
+    if kind == "mm_add":
+        return TileConfig(64, 128, 64, 4, 4) if small else TileConfig(128, 256, 64, 8, 3)
+    return TileConfig(64, 64, 128, 4, 3) if small else TileConfig(128, 128, 64, 8, 4)
 
 
 # ------------------------------------------------------------------------------------------------
