@@ -120,6 +120,7 @@ class ANVIL(torch.optim.Optimizer):
             anything is written.
         bank_config, maps: the bank update's cascade configuration and map set.
         cuda_graphs: capture the bank updates in CUDA graphs (CUDA only).
+        compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
@@ -129,7 +130,8 @@ class ANVIL(torch.optim.Optimizer):
                  adam_eps: float = ADAM_DEFAULTS["eps"], adam_weight_decay: float = ADAM_DEFAULTS["weight_decay"],
                  adam: Iterable[str] | Any = None, anvil: Iterable[str] | Any = None,
                  head_names: Sequence[str] = HEAD_NAMES, shard_min_numel: int = 1 << 16, comms: Any = None,
-                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool = False):
+                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool = False,
+                 compile: bool | None = None):
         named, kinds = _named(params)
         if not named:
             raise ValueError("ANVIL got no parameters that require gradients")
@@ -227,7 +229,14 @@ class ANVIL(torch.optim.Optimizer):
             [n for n, _ in adam_params if table[n]["comms"] == "replicated"]
         anvil_defaults = dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay)
         adam_defaults = dict(lr=adam_lr, eps=adam_eps, weight_decay=adam_weight_decay)
-        self.inner = AnvilAndAdam(inner_named, table, order, order, adam_defaults, anvil_defaults,
+        bank_update = None
+        if compile is not None and plan:
+            import functools
+
+            from .bank import anvil_bank_update
+
+            bank_update = functools.partial(anvil_bank_update, compile=compile)
+        self.inner = AnvilAndAdam(inner_named, table, order, order, adam_defaults, anvil_defaults, bank_update,
                                   comms=self.comms, check_finite=False, tie_embeddings=False,
                                   allow_fp32_banks=True, bank_config=bank_config, maps=maps)
         self._adam_named = adam_params

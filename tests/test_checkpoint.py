@@ -20,7 +20,12 @@ DEV = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _opt(seed=0, device="cpu", **kw):
-    return AnvilAndAdam(C.make_params(seed, device=device), C.TABLE, C.SCATTER, C.WORK, bank_config="faithful", **kw)
+    import functools
+
+    from anvil_fast.bank import anvil_bank_update
+
+    return AnvilAndAdam(C.make_params(seed, device=device), C.TABLE, C.SCATTER, C.WORK, bank_config="faithful",
+                        bank_update=functools.partial(anvil_bank_update, compile=False), **kw)
 
 
 def _drive(opt, t, pending, device):

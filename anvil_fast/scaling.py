@@ -1,0 +1,350 @@
+"""Issue 5's measurements: the fast optimizer at several ranks -- equivalence and step time.
+
+``python -m anvil_fast.scaling cpu --world 8``
+    ``world`` gloo processes on CPU, on a scaled-down copy of the benchmark's GPT-2 layout (4 layers,
+    width 32: every bank has 8 matrices, so the seed's 8-way sharding applies unchanged), 20 steps
+    (Adam on odd steps, the untie at step 10):
+
+    * exact gradients (rank-independent, on a 2**-6 grid with |k| <= 15: every partial sum of the
+      reduction is an integer multiple of 2**-6 below 256 in magnitude, exact in bf16 and fp32, and
+      the division by a power-of-two world size is exact): every rank's replica and its shard of the
+      state must equal the single-process run's bit for bit;
+    * each rank's own gradients: every rank's replica is bitwise identical, and the 20-step
+      trajectory's distance from the float64 reference on the mean gradients is compared with the
+      single-process fast run's (tests/tolerances.py's rule: at most 2x + 2**-8).
+
+``python -m anvil_fast.scaling gpu --worlds 1,2``
+    NCCL, one process per GPU, the benchmark's GPT-2-small layout (:mod:`.bench_optimizer`), bank
+    updates compiled and in CUDA graphs, untied Adam steps:
+
+    * step time at each world size with communication (DistComms) and without (NullComms: the same
+      shards and kernels, no collective), and the collectives alone (the same reduce-scatters,
+      all-reduces and all-gathers in the same order, no compute); ``hidden`` = the share of the
+      collectives' time that does not show up in the step: ``(t_nocomm + t_comm - t_step) / t_comm``;
+    * 20 steps with exact gradients: every rank's replica bitwise identical and equal to the one-GPU
+      run's; 20 steps with each rank's own gradients: replicas bitwise identical.
+
+Each writes its table (markdown, with the command that produced it) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .bench_optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
+from .distributed import all_digests, replica_digest, spawn
+
+STEPS = 20
+UNTIE_AT = 10
+SMALL = dict(n_layer=4, width=32, vocab=256, heads=2, head_dim=16, hidden=128)
+
+
+def fixed_point_grads(params, step: int, *, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """Gradients on a 2**-6 grid with |k| <= 15 (module docstring); rank-dependent when ``rank`` is
+    given, else the same on every rank."""
+    g = torch.Generator().manual_seed(10_000 * step + (0 if rank is None else 17 * (rank + 1)))
+    out = {}
+    for label, p in params:
+        x = torch.randn(p.shape, generator=g)
+        out[label] = (torch.clamp(torch.round(4 * x), -15, 15) * 2.0 ** -6 if rank is None else 1e-2 * x).to(p.device)
+    return out
+
+
+def _opt(layout, device, comms, *, graphs: bool, compile_banks, seed=0):
+    import functools
+
+    from .bank import anvil_bank_update
+    from .optimizer import AnvilAndAdam
+
+    params = make_params(layout, device, seed=seed)
+    opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms,
+                       bank_update=functools.partial(anvil_bank_update, compile=compile_banks))
+    if graphs:
+        opt.use_cuda_graphs()
+    return opt, params
+
+
+def _hyper(opt, t):
+    from anvil_ref.rails import rail_scalars
+
+    opt.set_rail_scalars(rail_scalars(t, 2 * STEPS, engage_step=STEPS // 2))
+    for cfg in opt.param_cfgs.values():
+        cfg.lr = cfg.initial_lr * (1 - t / (4 * STEPS))
+
+
+def trajectory(opt, params, grads_of, steps=STEPS) -> None:
+    """``steps`` training-loop steps: backward accumulates into ``.grad`` (kept Adam gradients),
+    Adam on odd steps, the untie at UNTIE_AT."""
+    for t in range(steps):
+        _hyper(opt, t)
+        for label, g in grads_of(t).items():
+            p = opt.params[label]
+            if p.grad is None:
+                p.grad = g.to(p.dtype)
+            else:
+                p.grad += g.to(p.dtype)
+        if t == UNTIE_AT:
+            opt.copy_lm_state_to_embed()
+        opt.step(do_adam=t % 2 == 1)
+
+
+def _state_tensors(opt):
+    return [v for st in opt.param_states.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _shard_of(single, opt) -> list[torch.Tensor]:
+    """The single-process run's state cut to ``opt``'s shards (same order as _state_tensors(opt))."""
+    out = []
+    for label, st in single.param_states.items():
+        cfg = opt.param_cfgs[label]
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if cfg.comms == "sharded":
+                lo, hi = opt.rank * cfg.chunk_size, (opt.rank + 1) * cfg.chunk_size
+                v = v[:, lo:hi] if k == "velocity" else v[lo:hi]
+            out.append(v)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- CPU
+def _cpu_rank(rank: int, world: int) -> dict:
+    from anvil_ref import ReferenceAnvilAndAdam
+    from anvil_ref.optimizer import ParamSpec
+
+    from .comms import LocalComms
+
+    layout = gpt2_small_layout(**SMALL)
+    res = {}
+    # exact gradients: sharded == single process, bit for bit
+    opt, params = _opt(layout, "cpu", None, graphs=False, compile_banks=False)
+    trajectory(opt, params, lambda t: fixed_point_grads(params, t))
+    single, sparams = _opt(layout, "cpu", LocalComms(), graphs=False, compile_banks=False)
+    trajectory(single, sparams, lambda t: fixed_point_grads(sparams, t))
+    res["exact_digests"] = all_digests([p.data for p in opt.params.values()])
+    res["exact_equals_single"] = (replica_digest([p.data for p in opt.params.values()]) ==
+                                  replica_digest([p.data for p in single.params.values()]))
+    res["exact_state_equals_single"] = replica_digest(_state_tensors(opt)) == replica_digest(_shard_of(single, opt))
+    # each rank's own gradients: identical replicas; distance from the reference vs the single run's
+    opt, params = _opt(layout, "cpu", None, graphs=False, compile_banks=False)
+    trajectory(opt, params, lambda t: fixed_point_grads(params, t, rank=rank))
+    res["random_digests"] = all_digests([p.data for p in opt.params.values()])
+    if rank == 0:
+        def mean_grads(t, ps):
+            gs = [fixed_point_grads(ps, t, rank=r) for r in range(world)]
+            return {l: sum(g[l].double() for g in gs) / world for l in gs[0]}
+
+        single, sparams = _opt(layout, "cpu", LocalComms(), graphs=False, compile_banks=False)
+        trajectory(single, sparams, lambda t: {l: g.float() for l, g in mean_grads(t, sparams).items()})
+        init = dict(make_params(layout, "cpu"))
+        ref = ReferenceAnvilAndAdam({l: ParamSpec(p.detach().double(), p.__dict__.get("reshape"))
+                                     for l, p in init.items()}, table_of(layout))
+        for t in range(STEPS):
+            _hyper(ref, t)
+            if t == UNTIE_AT:
+                ref.copy_lm_state_to_embed()
+            ref.step({l: g.numpy() for l, g in mean_grads(t, sparams).items()}, do_adam=t % 2 == 1)
+        dist_rel, single_rel = {}, {}
+        for label in layout:
+            r = torch.from_numpy(ref.params[label])
+            moved = (r - init[label].detach().double()).norm()
+            dist_rel[label] = float((opt.params[label].detach().double() - r).norm() / moved)
+            single_rel[label] = float((single.params[label].detach().double() - r).norm() / moved)
+        res["distance_from_reference"] = (dist_rel, single_rel)
+    return res
+
+
+def run_cpu(a: argparse.Namespace) -> int:
+    from tests.tolerances import bf16_bound  # the one tolerance table (a checkout has it)
+
+    t0 = time.time()
+    res = spawn(_cpu_rank, a.world, backend="gloo")
+    wall = time.time() - t0
+    ok = True
+    lines = [f"<!-- generated by `{a.command_line}` -->",
+             f"# The fast optimizer on {a.world} gloo ranks (CPU), {STEPS} steps", "",
+             f"Layout: `gpt2_small_layout(**{SMALL})` (every bank 8 matrices); Adam on odd steps, untie at "
+             f"step {UNTIE_AT}; wall time {wall:.0f} s.", "",
+             "| check | result |", "|---|---|"]
+    checks = [
+        ("exact gradients: all ranks' replicas identical", len(set(res[0]["exact_digests"])) == 1),
+        ("exact gradients: every replica == single-process run (bitwise)", all(r["exact_equals_single"] for r in res)),
+        ("exact gradients: every rank's state shard == single-process run's (bitwise)",
+         all(r["exact_state_equals_single"] for r in res)),
+        ("own gradients: all ranks' replicas identical (bitwise)", len(set(res[0]["random_digests"])) == 1),
+    ]
+    dist_rel, single_rel = res[0]["distance_from_reference"]
+    within = all(dist_rel[l] <= bf16_bound(single_rel[l]) for l in dist_rel)
+    checks.append(("own gradients: distance from the fp64 reference <= 2 x single-process's + 2^-8", within))
+    for name, good in checks:
+        ok &= bool(good)
+        lines.append(f"| {name} | {'yes' if good else 'NO'} |")
+    lines += ["", f"Distance after {STEPS} steps, ||p - p_ref|| / ||p_ref - p_0||, on the mean of the ranks' gradients:",
+              "", f"| parameter | {a.world} ranks | 1 process |", "|---|---:|---:|"]
+    lines += [f"| {l} | {dist_rel[l]:.2e} | {single_rel[l]:.2e} |" for l in dist_rel]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------------------------- GPU
+def _time_steps(fn, n: int, warmup: int) -> float:
+    """Median ms of ``fn`` over ``n`` runs (CUDA events), every rank running the same count."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    if dist.is_initialized():
+        dist.barrier()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _comm_only(opt, grads):
+    """The collectives of one untied Adam step, same buffers and order, without the compute."""
+    comms = opt.comms
+    bufs = {l: g.contiguous() for l, g in grads.items()}
+    chunks = {l: torch.empty_like(bufs[l][:opt.param_cfgs[l].chunk_size]) for l in opt.labels
+              if opt.param_cfgs[l].optim == "adam" and opt.param_cfgs[l].comms == "sharded"}
+
+    def run():
+        hs = [comms.all_reduce_avg(g.grad) for g in opt.replicated.groups]
+        for label in opt.scatter_order:
+            cfg = opt.param_cfgs[label]
+            if cfg.comms != "sharded":
+                continue
+            if cfg.optim == "anvil":
+                hs.append(comms.reduce_scatter_avg(opt.banks[label].grad, bufs[label].view(cfg.reshape)))
+            else:
+                hs.append(comms.reduce_scatter_avg(chunks[label], bufs[label]))
+        for h in hs:
+            h.wait()
+        gs = [opt._launch_gather(l) for l in opt.work_order if opt.param_cfgs[l].comms == "sharded"]
+        for h in gs:
+            h.wait()
+    return run
+
+
+def _gpu_rank(rank: int, world: int, steps: int, n_time: int) -> dict:
+    from .bench_optimizer import make_grads, step_fn
+    from .comms import LocalComms, NullComms
+
+    dev = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layout = gpt2_small_layout()
+    res = {"world": world}
+    real = LocalComms() if world == 1 else None
+    t0 = time.time()
+    # equivalence: exact gradients (20 steps) and each rank's own gradients (20 steps)
+    opt, params = _opt(layout, dev, real, graphs=True, compile_banks=None)
+    trajectory(opt, params, lambda t: fixed_point_grads(params, t), steps)
+    res["exact_digest"] = replica_digest([p.data for p in opt.params.values()])
+    res["exact_digests"] = all_digests([p.data for p in opt.params.values()]) if world > 1 else [res["exact_digest"]]
+    del opt, params
+    opt, params = _opt(layout, dev, real, graphs=True, compile_banks=None)
+    trajectory(opt, params, lambda t: fixed_point_grads(params, t, rank=rank), steps)
+    res["random_digests"] = all_digests([p.data for p in opt.params.values()]) if world > 1 else [""]
+    del opt, params
+    res["equivalence_s"] = time.time() - t0
+    # timing: untied Adam steps with communication, without, and the collectives alone
+    opt, params = _opt(layout, dev, real, graphs=True, compile_banks=None)
+    opt.copy_lm_state_to_embed()
+    grads = make_grads(params)
+    res["step_ms"] = _time_steps(step_fn(opt, params, grads, True), n_time, 10)
+    res["anvil_only_ms"] = _time_steps(step_fn(opt, params, grads, False), n_time, 10)
+    res["comm_ms"] = _time_steps(_comm_only(opt, grads), n_time, 5) if world > 1 else 0.0
+    del opt
+    null, nparams = _opt(layout, dev, NullComms(world, rank), graphs=True, compile_banks=None)
+    null.copy_lm_state_to_embed()
+    res["nocomm_ms"] = _time_steps(step_fn(null, nparams, grads_like(nparams, grads), True), n_time, 10)
+    res["total_s"] = time.time() - t0
+    return res
+
+
+def grads_like(params, grads):
+    return {l: grads[l] for l, _ in params}
+
+
+def run_gpu(a: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("anvil_fast.scaling gpu: needs CUDA devices")
+        return 2
+    worlds = [int(w) for w in a.worlds.split(",")]
+    results = {}
+    for w in worlds:
+        if torch.cuda.device_count() < w:
+            print(f"skipping {w} ranks: {torch.cuda.device_count()} GPUs")
+            continue
+        t0 = time.time()
+        results[w] = spawn(_gpu_rank, w, a.steps, a.n_time, backend="nccl", threads=0)
+        print(f"{w} rank(s) measured in {time.time() - t0:.0f} s", flush=True)
+    one = results.get(1, [{}])[0].get("exact_digest")
+    lines = [f"<!-- generated by `{a.command_line}` -->",
+             f"# The fast optimizer on {', '.join(map(str, results))} H200 GPU(s): GPT-2-small layout, NCCL", "",
+             f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. Untied Adam step (every parameter "
+             f"updated), bank updates compiled and in CUDA graphs; median of {a.n_time} steps per rank, slowest "
+             "rank reported.", "",
+             "| ranks | step ms (with comms) | step ms (comms skipped) | collectives alone ms | hidden | "
+             "ANVIL-only step ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for w, res in results.items():
+        step = max(r["step_ms"] for r in res)
+        noc = max(r["nocomm_ms"] for r in res)
+        com = max(r["comm_ms"] for r in res)
+        hidden = "" if w == 1 or com <= 0 else f"{max(0.0, min(1.0, (noc + com - step) / com)):.0%}"
+        lines.append(f"| {w} | {step:.3f} | {noc:.3f} | {com:.3f} | {hidden} | {max(r['anvil_only_ms'] for r in res):.3f} |")
+    lines += ["", f"Equivalence ({a.steps} steps; Adam on odd steps; untie at step {UNTIE_AT}):", "",
+              "| ranks | exact gradients: replicas identical | exact gradients: == one-GPU run | "
+              "own gradients: replicas identical |", "|---:|---|---|---|"]
+    ok = True
+    for w, res in results.items():
+        same = len(set(res[0]["exact_digests"])) == 1
+        eq1 = one is not None and all(r["exact_digest"] == one for r in res)
+        rnd = w == 1 or len(set(res[0]["random_digests"])) == 1
+        ok &= same and eq1 and rnd
+        lines.append(f"| {w} | {'yes' if same else 'NO'} | {'yes' if eq1 else 'NO'} | {'yes' if rnd else 'NO'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m anvil_fast.scaling", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("cpu")
+    c.add_argument("--world", type=int, default=8)
+    c.add_argument("--out", default="")
+    g = sub.add_parser("gpu")
+    g.add_argument("--worlds", default="1,2")
+    g.add_argument("--steps", type=int, default=STEPS)
+    g.add_argument("--n-time", type=int, default=30)
+    g.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    a.command_line = "python -m anvil_fast.scaling " + " ".join(argv)
+    return run_cpu(a) if a.mode == "cpu" else run_gpu(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
