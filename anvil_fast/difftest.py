@@ -136,7 +136,8 @@ def _to(dev, *ts):
     return [t.to(dev) for t in ts]
 
 
-def momentum_row(shape, family, cfg: CascadeConfig, *, seed=0, device="cpu", compile=None) -> tuple[Row, dict]:
+def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None) -> tuple[Row, dict]:
+    cfg = get_config(cfg)
     grad = make_matrix(family, shape, seed=seed).bfloat16()
     gen = torch.Generator().manual_seed(seed + 1)
     scale = grad.float().abs().amax().clamp_min(1e-30)
@@ -159,7 +160,8 @@ def momentum_row(shape, family, cfg: CascadeConfig, *, seed=0, device="cpu", com
     return row, {"rails_ulps": rails_ulps, "eager_rails_ulps": eager_ulps}
 
 
-def cascade_row(shape, family, cfg: CascadeConfig, *, seed=0, device="cpu", compile=None, backend="auto") -> tuple[Row, Tensor]:
+def cascade_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None, backend="auto") -> tuple[Row, Tensor]:
+    cfg = get_config(cfg)
     x = make_matrix(family, shape, seed=seed)
     y = fast_cascade(x.to(device), config=cfg, compile=compile, backend=backend)
     ref = R.cascade(x.bfloat16(), margin=cfg.margin())
@@ -168,7 +170,8 @@ def cascade_row(shape, family, cfg: CascadeConfig, *, seed=0, device="cpu", comp
     return Row("cascade", shape, family, cfg.name, rel_err(y, ref), rel_err(ref.bfloat16(), ref), rel_err(e, ref)), ref
 
 
-def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig, *, seed=0, device="cpu", compile=None) -> tuple[Row, Tensor]:
+def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None) -> tuple[Row, Tensor]:
+    cfg = get_config(cfg)
     gen = torch.Generator().manual_seed(seed + 2)
     v = v.bfloat16().cpu()
     red = reduction_dim(shape)
@@ -186,7 +189,8 @@ def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig, *, seed=0, devic
     return row, vf.cpu()
 
 
-def update_row(u: Tensor, shape, family, cfg: CascadeConfig, *, seed=0, device="cpu", compile=None) -> Row:
+def update_row(u: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None) -> Row:
+    cfg = get_config(cfg)
     gen = torch.Generator().manual_seed(seed + 3)
     master = (0.02 * torch.randn(shape, generator=gen)).float()
     hi, lo = R.split_fp32(master)

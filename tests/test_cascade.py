@@ -159,3 +159,19 @@ def test_cascade_bad_maps(maps, match):
 def test_cascade_bad_normalization():
     with pytest.raises(A.ReferenceInputError, match="divide by zero"):
         cascade(np.eye(2), margin=0.0, eps=0.0)
+
+
+# =================================================================================================
+# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast cascade (anvil_fast/cascade.py)
+# in both configurations, tall / wide / square, within tests/tolerances.py of the reference run with
+# the configuration's margin. Near-rank-1 behaviour: tests/test_near_rank1.py; the Triton kernels:
+# tests/test_gram.py; full harness: anvil_fast.difftest.
+
+@pytest.mark.parametrize("config", ["safe", "faithful"])
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
+def test_fast_cascade_matches_reference(config, shape):
+    from anvil_fast import difftest as D
+    from tests.tolerances import check
+
+    row, _ = D.cascade_row(shape, "gaussian", config, compile=False)
+    assert check("cascade", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])

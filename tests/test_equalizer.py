@@ -73,3 +73,22 @@ def test_bad_input():
         equalize(np.array([[np.inf, 1.0]]), np.ones((1, 2)), beta2=0.9)
     with pytest.raises(A.ReferenceInputError, match="matrix"):
         reduction_axis((3,))
+
+
+# =================================================================================================
+# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast equalizer (anvil_fast/equalizer.py),
+# unguarded (FAITHFUL) and guarded (SAFE), on tall / wide / square banks: bf16 output within
+# tests/tolerances.py, lane energy within LANE_ENERGY_ULPS.
+
+@pytest.mark.parametrize("config", ["safe", "faithful"])
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
+def test_fast_equalizer_matches_reference(config, shape):
+    import torch
+
+    from anvil_fast import difftest as D
+    from anvil_fast.cascade import get_config
+    from tests.tolerances import check
+
+    v = A.cascade(torch.randn(shape), margin=1.05)
+    row, _ = D.equalizer_row(v, shape, "gaussian", get_config(config), compile=False)
+    assert check("equalizer", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])

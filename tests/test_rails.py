@@ -110,3 +110,18 @@ def test_rails_bad_input():
         twin_rail(np.array([np.nan]), np.zeros(1), np.zeros(1), momentum=0.5, fast_beta=0.5, fast_weight=0.5)
     with pytest.raises(A.ReferenceInputError, match=r"\[0.0, 1.0\]"):
         ema(np.zeros(3), np.zeros(3), beta=1.5)
+
+
+# =================================================================================================
+# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast twin rails + lookahead
+# (anvil_fast/rails.py) on every input family: the bf16 lookahead within tests/tolerances.py of the
+# reference and the fp32 rails within RAILS_ULPS of the largest term. Full harness: anvil_fast.difftest.
+
+@pytest.mark.parametrize("family", ["gaussian", "near_rank1", "zero", "huge", "tiny"])
+def test_fast_rails_match_reference(family):
+    from anvil_fast import difftest as D
+    from anvil_fast.cascade import SAFE
+    from tests.tolerances import check
+
+    row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False)
+    assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])

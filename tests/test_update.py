@@ -78,3 +78,35 @@ def test_bad_input():
                             eff_lr=np.ones((3, 1, 1)), eff_wd=0.1)
     with pytest.raises(A.ReferenceInputError, match="non-finite"):
         sign_aligned_update(np.ones((2, 2)), np.full((2, 2), np.nan), np.ones((2, 2)), eff_lr=0.1, eff_wd=0.1)
+
+
+# =================================================================================================
+# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast sign-aligned decay + update on the
+# bf16 parameter + uint16 mantissa (anvil_fast/update.py): the fp32 master within UPDATE_ULPS of the
+# exact result (ulps of the largest term), and the int32 join/split bit-exact against
+# anvil_ref.storage for every high half.
+
+def test_fast_update_matches_reference():
+    import torch
+
+    from anvil_fast import difftest as D
+    from anvil_fast.cascade import SAFE
+    from tests.tolerances import check
+
+    row = D.update_row(torch.randn(3, 40, 24), (3, 40, 24), "gaussian", SAFE, compile=False)
+    assert check("update", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
+
+
+def test_fast_master_join_split_is_bit_exact():
+    import torch
+
+    from anvil_fast.update import join_master, split_master
+    from anvil_ref.storage import join_fp32
+
+    hi = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for lo_val in (0, 1, 0x7FFF, 0x8000, 0xFFFF, 12345):
+        lo = torch.full_like(hi, lo_val - (65536 if lo_val >= 32768 else 0))
+        w = join_master(hi, lo)
+        assert torch.equal(w.view(torch.int32), join_fp32(hi.view(torch.uint16), lo.view(torch.uint16)).view(torch.int32))
+        h2, l2 = split_master(w)
+        assert torch.equal(h2, hi) and torch.equal(l2, lo)
