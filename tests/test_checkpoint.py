@@ -16,7 +16,7 @@ from anvil_fast.optimizer import AnvilAndAdam
 from anvil_ref.config import ConfigError
 from tests import optimizer_cases as C
 
-DEV = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEV = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _opt(seed=0, device="cpu", **kw):

@@ -281,6 +281,9 @@ def test_fast_step_matches_reference_at_every_step(config):
         do_adam = t % 2 == 1
         if t == 3:
             fast.copy_lm_state_to_embed()
+            for k in ("exp_avg", "exp_avg_sq"):  # the untie copies lm_head's moments, transposed, exactly
+                assert torch.equal(fast.param_states["embed"][k], fast.param_states["lm_head"][k].T)
+            assert fast.param_states["embed"]["step"] == fast.param_states["lm_head"]["step"] == 1
         _sync(eager, fast)
         ref = C.to_reference(fast, extra_pending={"value_embeds": ve}, margin=margin)
         ref.set_rail_scalars(A.rail_scalars(t, 40, engage_step=3))

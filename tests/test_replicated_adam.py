@@ -49,12 +49,39 @@ def test_one_all_reduce_per_dtype_and_only_on_adam_steps():
 def test_parameter_without_gradient_is_left_alone():
     opt = _opt()
     g = C.gradients(0)
+    C.accumulate(opt.params, {l: g[l] for l in C.DENSE})
+    opt.step(do_adam=True)  # every replicated parameter has moments now
     C.accumulate(opt.params, {l: g[l] for l in C.DENSE if l != "gates"})
-    before = opt.params["gates"].data.clone()
-    m0 = opt.param_states["gates"]["exp_avg"].clone()
+    st = opt.param_states["gates"]
+    before = [opt.params["gates"].data.clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()]
+    assert all(torch.count_nonzero(t) > 0 for t in before)
     opt.step(do_adam=True)
-    assert torch.equal(opt.params["gates"].data, before) and torch.equal(opt.param_states["gates"]["exp_avg"], m0)
-    assert opt.param_states["gates"]["step"] == 0 and opt.param_states["scalars"]["step"] == 1
-    C.accumulate(opt.params, {"gates": g["gates"]})  # now it has one: it moves, its step count starts
+    after = [opt.params["gates"].data, st["exp_avg"], st["exp_avg_sq"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert st["step"] == 1 and opt.param_states["scalars"]["step"] == 2
+    C.accumulate(opt.params, {"gates": g["gates"]})  # a gradient again: it moves, its step count goes on
     opt.step(do_adam=True)
-    assert not torch.equal(opt.params["gates"].data, before) and opt.param_states["gates"]["step"] == 1
+    assert not torch.equal(opt.params["gates"].data, before[0]) and st["step"] == 2
+
+
+def test_inactive_member_of_a_group_is_masked():
+    """Two fp32 parameters in one flat group, one without a gradient: the fused pass runs over
+    both, and the inactive row must leave the other's value and moments exactly as they were."""
+    table = {n: {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.99]} for n in ("a", "b")}
+    ps = []
+    for n, shape in (("a", (5,)), ("b", (3,))):
+        p = torch.nn.Parameter(torch.randn(shape))
+        p.label = n
+        ps.append((n, p))
+    opt = AnvilAndAdam(ps, table)
+    assert len(opt.replicated.groups) == 1
+    for p in opt.params.values():
+        p.grad = torch.randn(p.shape)
+    opt.step(do_adam=True)
+    b = opt.params["b"]
+    before = [b.data.clone(), opt.param_states["b"]["exp_avg"].clone(), opt.param_states["b"]["exp_avg_sq"].clone()]
+    opt.params["a"].grad = torch.randn(5)
+    opt.step(do_adam=True)
+    after = [b.data, opt.param_states["b"]["exp_avg"], opt.param_states["b"]["exp_avg_sq"]]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert opt.param_states["a"]["step"] == 2 and opt.param_states["b"]["step"] == 1

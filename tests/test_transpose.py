@@ -7,12 +7,17 @@ memory transpose and native bf16 cast (the same tests run there with the gpu mar
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from anvil_fast.transpose import transpose_add, transpose_copy
 
-DEV = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# CPU: the kernel through the interpreter (conftest sets TRITON_INTERPRET=1 when there is no CUDA)
+DEV = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                    reason="the CPU kernel runs only in Triton's interpreter")),
+       pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEV)
@@ -31,15 +36,16 @@ def test_kernel_equals_torch_bitwise(device, dtype, shape):
     assert torch.equal(out, src.T)
 
 
-def test_strided_operands_and_mixed_dtypes():
+@pytest.mark.parametrize("device", DEV)
+def test_strided_operands_and_mixed_dtypes(device):
     g = torch.Generator().manual_seed(0)
-    big = torch.randn(40, 100, generator=g)
+    big = torch.randn(40, 100, generator=g).to(device)
     src = big[:, 10:70]  # row stride 100
-    dst_big = torch.zeros(60, 80)
+    dst_big = torch.zeros(60, 80, device=device)
     dst = dst_big[:, 5:45]  # row stride 80
     transpose_copy(src, dst, force_triton=True)
     assert torch.equal(dst, src.T) and torch.count_nonzero(dst_big[:, :5]) == 0
-    acc = torch.randn(60, 40, generator=g).bfloat16()
+    acc = torch.randn(60, 40, generator=g).bfloat16().to(device)
     want = acc.clone().add_(src.T)  # fp32 source into a bf16 destination: one rounding
     transpose_add(src, acc, force_triton=True)
     assert torch.equal(acc, want)
