@@ -91,7 +91,9 @@ class BankUpdateGraphs:
                     update(bank)
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
+            # the default global mode those queries invalidate the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 update(bank)
             for k, v in bank.mutated().items():
                 v.copy_(saved[k])

@@ -53,7 +53,7 @@ def _data(seed=0, vocab=50):
 
 
 def _train(model, opt, steps, sched=None):
-    x = _data()
+    x = _data().to(next(model.parameters()).device)
     losses = []
     for _ in range(steps):
         loss = nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())

@@ -12,9 +12,9 @@ stamp() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
   nvidia-smi topo -m
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
 stamp bench
-CUDA_VISIBLE_DEVICES=0 timeout "${T_BENCH:-150}" python3 -m anvil_fast.bench optimizer --rep-ms "${REP_MS:-200}" 2>&1 | tee "$OUT/bench_optimizer.log"
+[ -n "$SKIP_BENCH" ] || CUDA_VISIBLE_DEVICES=0 timeout "${T_BENCH:-150}" python3 -m anvil_fast.bench optimizer --rep-ms "${REP_MS:-200}" 2>&1 | tee "$OUT/bench_optimizer.log"
 stamp pytest
-timeout "${T_PYTEST:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -x -rs \
+timeout "${T_PYTEST:-150}" python3 -m pytest -q -s -m gpu -p no:cacheprovider -rs ${PYTEST_K:+-k "$PYTEST_K"} \
   tests/test_distributed.py tests/test_graphs.py tests/test_checkpoint.py tests/test_dropin.py \
   tests/test_transpose.py tests/test_bank_scalars.py tests/test_adam.py 2>&1 | tee "$OUT/pytest_optimizer_gpu.log"
 stamp scaling
