@@ -39,12 +39,12 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, folder: str,
         kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world_size, **kwargs)
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(folder, f"result{rank}.pt"))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    # No barrier on failure: the other ranks may be blocked in a collective, and a barrier here would
+    # hang this rank too and hide its traceback; raising lets the launcher stop them all.
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(folder, f"result{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
