@@ -50,7 +50,8 @@ of the largest term that entered an element, ``max(|p|, |p| * eff_wd, T)`` with
   ``max(|m|, |g|)``, at most 4 ulps of T after scaling, since two values' ulps differ by <= 2x per
   binade crossed) plus <= 3 relative roundings (sqrt of a 1.5-ulp v': 1.25; +eps, /, *: 0.5 each);
   the cautious decay adds two roundings (<= 1 ulp of ``max(|u|, |p| eff_wd)``) and ``p - u`` one
-  (0.5 ulp of the largest term): <= ~9.5 ulps. ADAM_ULPS = 10.
+  (0.5 ulp of the largest term): <= ~9.5 ulps. ADAM_ULPS = 10 (measured, CPU fallback, 4e5 random
+  elements at steps 1-50: <= 3.2).
 * bf16 parameters: the fp32 result above (<= 10 fp32 ulps = 0.0002 bf16 ulps) rounded once to
   bf16 (0.5 bf16 ulp): within ADAM_BF16_ULPS = 1 bf16 ulp of the largest term, against the exact value.
 """
