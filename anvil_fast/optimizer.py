@@ -58,6 +58,7 @@ from anvil_ref.constants import (
     ANVIL_DEFAULTS,
     EMBED_LABEL,
     LM_HEAD_LABEL,
+    SPARSE_UPDATE_LABEL,
 )
 
 from .adam import adam_row, adam_update_
@@ -66,8 +67,6 @@ from .comms import DONE, Comms, Handle, resolve_comms
 from .replicated_adam import ReplicatedAdam
 from .transpose import transpose_add, transpose_copy
 
-#: The label at whose places in scatter_order and work_order the row-sparse updates run (seed).
-SPARSE_UPDATE_LABEL = "value_embeds"
 
 STATE_FORMAT = "anvil_fast.AnvilAndAdam/1"
 

@@ -68,6 +68,8 @@ ODD_MATRIX_LR_MUL: float = 2.0
 #: Labels with tied-embedding semantics (seed: AnvilAndAdam.step).
 EMBED_LABEL: str = "embed"
 LM_HEAD_LABEL: str = "lm_head"
+#: The label at whose places in scatter_order and work_order the row-sparse updates run (seed).
+SPARSE_UPDATE_LABEL: str = "value_embeds"
 
 # ---------------------------------------------------------------------------------------------
 # Hyper-parameter defaults of the record's lineage: matrix lr 0.023, equalizer beta2 0.9, Adam lr
@@ -82,5 +84,6 @@ __all__ = [
     "RAIL_FAST_BETA", "RAIL_SLOW_BETA", "RAIL_FAST_WEIGHT", "RAIL_ENGAGE_STEP",
     "RAIL_BETA_MIN", "RAIL_BETA_MAX", "RAIL_BETA_WARMUP_STEPS", "RAIL_BETA_COOLDOWN_STEPS",
     "LANE_ENERGY_FLOOR", "MLP_BANK_LABEL", "ODD_MATRIX_LR_MUL", "EMBED_LABEL", "LM_HEAD_LABEL",
+    "SPARSE_UPDATE_LABEL",
     "ANVIL_DEFAULTS", "ADAM_DEFAULTS",
 ]

@@ -131,7 +131,10 @@ class ReferenceAnvilAndAdam:
                 raise ConfigError(f"parameter {name!r} has no .label attribute")
             if label in params:
                 raise ConfigError(f"label {label!r} is used by more than one parameter (again by {name!r})")
-            params[label] = ParamSpec(p, getattr(p, "reshape", None), getattr(p, "frozen_matrices", frozenset()))
+            # A tensor's own .reshape is a method; the seed shadows it with a tuple on bank parameters,
+            # so only an instance attribute counts.
+            reshape = vars(p).get("reshape") if hasattr(p, "__dict__") else None
+            params[label] = ParamSpec(p, reshape, getattr(p, "frozen_matrices", frozenset()))
         return cls(params, param_table, **kwargs)
 
     # ------------------------------------------------------------------ hyper-parameters

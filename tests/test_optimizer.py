@@ -237,6 +237,15 @@ def test_duplicate_labels_from_named_parameters():
         ReferenceAnvilAndAdam.from_named_parameters([("c", c)], TABLE)
 
 
+def test_bank_without_reshape_attribute_gets_a_clear_error():
+    # Tensor.reshape is a method: a bank parameter that lacks the seed's tuple attribute must not
+    # be mistaken for one that has it.
+    p = torch.zeros(32, 12)
+    p.label = "qk_bank"
+    with pytest.raises(A.ConfigError, match="needs a reshape"):
+        ReferenceAnvilAndAdam.from_named_parameters([("qk", p)], TABLE)
+
+
 # =================================================================================================
 # Fast path: anvil_fast.optimizer.AnvilAndAdam against this reference (anvil_fast section; the
 # model with every kind of parameter is tests/optimizer_cases.py)
