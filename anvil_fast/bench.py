@@ -4,8 +4,10 @@ Commands (each registered in :data:`COMMANDS` as ``name -> (add_arguments, run)`
 
 ``bank``   one ANVIL bank update on bf16 banks, side by side in one run with the baselines
            (the seed's update with a torch.compile'd plain-matmul cascade, eagerly launched and
-           captured in a CUDA graph), against the roofline measured in the same run.
-           ``--sweep`` also times a few tile configurations of each kernel per shape.
+           captured in a CUDA graph), against the roofline measured in the same run. Also prints
+           every per-shape tuning decision of :mod:`anvil_fast.gram_tune` (each candidate's time,
+           made during the warm-up, outside every timed region) and a phase table: each phase of the
+           update captured alone, and one map's kernels next to cuBLAS.
 ``optimizer`` one full AnvilAndAdam step on a GPT-2-small bank layout next to torch.optim.Muon +
            fused AdamW (:mod:`anvil_fast.bench_optimizer`).
 
@@ -116,6 +118,10 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
                                     scale_out=ws.scale, prescale=b.config.prescale)
                     cascade_workspace(ws, maps=b.maps, config=b.config, split=b.split_baddbmm)
                 r["fast_casc_graph"] = _bench(_graphed(casc), rep_ms=rep_ms)
+                try:  # the breakdown must never cost the main table
+                    r.update(_phases(bank, rep_ms=rep_ms))
+                except Exception as e:  # pragma: no cover - reported in the log
+                    print(f"  phases of {shape} failed: {type(e).__name__}: {e}", flush=True)
             r[f"{cfg.name}_graph"] = _bench(_graphed(upd), rep_ms=rep_ms)
             del bank
         del plain_bank
@@ -124,6 +130,73 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
         rows.append(r)
         print(f"  measured {shape} in {r['wall_s']:.1f} s", flush=True)
     return rows
+
+
+def _phases(bank, *, rep_ms: int) -> dict:
+    """Graphed time of each phase of the SAFE update alone (rails, cascade = normalization + maps,
+    equalizer + update) and of one map's three kernels against cuBLAS doing the same job."""
+    from .cascade import cascade_workspace, is_tall
+    from .equalizer import rail_equalizer
+    from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+    from .gram_tune import _time_us
+    from .rails import rails_lookahead
+    from .update import sign_aligned_decay_update
+
+    b, ws = bank, bank.workspace
+    r = {}
+    r["ph_rails"] = _bench(_graphed(lambda: rails_lookahead(
+        b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, scale_out=ws.scale,
+        prescale=b.config.prescale)), rep_ms=rep_ms)
+    r["ph_casc"] = _bench(_graphed(lambda: cascade_workspace(ws, maps=b.maps, config=b.config,
+                                                             split=b.split_baddbmm)), rep_ms=rep_ms)
+
+    def post():
+        v = rail_equalizer(ws.X, b.lane_energy, b.beta2, b.red_dim, guard_trips=b.guard_trips)
+        sign_aligned_decay_update(b.p_slice, b.mantissa, v, b.eff_wd, b.eff_lr, b.velocity[1])
+    r["ph_post"] = _bench(_graphed(post), rep_ms=rep_ms)
+    # One map's kernels on a normalized iterate (ws.X holds the cascade's output: orthogonal-ish).
+    X, A, B, C = ws.X, ws.A, ws.B, ws.C
+    tall = is_tall(X.shape)
+    gram = XTX if tall else XXT
+    gram(X, out=A)
+    ba_plus_cAA(A, alpha=1.9, beta=-4.8, out=B)
+    r["k_gram"] = _time_us(lambda: gram(X, out=A))
+    r["k_gram_cublas"] = _time_us(lambda: torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT))
+    r["k_baa"] = _time_us(lambda: ba_plus_cAA(A, alpha=1.9, beta=-4.8, out=B))
+    r["k_baa_cublas"] = _time_us(lambda: torch.baddbmm(A, A, A, beta=-4.8, alpha=1.9))
+    if tall:
+        r["k_axb"] = _time_us(lambda: aX_plus_mm(X, X, B, a=3.4, out=C))
+        r["k_axb_cublas"] = _time_us(lambda: torch.baddbmm(X, X, B, beta=3.4, out=C))
+    else:
+        r["k_axb"] = _time_us(lambda: aX_plus_mm(X, B, X, a=3.4, out=C))
+        r["k_axb_cublas"] = _time_us(lambda: torch.baddbmm(X, B, X, beta=3.4, out=C))
+    return r
+
+
+def format_phases(rows, tflops: float, gbs: float) -> str:
+    head = (f"{'shape':<14} {'rails':>6} {'casc':>6} {'eq+upd':>6} | {'gram':>6} {'cuBLAS':>6} {'TF/s':>4} | "
+            f"{'baa':>6} {'cuBLAS':>6} {'TF/s':>4} | {'axb':>6} {'cuBLAS':>6} {'TF/s':>4} | {'maps':>6} {'other':>6}")
+    lines = [head, "-" * len(head)]
+    for r in (r for r in rows if "k_gram" in r):
+        c, m, n = r["shape"]
+        k, K = min(m, n), max(m, n)
+        t = math.ceil(k / 128)
+        f = t * (t + 1) / 2 / (t * t)
+        g_fl, baa_fl, axb_fl = f * 2 * k * k * K * c, f * 2 * k ** 3 * c, 2 * k * k * K * c
+        maps_ms = 6 * (r["k_gram"] + r["k_baa"] + r["k_axb"]) / 1000
+        lines.append(
+            f"{'x'.join(map(str, r['shape'])):<14} {r['ph_rails']:>6.3f} {r['ph_casc']:>6.3f} {r['ph_post']:>6.3f} | "
+            f"{r['k_gram']:>6.1f} {r['k_gram_cublas']:>6.1f} {g_fl / r['k_gram'] / 1e6:>4.0f} | "
+            f"{r['k_baa']:>6.1f} {r['k_baa_cublas']:>6.1f} {baa_fl / r['k_baa'] / 1e6:>4.0f} | "
+            f"{r['k_axb']:>6.1f} {r['k_axb_cublas']:>6.1f} {axb_fl / r['k_axb'] / 1e6:>4.0f} | "
+            f"{maps_ms:>6.3f} {r['safe_graph'] - maps_ms:>6.3f}")
+    lines.append("Phases of the SAFE update, each captured alone (ms): rails = twin rails + lookahead (+ prescale), "
+                 "casc = normalization + 6 maps, eq+upd = guarded equalizer + mantissa update. One map's kernels "
+                 "(us, CUDA-graph replays, tuned configuration) next to cuBLAS doing the same product (full Gram "
+                 "bmm; baddbmm for b*A + c*A@A and for a*X + X@B, which first copies X); TF/s = FLOPs the "
+                 "kernel executes (lower tiles only for the symmetric ones). maps = 6 x (gram + baa + axb) in ms; "
+                 "other = safe+G - maps (element-wise phases, first normalization, launch gaps).")
+    return "\n".join(lines)
 
 
 def format_bank(rows, tflops: float, gbs: float) -> str:
@@ -154,61 +227,9 @@ def format_bank(rows, tflops: float, gbs: float) -> str:
     return "\n".join(lines)
 
 
-SWEEP = {
-    "gram": [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3)],
-    "mm_add": [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-               (128, 64, 64, 4, 4)],
-}
-
-
-def sweep_rows(shapes, *, rep_ms: int) -> list[str]:
-    from .gram import XTX, XXT, TileConfig, aX_plus_mm, ba_plus_cAA
-
-    out = []
-    for shape in shapes:
-        c, m, n = shape
-        tall = m > n
-        k = min(m, n)
-        X = torch.randn(shape, device="cuda").bfloat16()
-        A = torch.empty(c, k, k, device="cuda", dtype=torch.bfloat16)
-        Bm = torch.empty_like(A)
-        C = torch.empty_like(X)
-        gram = XTX if tall else XXT
-        gram(X, out=A)
-        A.div_(A.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None])
-        res = {}
-        res["gram cuBLAS"] = _bench(lambda: torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT), rep_ms=rep_ms)
-        res["baa cuBLAS"] = _bench(lambda: torch.baddbmm(A, A, A, beta=-2.0, alpha=1.5), rep_ms=rep_ms)
-        res["axb cuBLAS baddbmm"] = _bench(
-            lambda: torch.baddbmm(X, X, Bm, beta=2.0, out=C) if tall else torch.baddbmm(X, Bm, X, beta=2.0, out=C),
-            rep_ms=rep_ms)
-        res["axb cuBLAS bmm+add"] = _bench(
-            lambda: (torch.bmm(X, Bm, out=C) if tall else torch.bmm(Bm, X, out=C)).add_(X, alpha=2.0), rep_ms=rep_ms)
-        for cfg in SWEEP["gram"]:
-            tc = TileConfig(cfg[0], cfg[1], cfg[2], cfg[3], cfg[4])
-            res[f"gram {cfg}"] = _bench(lambda: gram(X, out=A, config=tc), rep_ms=rep_ms)
-            res[f"baa {cfg}"] = _bench(lambda: ba_plus_cAA(A, alpha=1.5, beta=-2.0, out=Bm, config=tc), rep_ms=rep_ms)
-        for cfg in SWEEP["mm_add"]:
-            tc = TileConfig(*cfg)
-            if tall:
-                res[f"axb {cfg}"] = _bench(lambda: aX_plus_mm(X, X, Bm, a=2.0, out=C, config=tc), rep_ms=rep_ms)
-            else:
-                res[f"axb {cfg}"] = _bench(lambda: aX_plus_mm(X, Bm, X, a=2.0, out=C, config=tc), rep_ms=rep_ms)
-        res["gram default"] = _bench(lambda: gram(X, out=A), rep_ms=rep_ms)
-        res["baa default"] = _bench(lambda: ba_plus_cAA(A, alpha=1.5, beta=-2.0, out=Bm), rep_ms=rep_ms)
-        res["axb default"] = _bench(
-            lambda: aX_plus_mm(X, X, Bm, a=2.0, out=C) if tall else aX_plus_mm(X, Bm, X, a=2.0, out=C), rep_ms=rep_ms)
-        line = f"{'x'.join(map(str, shape))}: " + "; ".join(f"{k} {v * 1000:.1f}us" for k, v in res.items())
-        out.append(line)
-        print(line, flush=True)
-    return out
-
-
 def _bank_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
-    ap.add_argument("--sweep", action="store_true", help="also time tile configurations of each kernel")
-    ap.add_argument("--sweep-shapes", default=None, help="shapes for --sweep (default: --shapes)")
 
 
 def _bank_run(a: argparse.Namespace) -> int:
@@ -218,13 +239,21 @@ def _bank_run(a: argparse.Namespace) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     tflops, gbs = measure_peaks()
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 8192^3 matmul {tflops:.0f} TFLOP/s, "
-          f"copy {gbs:.0f} GB/s (read + write)", flush=True)
-    if a.sweep:
-        sshapes = shapes if not a.sweep_shapes else [tuple(int(v) for v in s.split("x")) for s in a.sweep_shapes.split(",")]
-        sweep_rows(sshapes, rep_ms=max(50, a.rep_ms // 2))
+    import triton
+
+    from .gram import kernel_mode
+    from .gram_tune import report_lines, tuning_enabled
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"bf16 8192^3 matmul {tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s (read + write); "
+          f"kernels {kernel_mode()}, tuning {'on' if tuning_enabled() else 'off'}", flush=True)
     rows = bank_rows(shapes, rep_ms=a.rep_ms)
-    print(format_bank(rows, tflops, gbs))
+    for part in (lambda: "\n".join(report_lines()), lambda: format_phases(rows, tflops, gbs),
+                 lambda: format_bank(rows, tflops, gbs)):
+        try:
+            print(part(), flush=True)
+        except Exception as e:  # pragma: no cover - one failing table must not hide the others
+            print(f"table failed: {type(e).__name__}: {e}", flush=True)
     return 0
 
 

@@ -8,24 +8,27 @@ in fp32 and round once to bf16 into an ``out=`` buffer::
     ba_plus_cAA(A, alpha=c, beta=b, out=B)   B = b*A + c*(A @ A)     (A symmetric N x N)
     aX_plus_mm(X, L, R, a=a, out=C)      C = a*X + L @ R             (one rounding)
 
-Why the kernels look the way they do:
+Why the kernels look the way they do (the kernels themselves, with the reasons for their form, are
+in :mod:`anvil_fast.gram_kernels`):
 
-* The three symmetric outputs are computed on the lower-triangular tiles only (a 1-D grid over the
-  ``T(T+1)/2`` tiles of a ``T x T`` tiling, decoded with a square root) and each off-diagonal tile is
-  stored twice, as itself and transposed. That skips ``(T-1)/(2T)`` of the tiles' FLOPs (5/12 for
-  T = 6, i.e. a 768-wide Gram with 128-tiles) and makes the output *exactly* symmetric: diagonal
-  tiles copy their lower triangle onto their upper one in registers (``tl.where`` with the
-  transposed accumulator), so no element is written twice and no write depends on another
-  program.
-* Batch and row offsets are formed in int64 before being multiplied by strides, so a batch whose
-  total size exceeds 2**31 elements addresses correctly.
-* Every load is masked, so any size works (not only multiples of the block sizes); masked-off
-  operand entries are zero and do not change the dot product.
+* The three symmetric outputs are computed on the lower-triangular tiles only and each off-diagonal
+  tile is stored twice, as itself and transposed. That skips ``(T-1)/(2T)`` of the tiles' FLOPs (5/12
+  for T = 6, i.e. a 768-wide Gram with 128-tiles) and makes the output *exactly* symmetric: every
+  element is written once, from one fp32 accumulator.
+* Offsets are formed in int64, so a batch whose total size exceeds 2**31 elements addresses
+  correctly.
+* Any size works (not only multiples of the block sizes): the pointer path masks partial tiles;
+  exact tilings (``EVEN``) drop the masks and may use TMA descriptors.
 * ``aX_plus_mm`` exists because the obvious forms both make an extra pass over X: ``baddbmm(X, ...,
   out=C)`` first copies X into C (the seed's "defensive copy") and the seed's split path writes
   ``X @ B`` and then re-reads it for ``C += a*X``. Reading the X tile in the GEMM's epilogue costs one
   read of X and nothing else. It also rounds once (as ``baddbmm`` does) where the split path rounds
   twice.
+* Which tiles, warps, pipeline depth, pointer or TMA loads, and one-tile-per-program or persistent
+  grid: chosen per problem shape at the first call on a GPU by :mod:`anvil_fast.gram_tune`, which
+  times a short candidate list and cross-checks each candidate against the v1 kernels (``config=``
+  pins one; ``ANVIL_FAST_GRAM=v1`` restores the first kernels, ``ANVIL_FAST_TUNE=0`` skips tuning).
+  Every candidate computes the same fp32 sums of the same bf16 products and rounds once.
 * ``DOT_F32`` widens bf16 tiles to fp32 right before ``tl.dot`` and ``ROUND_FIX`` rounds fp32 to bf16
   on the bits; both are only on under Triton's CPU interpreter, whose bf16 dot is broken and whose
   fp32 -> bf16 cast truncates (see :mod:`anvil_fast._triton`).
@@ -41,7 +44,9 @@ differ, and ``out`` buffers of the wrong shape / dtype or overlapping an input.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -55,8 +60,15 @@ class GramInputError(ValueError):
 
 
 class TileConfig(NamedTuple):
-    """Launch parameters of one kernel call. BLOCK_N is ignored by the symmetric kernels (square
-    tiles, BLOCK_M x BLOCK_M)."""
+    """Launch parameters of one kernel call. The symmetric kernels use square BLOCK_M x BLOCK_M
+    tiles (BLOCK_N is ignored there).
+
+    ``kernel``: ``"ptr"`` (pointer loads), ``"tma"`` (TMA descriptors; used only where the problem
+    tiles exactly and the views are 16-byte aligned, else the pointer path runs), ``"v1"`` (the first
+    kernels) or ``"cublas"`` (``aX_plus_mm`` only: ``torch.baddbmm``, the same one-rounding math).
+    ``per_sm``: 0 launches one program per tile; k > 0 launches a persistent grid of k programs per
+    SM that walk the tiles.
+    """
 
     BLOCK_M: int
     BLOCK_N: int
@@ -64,189 +76,95 @@ class TileConfig(NamedTuple):
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
+    kernel: str = "ptr"
+    per_sm: int = 0
+
+    def describe(self) -> str:
+        if self.kernel == "cublas":
+            return "cublas"
+        p = f" p{self.per_sm}" if self.per_sm else ""
+        return (f"{self.kernel} {self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} w{self.num_warps} "
+                f"s{self.num_stages}{p}")
 
 
-# Largest grid dimension 1 (the batch axis) CUDA accepts; larger batches are launched in slices.
+KERNELS = ("ptr", "tma", "v1", "cublas")
+
+# v1 kernels: largest grid dimension 1 (the batch axis) CUDA accepts; larger batches are launched in
+# slices. Current kernels: a 1-D grid over (matrix, tile) pairs, sliced so the index stays int32.
 _MAX_GRID_Y = 65535
-
-# ------------------------------------------------------------------------------------------------
-# Triton kernels (defined only when Triton imports; the module itself never needs it)
+_MAX_TILES_PER_LAUNCH = 2 ** 31 - 1
 
 if triton_available():
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def _probe_dot(A, B, C, N: tl.constexpr, DOT_F32: tl.constexpr):
-        r = tl.arange(0, N)
-        a = tl.load(A + r[:, None] * N + r[None, :])
-        b = tl.load(B + r[:, None] * N + r[None, :])
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        tl.store(C + r[:, None] * N + r[None, :], tl.dot(a, b))
+    from . import gram_kernels as K
+    from .gram_kernels import _probe_cast, _probe_dot, _to_bf16  # noqa: F401  (used by other modules)
 
-    @triton.jit
-    def _probe_cast(A, C, N: tl.constexpr, ROUND_FIX: tl.constexpr):
-        r = tl.arange(0, N)
-        tl.store(C + r, _to_bf16(tl.load(A + r), ROUND_FIX))
 
-    @triton.jit
-    def _to_bf16(x, ROUND_FIX: tl.constexpr):
-        # fp32 -> bf16, round to nearest even. ROUND_FIX does it on the bits (add 0x7FFF plus the
-        # lowest kept bit, drop the low half): only under the interpreter, whose cast truncates.
-        if ROUND_FIX:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(tl.bfloat16)
+def _descriptor(t2d: Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    @triton.jit
-    def _lower_tile(pid):
-        # pid -> (i, j) with i >= j, pid = i (i + 1) / 2 + j. The float estimate of i is exact for
-        # the tile counts that occur (< 2**20); the two corrections make it exact regardless.
-        i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
-        i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
-        i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
-        return i, pid - i * (i + 1) // 2
-
-    @triton.jit
-    def _store_symmetric(C, val, rows, cols, N, scm, scn, BLOCK: tl.constexpr, ROUND_FIX: tl.constexpr):
-        # val is the fp32 tile (i, j). Diagonal tiles (i == j) take their lower triangle for both
-        # halves; off-diagonal tiles are also written transposed at (j, i).
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        valT = tl.trans(val)
-        sym = tl.where(rows[:, None] >= cols[None, :], val, valT)
-        mask = (rows[:, None] < N) & (cols[None, :] < N)
-        tl.store(C + rows64[:, None] * scm + cols64[None, :] * scn, _to_bf16(sym, ROUND_FIX), mask=mask)
-        # (i != j) written elementwise (a scalar bool mask trips the interpreter).
-        off_diag = (rows[None, :] // BLOCK) != (cols[:, None] // BLOCK)
-        mirror = (cols[:, None] < N) & (rows[None, :] < N) & off_diag
-        tl.store(C + cols64[:, None] * scm + rows64[None, :] * scn, _to_bf16(valT, ROUND_FIX), mask=mirror)
-
-    @triton.jit
-    def _gram_kernel(X, C, N, K, sxb, sxn, sxk, scb, scm, scn,
-                     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND_FIX: tl.constexpr):
-        # C[b] = Y Y^T with Y[n, k] = X[b + n*sxn + k*sxk]: XXT is (sxn, sxk) = (row, col) strides,
-        # XTX is (col, row) strides.
-        i, j = _lower_tile(tl.program_id(0))
-        bat = tl.program_id(1).to(tl.int64)
-        X += bat * sxb
-        C += bat * scb
-        ar = tl.arange(0, BLOCK)
-        ak = tl.arange(0, BLOCK_K)
-        rows = i * BLOCK + ar
-        cols = j * BLOCK + ar
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ak
-            kk64 = kk.to(tl.int64)
-            a = tl.load(X + rows64[:, None] * sxn + kk64[None, :] * sxk,
-                        mask=(rows[:, None] < N) & (kk[None, :] < K), other=0.0)
-            b = tl.load(X + kk64[:, None] * sxk + cols64[None, :] * sxn,
-                        mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        _store_symmetric(C, acc, rows, cols, N, scm, scn, BLOCK, ROUND_FIX)
-
-    @triton.jit
-    def _ba_plus_caa_kernel(A, C, N, alpha, beta, sab, sam, san, scb, scm, scn,
-                            BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND_FIX: tl.constexpr):
-        # C[b] = beta*A + alpha*(A @ A), lower tiles only (A symmetric => C symmetric).
-        i, j = _lower_tile(tl.program_id(0))
-        bat = tl.program_id(1).to(tl.int64)
-        A += bat * sab
-        C += bat * scb
-        ar = tl.arange(0, BLOCK)
-        ak = tl.arange(0, BLOCK_K)
-        rows = i * BLOCK + ar
-        cols = j * BLOCK + ar
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        for k0 in range(0, N, BLOCK_K):
-            kk = k0 + ak
-            kk64 = kk.to(tl.int64)
-            a = tl.load(A + rows64[:, None] * sam + kk64[None, :] * san,
-                        mask=(rows[:, None] < N) & (kk[None, :] < N), other=0.0)
-            b = tl.load(A + kk64[:, None] * sam + cols64[None, :] * san,
-                        mask=(kk[:, None] < N) & (cols[None, :] < N), other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        mask = (rows[:, None] < N) & (cols[None, :] < N)
-        aij = tl.load(A + rows64[:, None] * sam + cols64[None, :] * san, mask=mask, other=0.0)
-        val = alpha * acc + beta * aij.to(tl.float32)
-        _store_symmetric(C, val, rows, cols, N, scm, scn, BLOCK, ROUND_FIX)
-
-    @triton.jit
-    def _mm_add_kernel(L, R, X, O, M, N, K, alpha,
-                       slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, sob, som, son,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
-        # O[b] = alpha*X[b] + L[b] @ R[b]; tiles in GROUP_M-row groups so neighbouring programs
-        # share L's row panel and R's column panel in L2.
-        pid = tl.program_id(0)
-        bat = tl.program_id(1).to(tl.int64)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        gsize = tl.minimum(num_m - first_m, GROUP_M)
-        pm = first_m + (pid % per_group) % gsize
-        pn = (pid % per_group) // gsize
-        L += bat * slb
-        R += bat * srb
-        X += bat * sxb
-        O += bat * sob
-        rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        ak = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ak
-            kk64 = kk.to(tl.int64)
-            a = tl.load(L + rows64[:, None] * slm + kk64[None, :] * slk,
-                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(R + kk64[:, None] * srk + cols64[None, :] * srn,
-                        mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(X + rows64[:, None] * sxm + cols64[None, :] * sxn, mask=mask, other=0.0)
-        val = alpha * x.to(tl.float32) + acc
-        tl.store(O + rows64[:, None] * som + cols64[None, :] * son, _to_bf16(val, ROUND_FIX), mask=mask)
+    return TensorDescriptor.from_tensor(t2d, block)
 
 
 # ------------------------------------------------------------------------------------------------
 # Launch configurations
 
+def kernel_mode() -> str:
+    """``ANVIL_FAST_GRAM``: ``auto`` (default: current kernels, tuned per shape) or ``v1`` (the first
+    kernels with their size heuristic; the fallback if a new kernel misbehaves on some GPU)."""
+    mode = os.environ.get("ANVIL_FAST_GRAM", "auto")
+    if mode not in ("auto", "v1"):
+        raise ValueError(f"ANVIL_FAST_GRAM: expected 'auto' or 'v1', got {mode!r}")
+    return mode
+
+
 def default_config(kind: str, n: int, k: int, batch: int) -> TileConfig:
-    """Tile sizes by problem size (``kind``: "gram", "ba_plus_cAA" or "mm_add"; ``n`` the output's
-    larger side, ``k`` the reduction length). From the H200 sweep of ``python -m anvil_fast.bench
-    bank --sweep`` (NOTES.md): 128-tiles with 4 stages for the symmetric kernels and 128 x 256 tiles
-    for the GEMM on large banks; 64-tiles with a 128-deep K step where the grid would not cover the
-    132 SMs. Under the interpreter, small tiles keep CPU tests fast."""
+    """The untuned configuration (``kind``: "gram", "ba_plus_cAA" or "mm_add"; ``n`` the output's
+    larger side, ``k`` the reduction length): v1's size heuristic from the first H200 sweep
+    (NOTES.md), used where no tuning runs (CUDA-graph capture of a shape never called before,
+    ``ANVIL_FAST_TUNE=0``). Under the interpreter, small current-kernel tiles keep CPU tests fast."""
     if interpreting():
         return TileConfig(32, 32, 32, 4, 1)
     tiles128 = math.ceil(n / 128)
     small = n <= 256 or batch * tiles128 * (tiles128 + 1) // 2 < 2 * 132
     if kind == "mm_add":
-        return TileConfig(64, 128, 64, 4, 4) if small else TileConfig(128, 256, 64, 8, 3)
-    return TileConfig(64, 64, 128, 4, 3) if small else TileConfig(128, 128, 64, 8, 4)
+        cfg = TileConfig(64, 128, 64, 4, 4) if small else TileConfig(128, 256, 64, 8, 3)
+    else:
+        cfg = TileConfig(64, 64, 128, 4, 3) if small else TileConfig(128, 128, 64, 8, 4)
+    return cfg._replace(kernel="v1")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if interpreting() or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def _grid(total: int, cfg: TileConfig, t: Tensor) -> int:
+    if cfg.per_sm <= 0:
+        return total
+    return max(1, min(total, cfg.per_sm * _num_sms(t.device.index if t.is_cuda else None)))
+
+
+def _tma_views_ok(*views: Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides and an int32 row coordinate."""
+    for v in views:
+        if v.data_ptr() % 16 or (v.stride(0) * v.element_size()) % 16 or v.shape[0] >= 2 ** 31:
+            return False
+    return True
+
+
+def _slices(nbatch: int, per_matrix: int):
+    step = max(1, min(nbatch, _MAX_TILES_PER_LAUNCH // max(1, per_matrix)))
+    for s in range(0, nbatch, step):
+        yield s, min(nbatch, s + step)
+
+
+def _int32_steps_ok(cfg: TileConfig, *strides: int) -> bool:
+    # The pointer path advances by BLOCK_K * stride in int32 arithmetic.
+    return all(cfg.BLOCK_K * s < 2 ** 31 for s in strides)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,13 +227,135 @@ def _use_triton(t: Tensor, backend: str) -> bool:
     return triton_available() and t.is_cuda
 
 
-def _batch_slices(nbatch: int):
-    for s in range(0, nbatch, _MAX_GRID_Y):
-        yield s, min(nbatch, s + _MAX_GRID_Y)
-
-
 def _symmetrize_lower(g: Tensor) -> Tensor:
     return g.tril() + g.tril(-1).mT
+
+
+# ------------------------------------------------------------------------------------------------
+# Launches: run one kernel call with one configuration (the tuner calls these with each candidate)
+
+def _launch_gram(x3: Tensor, o3: Tensor, n: int, k: int, transpose: bool, cfg: TileConfig) -> None:
+    rows, cols = x3.shape[1], x3.shape[2]
+    sxn, sxk = (x3.stride(2), x3.stride(1)) if transpose else (x3.stride(1), x3.stride(2))
+    if cfg.kernel == "v1" or not _int32_steps_ok(cfg, sxk):
+        t = triton.cdiv(n, cfg.BLOCK_M)
+        for s in range(0, x3.shape[0], _MAX_GRID_Y):
+            xs, os_ = x3[s:s + _MAX_GRID_Y], o3[s:s + _MAX_GRID_Y]
+            K._gram_kernel_v1[(t * (t + 1) // 2, xs.shape[0])](
+                xs, os_, n, k, xs.stride(0), sxn, sxk, os_.stride(0), os_.stride(1), os_.stride(2),
+                BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
+    t = triton.cdiv(n, bl)
+    tt = t * (t + 1) // 2
+    even = n % bl == 0 and k % bk == 0
+    for s, e in _slices(x3.shape[0], tt):
+        xs, os_ = x3[s:e], o3[s:e]
+        total = (e - s) * tt
+        xa, oa, tma = xs, os_, False
+        if cfg.kernel == "tma" and even:
+            xv, ov = xs.reshape(-1, cols), os_.reshape(-1, n)
+            if _tma_views_ok(xv, ov):
+                xa, oa, tma = _descriptor(xv, [bk, bl] if transpose else [bl, bk]), _descriptor(ov, [bl, bl]), True
+        K._gram_kernel[(_grid(total, cfg, xs),)](
+            xa, oa, n, k, xs.stride(0), sxn, sxk, os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
+            BLOCK=bl, BLOCK_K=bk, TRANS=transpose, EVEN=even, TMA=tma, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_ba_plus_caa(a3: Tensor, o3: Tensor, n: int, alpha: float, beta: float, cfg: TileConfig) -> None:
+    if cfg.kernel == "v1" or not _int32_steps_ok(cfg, a3.stride(1)):
+        t = triton.cdiv(n, cfg.BLOCK_M)
+        for s in range(0, a3.shape[0], _MAX_GRID_Y):
+            as_, os_ = a3[s:s + _MAX_GRID_Y], o3[s:s + _MAX_GRID_Y]
+            K._ba_plus_caa_kernel_v1[(t * (t + 1) // 2, as_.shape[0])](
+                as_, os_, n, alpha, beta, as_.stride(0), as_.stride(1), as_.stride(2),
+                os_.stride(0), os_.stride(1), os_.stride(2),
+                BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
+    t = triton.cdiv(n, bl)
+    tt = t * (t + 1) // 2
+    even = n % bl == 0 and n % bk == 0
+    for s, e in _slices(a3.shape[0], tt):
+        as_, os_ = a3[s:e], o3[s:e]
+        total = (e - s) * tt
+        a, ab, ae, oa, tma = as_, as_, as_, os_, False
+        if cfg.kernel == "tma" and even:
+            av, ov = as_.reshape(-1, n), os_.reshape(-1, n)
+            if _tma_views_ok(av, ov):
+                a, ab, ae = _descriptor(av, [bl, bk]), _descriptor(av, [bk, bl]), _descriptor(av, [bl, bl])
+                oa, tma = _descriptor(ov, [bl, bl]), True
+        K._ba_plus_caa_kernel[(_grid(total, cfg, as_),)](
+            a, ab, ae, oa, n, alpha, beta, as_.stride(0), as_.stride(1), as_.stride(2),
+            os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
+            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, m: int, n: int, k: int, a: float,
+                   cfg: TileConfig) -> None:
+    if cfg.kernel == "cublas":
+        # baddbmm copies X into the output and lets cuBLAS compute a*X + L@R in its fp32 epilogue:
+        # one rounding, as the fused kernel. Reduced-precision split-K reductions would add a bf16
+        # rounding of partial sums, so they are switched off for this call.
+        mm = torch.backends.cuda.matmul
+        prev = mm.allow_bf16_reduced_precision_reduction
+        mm.allow_bf16_reduced_precision_reduction = False
+        try:
+            torch.baddbmm(x3, l3, r3, beta=a, out=o3)
+        finally:
+            mm.allow_bf16_reduced_precision_reduction = prev
+        return
+    if cfg.kernel == "v1" or not _int32_steps_ok(cfg, l3.stride(2), r3.stride(1)):
+        grid0 = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
+        for s in range(0, x3.shape[0], _MAX_GRID_Y):
+            e = s + _MAX_GRID_Y
+            xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
+            K._mm_add_kernel_v1[(grid0, xs.shape[0])](
+                ls, rs, xs, os_, m, n, k, a,
+                ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1), rs.stride(2),
+                xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2),
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                DOT_F32=dot_f32(), ROUND_FIX=round_fix(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
+    per_mat = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    even = m % bm == 0 and n % bn == 0 and k % bk == 0
+    for s, e in _slices(x3.shape[0], per_mat):
+        xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
+        total = (e - s) * per_mat
+        la, ra, xa, oa, tma = ls, rs, xs, os_, False
+        if cfg.kernel == "tma" and even:
+            lv, rv, xv, ov = ls.reshape(-1, k), rs.reshape(-1, n), xs.reshape(-1, n), os_.reshape(-1, n)
+            if _tma_views_ok(lv, rv, xv, ov):
+                la, ra = _descriptor(lv, [bm, bk]), _descriptor(rv, [bk, bn])
+                xa, oa, tma = _descriptor(xv, [bm, bn]), _descriptor(ov, [bm, bn]), True
+        K._mm_add_kernel[(_grid(total, cfg, xs),)](
+            la, ra, xa, oa, m, n, k, a,
+            ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1), rs.stride(2),
+            xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2), total,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EVEN=even, TMA=tma,
+            DOT_F32=dot_f32(), ROUND_FIX=round_fix(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _choose(kind: str, key: tuple, config: TileConfig | None, launch, out: Tensor, n: int, k: int,
+            batch: int) -> TileConfig:
+    """The configuration of this call: the caller's, else v1's heuristic (``ANVIL_FAST_GRAM=v1``),
+    else the tuned one for this shape (tuned now if it is new; see :mod:`anvil_fast.gram_tune`)."""
+    if config is not None:
+        if config.kernel not in KERNELS or (config.kernel == "cublas" and kind != "mm_add"):
+            raise GramInputError(f"config.kernel: expected one of {KERNELS} ('cublas' only for aX_plus_mm), "
+                                 f"got {config.kernel!r}")
+        return config
+    default = default_config(kind, n, k, batch)
+    if interpreting() or kernel_mode() == "v1":
+        return default
+    from .gram_tune import choose
+
+    return choose(kind, key, launch, out, default)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -337,15 +377,9 @@ def _gram(X: Tensor, out: Tensor | None, transpose: bool, backend: str, config: 
         return out.copy_(_symmetrize_lower(g))
     x3 = X.reshape(-1, rows, cols)
     o3 = out.view(-1, n, n)
-    cfg = config or default_config("gram", n, k, x3.shape[0])
-    t = triton.cdiv(n, cfg.BLOCK_M)
-    sxn, sxk = (x3.stride(2), x3.stride(1)) if transpose else (x3.stride(1), x3.stride(2))
-    for s, e in _batch_slices(x3.shape[0]):
-        xs, os_ = x3[s:e], o3[s:e]
-        _gram_kernel[(t * (t + 1) // 2, e - s)](
-            xs, os_, n, k, xs.stride(0), sxn, sxk, os_.stride(0), os_.stride(1), os_.stride(2),
-            BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = functools.partial(_launch_gram, x3, o3, n, k, transpose)
+    cfg = _choose("gram", (name, n, k, x3.shape[0], X.device.index), config, launch, o3, n, k, x3.shape[0])
+    launch(cfg)
     return out
 
 
@@ -380,15 +414,11 @@ def ba_plus_cAA(A: Tensor, *, alpha: float, beta: float, out: Tensor | None = No
         return out.copy_(_symmetrize_lower(alpha * (af @ af) + beta * af))
     a3 = A.reshape(-1, n, n)
     o3 = out.view(-1, n, n)
-    cfg = config or default_config("ba_plus_cAA", n, n, a3.shape[0])
-    t = triton.cdiv(n, cfg.BLOCK_M)
-    for s, e in _batch_slices(a3.shape[0]):
-        as_, os_ = a3[s:e], o3[s:e]
-        _ba_plus_caa_kernel[(t * (t + 1) // 2, e - s)](
-            as_, os_, n, alpha, beta, as_.stride(0), as_.stride(1), as_.stride(2),
-            os_.stride(0), os_.stride(1), os_.stride(2),
-            BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # The tuner's candidates run with these alpha/beta too (outputs are compared, not only timed).
+    launch = functools.partial(_launch_ba_plus_caa, a3, o3, n, alpha, beta)
+    cfg = _choose("ba_plus_cAA", ("ba_plus_cAA", n, a3.shape[0], A.device.index), config, launch, o3, n, n,
+                  a3.shape[0])
+    launch(cfg)
     return out
 
 
@@ -416,16 +446,11 @@ def aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None 
         return out.copy_(a * X.float() + L.float() @ R.float())
     x3, l3, r3 = X.reshape(-1, m, n), L.reshape(-1, m, k), R.reshape(-1, k, n)
     o3 = out.view(-1, m, n)
-    cfg = config or default_config("mm_add", max(m, n), k, x3.shape[0])
-    grid0 = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-    for s, e in _batch_slices(x3.shape[0]):
-        xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
-        _mm_add_kernel[(grid0, e - s)](
-            ls, rs, xs, os_, m, n, k, a,
-            ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1), rs.stride(2),
-            xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            DOT_F32=dot_f32(), ROUND_FIX=round_fix(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = functools.partial(_launch_mm_add, x3, l3, r3, o3, m, n, k, a)
+    # Which operand is X (L is X: tall, R is X: wide) changes nothing in the kernel; m, n, k do.
+    cfg = _choose("mm_add", ("mm_add", m, n, k, x3.shape[0], X.device.index), config, launch, o3, max(m, n), k,
+                  x3.shape[0])
+    launch(cfg)
     return out
 
 

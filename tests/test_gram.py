@@ -96,6 +96,130 @@ def test_ax_plus_mm_equals_rounded_float64(m, k, n):
     assert_rounded_exact(out, 3.923798038567 * x + l_ @ r, "aX_plus_mm", scale=3.93 * x.abs() + l_.abs() @ r.abs())
 
 
+def _all_ops_exact(X: torch.Tensor, cfg_sym, cfg_mm, what: str) -> None:
+    """XXT, XTX, ba_plus_cAA and both orientations of aX_plus_mm of X against float64."""
+    x64 = X.double().cpu()
+    ax = x64.abs()
+    for fn, exact, scale in ((G.XXT, x64 @ x64.mT, ax @ ax.mT), (G.XTX, x64.mT @ x64, ax.mT @ ax)):
+        n = exact.shape[-1]
+        A = poisoned((*X.shape[:-2], n, n))
+        fn(X, out=A, backend="triton", config=cfg_sym)
+        assert_rounded_exact(A, exact, f"{fn.__name__} {what}", scale=scale)
+        assert torch.equal(A, A.mT), f"{fn.__name__} {what}: not exactly symmetric"
+        S = (A.float() / A.float().diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]).bfloat16()
+        s64 = S.double().cpu()
+        B = poisoned(tuple(S.shape))
+        G.ba_plus_cAA(S, alpha=1.4, beta=-3.3, out=B, backend="triton", config=cfg_sym)
+        assert_rounded_exact(B, -3.3 * s64 + 1.4 * s64 @ s64, f"ba_plus_cAA {what}",
+                             scale=3.3 * s64.abs() + 1.4 * s64.abs() @ s64.abs())
+        assert torch.equal(B, B.mT), f"ba_plus_cAA {what}: not exactly symmetric"
+        b64 = B.double().cpu()
+        tall = fn is G.XTX
+        C = poisoned(tuple(X.shape))
+        if tall:
+            G.aX_plus_mm(X, X, B, a=2.8, out=C, backend="triton", config=cfg_mm)
+        else:
+            G.aX_plus_mm(X, B, X, a=2.8, out=C, backend="triton", config=cfg_mm)
+        exact_c = 2.8 * x64 + (x64 @ b64 if tall else b64 @ x64)
+        scale_c = 2.8 * ax + (ax @ b64.abs() if tall else b64.abs() @ ax)
+        assert_rounded_exact(C, exact_c, f"aX_plus_mm {what} ({'tall' if tall else 'wide'})", scale=scale_c)
+
+
+@pytest.mark.parametrize("per_sm", [0, 2], ids=["grid", "persistent"])
+@pytest.mark.parametrize("kernel", ["v1", "ptr", "tma"])
+@pytest.mark.parametrize("shape", [(2, 64, 96), (3, 70, 45)], ids=["even", "odd"])
+def test_every_kernel_path_is_exact_and_symmetric(monkeypatch, shape, kernel, per_sm):
+    # The three kernel paths (and the persistent grid, which walks several tiles per program) on an
+    # exactly tiled shape (no masks; TMA descriptors where asked) and a ragged one (masked pointer
+    # path; TMA falls back to it). Descriptor creation is counted to check which path ran.
+    made = []
+    real = G._descriptor
+    monkeypatch.setattr(G, "_descriptor", lambda t, b: made.append(tuple(b)) or real(t, b))
+    g = torch.Generator().manual_seed(sum(shape) + per_sm)
+    X = torch.randn(shape, generator=g).bfloat16().to(DEV)
+    cfg_sym = G.TileConfig(32, 32, 16, 4, 1, kernel=kernel, per_sm=per_sm)
+    cfg_mm = G.TileConfig(32, 32, 16, 4, 1, 2, kernel=kernel, per_sm=per_sm)
+    _all_ops_exact(X, cfg_sym, cfg_mm, f"{kernel} {shape}")
+    even = all(d % 32 == 0 for d in shape[1:])
+    assert bool(made) == (kernel == "tma" and even), made
+    if made:  # XXT: X + out; XTX: X + out; ba_plus_cAA: 3 views of A + out (twice); aX_plus_mm: 4 (twice)
+        assert len(made) == 2 + 2 + 2 * 4 + 2 * 4
+
+
+def test_bad_kernel_name_is_refused():
+    with pytest.raises(G.GramInputError, match="config.kernel"):
+        G.XXT(torch.randn(4, 6).bfloat16(), backend="triton" if DEV == "cuda" or interpreting() else "auto",
+              config=G.TileConfig(32, 32, 32, 4, 1, kernel="cublas"))
+
+
+def test_tuner_drops_failures_and_disagreements_and_keeps_the_fastest():
+    from anvil_fast import gram_tune as GT
+
+    T = G.TileConfig
+    ref, slow, fast, ulp, wrong, boom = (T(32, 32, 32, 4, 1, kernel="v1"), T(64, 64, 64, 4, 3), T(64, 64, 64, 4, 3, kernel="tma"),
+                                         T(128, 128, 64, 8, 4), T(128, 128, 64, 4, 3), T(64, 64, 128, 4, 3))
+    truth = torch.randn(8, 8)
+    out = torch.zeros(8, 8)
+    last = []
+
+    def launch(cfg):
+        last.append(cfg)
+        if cfg == boom:
+            raise RuntimeError("out of shared memory")
+        y = truth.clone()
+        if cfg == wrong:
+            y[3, 4] += 10.0 * truth.abs().max()
+        if cfg == ulp:
+            y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf")))
+        out.copy_(y)
+
+    times = {ref: 10.0, slow: 8.0, fast: 5.0, ulp: 6.0, wrong: 1.0}
+    timer = lambda fn: (fn(), times[last[-1]])[1]  # noqa: E731
+    best, rec = GT.tune("gram", ("XXT", 64, 64, 1, None), launch, out, ref, cands=[slow, fast, ulp, wrong, boom],
+                        timer=timer, sync=lambda: None)
+    assert best == fast
+    by = {cfg: (us, note) for cfg, us, note in rec["results"]}
+    assert by[wrong][0] is None and by[wrong][1].startswith("REJECTED")
+    assert by[boom][0] is None and "FAILED RuntimeError" in by[boom][1]
+    assert by[ulp][0] == 6.0 and "1 entries differ" in by[ulp][1]
+    assert by[slow] == (8.0, "bitwise") and by[ref][0] == 10.0
+
+
+def test_tuner_caches_per_key_and_steps_aside_when_disabled(monkeypatch):
+    from anvil_fast import gram_tune as GT
+
+    T = G.TileConfig
+    calls = []
+    monkeypatch.setattr(GT, "tune", lambda kind, key, launch, out, default: calls.append(key) or
+                        (T(64, 64, 64, 4, 3, kernel="tma"), {"kind": kind, "key": key, "results": [],
+                                                            "chosen": default}))
+    monkeypatch.setattr(GT, "_CHOICES", {})
+    monkeypatch.setattr(GT, "RECORDS", [])
+    default = T(32, 32, 32, 4, 1, kernel="v1")
+    out = torch.zeros(2)
+    for _ in range(2):
+        assert GT.choose("gram", ("XXT", 1), None, out, default).kernel == "tma"
+    assert calls == [("XXT", 1)] and len(GT.RECORDS) == 1
+    monkeypatch.setenv("ANVIL_FAST_TUNE", "0")
+    assert GT.choose("gram", ("XXT", 2), None, out, default) == default and calls == [("XXT", 1)]
+
+
+def test_tuner_candidates_fit_the_problem():
+    from anvil_fast import gram_tune as GT
+
+    big = GT.candidates("gram", ("XXT", 768, 768, 64, 0), 132)
+    assert any(c.kernel == "tma" and c.per_sm for c in big) and all(c.kernel != "cublas" for c in big)
+    # 300 is not a multiple of any tile: no TMA; 4 matrices of 3 x 3 tiles: no persistent grid
+    odd = GT.candidates("gram", ("XXT", 300, 200, 4, 0), 132)
+    assert odd and all(c.kernel == "ptr" and not c.per_sm for c in odd)
+    tiny = GT.candidates("ba_plus_cAA", ("ba_plus_cAA", 17, 3, 0), 132)
+    assert tiny and all(c.BLOCK_M == 64 for c in tiny)
+    mm = GT.candidates("mm_add", ("mm_add", 2816, 768, 768, 24, 0), 132)
+    assert mm[-1].kernel == "cublas" and any(c.kernel == "tma" for c in mm)
+    assert not [c for c in GT.candidates("ba_plus_cAA", ("ba_plus_cAA", 768, 64, 0), 132)
+                if c.BLOCK_M == 128 and c.num_warps == 4]
+
+
 def test_torch_fallback_has_the_kernel_semantics():
     X = torch.randn(2, 50, 30).bfloat16()
     A = G.XXT(X, backend="torch")
@@ -106,16 +230,34 @@ def test_torch_fallback_has_the_kernel_semantics():
     assert_rounded_exact(B, -a + 2.0 * a @ a, "ba_plus_cAA torch")
 
 
-def test_batches_beyond_the_grid_limit_are_sliced(monkeypatch):
+@pytest.mark.parametrize("kernel", ["v1", "ptr"])
+def test_batches_beyond_the_launch_limit_are_sliced(monkeypatch, kernel):
+    # v1 slices the batch axis of its 2-D grid; the current kernels slice so the flattened
+    # (matrix, tile) index stays below _MAX_TILES_PER_LAUNCH. Count the launches to see it happen.
+    from anvil_fast import gram_kernels as K
+
     monkeypatch.setattr(G, "_MAX_GRID_Y", 2)
+    monkeypatch.setattr(G, "_MAX_TILES_PER_LAUNCH", 2)  # 32-tiles of a 20-wide Gram: 1 tile per matrix
+    name = "_gram_kernel_v1" if kernel == "v1" else "_gram_kernel"
+    real, launches = getattr(K, name), []
+
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(K, name, Count())
     X = torch.randn(5, 20, 12).bfloat16().to(DEV)
     out = poisoned((5, 20, 20))
-    G.XXT(X, out=out, backend="triton", config=SMALL)
+    cfg = G.TileConfig(32, 32, 16, 4, 1, kernel=kernel)
+    G.XXT(X, out=out, backend="triton", config=cfg)
+    assert len(launches) == 3, launches
     assert_rounded_exact(out, X.double().cpu() @ X.double().cpu().mT, "sliced batch")
 
 
 def test_interpreter_probes_are_consistent():
     from anvil_fast import _triton as T
+    from anvil_fast import gram_kernels as K
 
     if not interpreting():
         assert not T.dot_f32() and not T.round_fix()
@@ -125,8 +267,9 @@ def test_interpreter_probes_are_consistent():
     X = torch.randn(1, 32, 32).bfloat16()
     exact = X.double() @ X.double().mT
     out = torch.empty(1, 32, 32, dtype=torch.bfloat16)
-    G._gram_kernel[(1, 1)](X, out, 32, 32, X.stride(0), X.stride(1), X.stride(2), out.stride(0), out.stride(1),
-                           out.stride(2), BLOCK=32, BLOCK_K=32, DOT_F32=False, ROUND_FIX=True)
+    K._gram_kernel[(1,)](X, out, 32, 32, X.stride(0), X.stride(1), X.stride(2), out.stride(0), out.stride(1),
+                         out.stride(2), 1, 1, BLOCK=32, BLOCK_K=32, TRANS=False, EVEN=True, TMA=False, DOT_F32=False,
+                         ROUND_FIX=True)
     native_err = ((out.double() - exact).norm() / exact.norm()).item()
     assert (native_err > 1e-2) == T.interpreter_bf16_dot_is_broken()
 
@@ -186,7 +329,45 @@ def test_gpu_production_tiles_and_sizes():
 
 
 @pytest.mark.gpu
-def test_gpu_64bit_offsets():
+@pytest.mark.parametrize("shape", [(2, 256, 768), (3, 300, 200)], ids=["even", "odd"])
+def test_gpu_every_tuner_candidate_is_exact(shape):
+    # The tuner may pick any candidate for some shape: each one (all tile sizes, warps, stages, TMA,
+    # persistent grids, cuBLAS for aX_plus_mm) must be exact and symmetric, here compiled for the GPU.
+    from anvil_fast import gram_tune as GT
+
+    X = torch.randn(shape, device="cuda").bfloat16()
+    # A ragged shape never gets TMA candidates (gram_tune.candidates): there, the pointer ones.
+    usable = (lambda c: True) if shape[1] % 128 == 0 else (lambda c: c.kernel != "tma")
+    default_mm = G.TileConfig(64, 128, 64, 4, 4, kernel="v1")
+    for cfg in filter(usable, GT.SYM_CANDIDATES):
+        _all_ops_exact(X, cfg, default_mm, f"{cfg.describe()} {shape}")
+    default_sym = G.TileConfig(64, 64, 128, 4, 3, kernel="v1")
+    for cfg in filter(usable, GT.MM_CANDIDATES):
+        _all_ops_exact(X, default_sym, cfg, f"{cfg.describe()} {shape}")
+
+
+@pytest.mark.gpu
+def test_gpu_tuner_records_and_reuses_its_choice():
+    from anvil_fast import gram_tune as GT
+
+    GT.reset()
+    X = torch.randn(8, 768, 768, device="cuda").bfloat16()
+    A = G.XXT(X)
+    x64 = X.double()
+    assert_rounded_exact(A, x64 @ x64.mT, "tuned XXT", scale=x64.abs() @ x64.abs().mT)
+    assert torch.equal(A, A.mT)
+    assert len(GT.RECORDS) == 1
+    rec = GT.RECORDS[0]
+    timed = [(cfg, us) for cfg, us, _ in rec["results"] if us is not None]
+    assert rec["chosen"] in [cfg for cfg, _ in timed]
+    assert any(cfg.kernel != "v1" for cfg, _ in timed), GT.report_lines()
+    G.XXT(X)
+    assert len(GT.RECORDS) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["v1", "ptr", "tma"])
+def test_gpu_64bit_offsets(kernel):
     # 2**31 + a bit elements in one batch: element offsets of the last matrices exceed int32.
     rows, cols = 1024, 1024
     batch = 2 ** 31 // (rows * cols) + 2
@@ -195,7 +376,7 @@ def test_gpu_64bit_offsets():
     X[:-2].zero_()
     out = torch.empty(batch, rows, rows, dtype=torch.bfloat16, device="cuda")
     out[-2:].fill_(float("nan"))
-    G.XXT(X, out=out)
+    G.XXT(X, out=out, config=G.TileConfig(128, 128, 64, 8, 4, kernel=kernel))
     last = X[-2:].double()
     assert_rounded_exact(out[-2:], last @ last.mT, "64-bit offsets", scale=last.abs() @ last.abs().mT)
     del X, out

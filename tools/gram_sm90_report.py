@@ -1,0 +1,110 @@
+"""Compile every tuning candidate of anvil_fast.gram for sm_90a on a machine WITHOUT a GPU and print
+each kernel's registers, stack (spills), shared memory and instruction mix (wgmma, TMA, cp.async).
+
+    python tools/gram_sm90_report.py [gram] [baa] [mm]
+
+Why: the device time is scarce; compile errors, register spills and shared-memory overflows of a
+candidate are visible before any GPU run. The kernels go through Triton's own JIT specialization
+(``JITFunction.warmup`` with CPU tensors standing in for the device's), with the active driver
+replaced by a stub that reports an sm_90 target; ptxas and cuobjdump are the ones shipped in
+Triton's wheel. This relies on Triton internals (checked with triton 3.9 on CPU); the GPU machine's
+Triton version may compile differently, so the GPU run remains the judge.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+class _Sm90Stub:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def resources(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    reg = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    ptx = kernel.asm["ptx"]
+    return (f"regs {reg.group(1) if reg else '?'} stack {stack.group(1) if stack else '?'} "
+            f"smem {kernel.metadata.shared // 1024} KB, wgmma {ptx.count('wgmma.mma_async')}, "
+            f"TMA {ptx.count('cp.async.bulk.tensor')}, cp.async {ptx.count('cp.async.cg')}")
+
+
+class _Compile:
+    """Stands in for a kernel: ``kernel[grid](...)`` compiles for sm_90a and prints the report."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            t = time.time()
+            name = self.fn.fn.__name__
+            try:
+                k = self.fn.warmup(*args, grid=grid, **kw)
+                print(f"  {name:24s} TMA={kw.get('TMA', '-')!s:5} EVEN={kw.get('EVEN', '-')!s:5} "
+                      f"w{kw['num_warps']} s{kw['num_stages']} {time.time() - t:4.1f} s  {resources(k)}", flush=True)
+            except Exception as e:  # report and go on: the point is to see every candidate
+                print(f"  {name:24s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return call
+
+
+def main(which: list[str]) -> None:
+    driver.set_active(_Sm90Stub())
+    from anvil_fast import gram as G
+    from anvil_fast import gram_kernels as K
+    from anvil_fast import gram_tune as GT
+
+    G._use_triton = lambda t, backend: True  # CPU tensors stand in for CUDA ones; nothing is launched
+    for name in ("_gram_kernel", "_ba_plus_caa_kernel", "_mm_add_kernel"):
+        setattr(K, name, _Compile(getattr(K, name)))
+    X = torch.empty(64, 768, 768, dtype=torch.bfloat16)
+    A = torch.empty_like(X)
+    Xt = torch.empty(24, 2816, 768, dtype=torch.bfloat16)
+    At = torch.empty(24, 768, 768, dtype=torch.bfloat16)
+    for cfg in GT.SYM_CANDIDATES:
+        print(cfg.describe())
+        if "gram" in which:
+            G.XXT(X, out=A, config=cfg, backend="triton")
+            G.XTX(Xt, out=At, config=cfg, backend="triton")
+        if "baa" in which:
+            G.ba_plus_cAA(A, alpha=1.0, beta=2.0, out=X, config=cfg, backend="triton")
+    if "mm" in which:
+        for cfg in GT.MM_CANDIDATES:
+            if cfg.kernel == "cublas":
+                continue
+            print(cfg.describe())
+            G.aX_plus_mm(Xt, Xt, At, a=2.0, out=torch.empty_like(Xt), config=cfg, backend="triton")
+            G.aX_plus_mm(X, A, X, a=2.0, out=torch.empty_like(X), config=cfg, backend="triton")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["gram", "baa", "mm"])
