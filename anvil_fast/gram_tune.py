@@ -70,8 +70,29 @@ RECORDS: list[dict] = []
 _CHOICES: dict[tuple, TileConfig] = {}
 
 
+#: Problems below this many FLOPs (of the full product) keep the untuned default: a few microseconds
+#: of work, where launch cost dominates and tuning would only add its own time (and tests' time).
+MIN_TUNE_FLOPS = 2 ** 28
+
+
 def tuning_enabled() -> bool:
     return os.environ.get("ANVIL_FAST_TUNE", "1") != "0"
+
+
+def cublas_allowed() -> bool:
+    """``ANVIL_FAST_TUNE_CUBLAS=0`` keeps cuBLAS out of the candidates. Every Triton candidate was
+    bit-identical to v1 on the H200 (NOTES.md), so the tuner's choice among them never changes a
+    result; cuBLAS sums in another order (a bf16 ulp in ~0.1% of entries), so with it the bits of
+    the shapes where it wins depend on which one won."""
+    return os.environ.get("ANVIL_FAST_TUNE_CUBLAS", "1") != "0"
+
+
+def problem_flops(kind: str, key: tuple) -> int:
+    if kind == "gram":
+        return 2 * key[1] * key[1] * key[2] * key[3]
+    if kind == "ba_plus_cAA":
+        return 2 * key[1] ** 3 * key[2]
+    return 2 * key[1] * key[2] * key[3] * key[4]
 
 
 def _even(kind: str, cfg: TileConfig, key: tuple) -> bool:
@@ -103,7 +124,8 @@ def candidates(kind: str, key: tuple, sms: int) -> list[TileConfig]:
     side = key[1] if kind != "mm_add" else min(key[1], key[2])
     for c in (MM_CANDIDATES if kind == "mm_add" else SYM_CANDIDATES):
         if c.kernel == "cublas":
-            out.append(c)
+            if cublas_allowed():
+                out.append(c)
             continue
         if min(c.BLOCK_M, c.BLOCK_N if kind == "mm_add" else c.BLOCK_M) > max(64, 2 * side):
             continue
@@ -197,11 +219,13 @@ def tune(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Tenso
 def choose(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Tensor,
            default: TileConfig) -> TileConfig:
     """The configuration for ``key``: the tuned one, tuning now if the key is new (not while a CUDA
-    graph is being captured, and not with ``ANVIL_FAST_TUNE=0``: then ``default``)."""
+    graph is being captured, not below MIN_TUNE_FLOPS, and not with ``ANVIL_FAST_TUNE=0``: then
+    ``default``)."""
     got = _CHOICES.get(key)
     if got is not None:
         return got
-    if not tuning_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if (not tuning_enabled() or problem_flops(kind, key) < MIN_TUNE_FLOPS
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return default
     best, record = tune(kind, key, launch, out, default)
     _CHOICES[key] = best

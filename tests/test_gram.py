@@ -197,14 +197,17 @@ def test_tuner_caches_per_key_and_steps_aside_when_disabled(monkeypatch):
     monkeypatch.setattr(GT, "RECORDS", [])
     default = T(32, 32, 32, 4, 1, kernel="v1")
     out = torch.zeros(2)
+    big = ("XXT", 768, 768, 8, None)
     for _ in range(2):
-        assert GT.choose("gram", ("XXT", 1), None, out, default).kernel == "tma"
-    assert calls == [("XXT", 1)] and len(GT.RECORDS) == 1
+        assert GT.choose("gram", big, None, out, default).kernel == "tma"
+    assert calls == [big] and len(GT.RECORDS) == 1
+    # a few microseconds of work: not worth tuning
+    assert GT.choose("gram", ("XXT", 96, 96, 4, None), None, out, default) == default and calls == [big]
     monkeypatch.setenv("ANVIL_FAST_TUNE", "0")
-    assert GT.choose("gram", ("XXT", 2), None, out, default) == default and calls == [("XXT", 1)]
+    assert GT.choose("gram", ("XXT", 768, 768, 16, None), None, out, default) == default and calls == [big]
 
 
-def test_tuner_candidates_fit_the_problem():
+def test_tuner_candidates_fit_the_problem(monkeypatch):
     from anvil_fast import gram_tune as GT
 
     big = GT.candidates("gram", ("XXT", 768, 768, 64, 0), 132)
@@ -216,6 +219,8 @@ def test_tuner_candidates_fit_the_problem():
     assert tiny and all(c.BLOCK_M == 64 for c in tiny)
     mm = GT.candidates("mm_add", ("mm_add", 2816, 768, 768, 24, 0), 132)
     assert mm[-1].kernel == "cublas" and any(c.kernel == "tma" for c in mm)
+    monkeypatch.setenv("ANVIL_FAST_TUNE_CUBLAS", "0")
+    assert all(c.kernel != "cublas" for c in GT.candidates("mm_add", ("mm_add", 2816, 768, 768, 24, 0), 132))
     assert not [c for c in GT.candidates("ba_plus_cAA", ("ba_plus_cAA", 768, 64, 0), 132)
                 if c.BLOCK_M == 128 and c.num_warps == 4]
 

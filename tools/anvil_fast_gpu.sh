@@ -7,6 +7,8 @@
 #      rerun with the v1 kernels (ANVIL_FAST_GRAM=v1) if it fails outright,
 #   3. the rest of the GPU suite with whatever time is left.
 # DIFF=1 / NR1=1 add the difftest table and the near-rank-1 study before the benchmark.
+# Run 3 (results/anvil_fast_h200/run3, DEADLINE=395): stage 1 took 100 s, the benchmark 86 s; stage 2
+# did not finish in its then 90 s (killed inside tests/test_difftest.py), hence 150 s now.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/anvil_fast_out}
@@ -21,10 +23,10 @@ budget() { local left=$(( DEADLINE - $(elapsed) - ${2:-0} )); (( left < $1 )) &&
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 
 stamp "pytest kernels"
-timeout "$(budget "${T_GRAM:-120}" 250)" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gram.py \
+timeout "$(budget "${T_GRAM:-120}" 260)" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gram.py \
   2>&1 | tee "$OUT/pytest_gram_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
 stamp "pytest bank/difftest/near_rank1"
-timeout "$(budget "${T_BANK:-90}" 160)" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_bank.py \
+timeout "$(budget "${T_BANK:-150}" 110)" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_bank.py \
   tests/test_difftest.py tests/test_near_rank1.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
 if [[ -n "$DIFF" ]]; then
   stamp difftest
