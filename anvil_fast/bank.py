@@ -162,9 +162,9 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
     if ws is None:
         ws = bank.workspace = CascadeWorkspace.for_shape(tuple(bank.p_slice.shape), bank.p_slice.device)
     cfg = bank.config
-    # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (prescaled in SAFE)
+    # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (clamped to bf16's range in SAFE)
     rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
-                    x_out=ws.X, scale_out=ws.scale, prescale=cfg.prescale, compile=compile)
+                    x_out=ws.X, prescale=cfg.prescale, compile=compile)
     # 2. The cascade
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile)
     # 3. Equalize per-lane update energy (guarded in SAFE)

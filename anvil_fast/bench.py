@@ -115,7 +115,7 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
                 def casc(b=bank):
                     ws = b.workspace
                     rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
-                                    scale_out=ws.scale, prescale=b.config.prescale)
+                                    prescale=b.config.prescale)
                     cascade_workspace(ws, maps=b.maps, config=b.config, split=b.split_baddbmm)
                 r["fast_casc_graph"] = _bench(_graphed(casc), rep_ms=rep_ms)
                 try:  # the breakdown must never cost the main table
@@ -145,7 +145,7 @@ def _phases(bank, *, rep_ms: int) -> dict:
     b, ws = bank, bank.workspace
     r = {}
     r["ph_rails"] = _bench(_graphed(lambda: rails_lookahead(
-        b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, scale_out=ws.scale,
+        b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
         prescale=b.config.prescale)), rep_ms=rep_ms)
     r["ph_casc"] = _bench(_graphed(lambda: cascade_workspace(ws, maps=b.maps, config=b.config,
                                                              split=b.split_baddbmm)), rep_ms=rep_ms)
@@ -190,8 +190,8 @@ def format_phases(rows, tflops: float, gbs: float) -> str:
             f"{r['k_baa']:>6.1f} {r['k_baa_cublas']:>6.1f} {baa_fl / r['k_baa'] / 1e6:>4.0f} | "
             f"{r['k_axb']:>6.1f} {r['k_axb_cublas']:>6.1f} {axb_fl / r['k_axb'] / 1e6:>4.0f} | "
             f"{maps_ms:>6.3f} {r['safe_graph'] - maps_ms:>6.3f}")
-    lines.append("Phases of the SAFE update, each captured alone (ms): rails = twin rails + lookahead (+ prescale), "
-                 "casc = normalization + 6 maps, eq+upd = guarded equalizer + mantissa update. One map's kernels "
+    lines.append("Phases of the SAFE update, each captured alone (ms): rails = twin rails + lookahead (+ clamp), "
+                 "casc = normalization (+ prescale) + 6 maps, eq+upd = guarded equalizer + mantissa update. One map's kernels "
                  "(us, CUDA-graph replays, tuned configuration) next to cuBLAS doing the same product (full Gram "
                  "bmm; baddbmm for b*A + c*A@A and for a*X + X@B, which first copies X); TF/s = FLOPs the "
                  "kernel executes (lower tiles only for the symmetric ones). maps = 6 x (gram + baa + axb) in ms; "

@@ -21,7 +21,9 @@ than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-
 ``SAFE`` (the default) -- the same math with four changes, each measured in NOTES.md:
 
 1. the trace is the fp32 sum of squares of the bf16 X (not the bf16-rounded Gram diagonal);
-2. the input is prescaled by an exact power of two (:mod:`anvil_fast.rails`), and eps with it;
+2. the normalization prescales X by an exact power of two per matrix (eps with it) and takes the
+   first Gram of the normalized X_1 instead of rescaling the unnormalized one (so no finite input
+   can overflow it); the rails clamp the lookahead to bf16's finite range before the cast;
 3. the margin is ``FROBENIUS_MARGIN * (1 + SAFE_MARGIN_SLACK)``;
 4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.gram.aX_plus_mm`: one rounding, no extra
    pass over X), and the equalizer's guard is on (:mod:`anvil_fast.equalizer`).
@@ -53,7 +55,7 @@ from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
 from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-from .rails import PRESCALE_EXP_LIMIT
+from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
 #: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).
 SAFE_MARGIN_SLACK = 2.0 ** -7
@@ -65,10 +67,15 @@ class CascadeConfig:
 
     name: str
     fp32_trace: bool  #: trace from the fp32 sum of squares of X (else the bf16 Gram's diagonal)
-    prescale: bool  #: exact power-of-two prescale of the input (eps scaled alike)
+    prescale: bool  #: exact power-of-two prescale in the normalization (eps scaled alike); needs fp32_trace
     margin_slack: float  #: margin = FROBENIUS_MARGIN * (1 + margin_slack)
     fused_axb: bool  #: a*X + X@B as one kernel, one rounding (else the seed's baddbmm / bmm + add_)
     guard: bool  #: the equalizer zeroes (and counts) matrices whose update is non-finite or exploded
+
+    def __post_init__(self):
+        if self.prescale and not self.fp32_trace:
+            raise ValueError(f"config {self.name!r}: prescale takes the first Gram after the normalization, "
+                             "so the trace must come from X (set fp32_trace=True)")
 
     def margin(self, base: float = FROBENIUS_MARGIN) -> float:
         return base * (1.0 + self.margin_slack)
@@ -117,34 +124,39 @@ class CascadeWorkspace:
                    scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device))
 
 
-def _normalize(X: Tensor, A: Tensor, scale: Tensor, fp32_trace: bool, margin: float, eps: float) -> None:
+def _normalize(X: Tensor, A: Tensor, scale: Tensor, fp32_trace: bool, prescale: bool, margin: float,
+               eps: float) -> None:
+    xf = X.float()
+    if prescale:
+        # An exact power of two per matrix (2**e <= max|X| < 2**(e+1)): scaling by it rounds nothing,
+        # so X_1 below has the same bits as without it wherever nothing over- or underflows, and the
+        # fp32 trace can never overflow. eps is scaled alike to keep d's meaning in X's units.
+        e = torch.floor(torch.log2(xf.abs().amax(dim=(-2, -1), keepdim=True)))
+        s = torch.exp2(-e.clamp(-PRESCALE_EXP_LIMIT, PRESCALE_EXP_LIMIT))
+        scale.copy_(s)
+        xf = xf * s
+    else:
+        s = 1.0
+        scale.fill_(1.0)
     if fp32_trace:
-        tr = X.float().square().sum(dim=(-2, -1), keepdim=True)
+        tr = xf.square().sum(dim=(-2, -1), keepdim=True)
     else:
         tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
-    # With the prescale X holds x * scale; eps * scale keeps d's meaning in x's units.
-    d = tr.sqrt() * margin + eps * scale
-    X.copy_(X.float() / d)
-    A.copy_(A.float() / d.square())
+    d = tr.sqrt() * margin + eps * s
+    X.copy_(xf / d)
+    if not prescale:
+        A.copy_(A.float() / d.square())
 
 
-def _prescale_cast(x: Tensor, x_out: Tensor, scale_out: Tensor, prescale: bool) -> None:
-    if prescale:
-        xf = x.float()
-        e = torch.floor(torch.log2(xf.abs().amax(dim=(-2, -1), keepdim=True)))
-        scale = torch.exp2(-e.clamp(-PRESCALE_EXP_LIMIT, PRESCALE_EXP_LIMIT))
-        scale_out.copy_(scale)
-        x_out.copy_(xf * scale)
-    else:
-        scale_out.fill_(1.0)
-        x_out.copy_(x)
+def _safe_cast(x: Tensor, x_out: Tensor, prescale: bool) -> None:
+    x_out.copy_(x.float().clamp(-BF16_MAX, BF16_MAX) if prescale else x)
 
 
 def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
                       split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
                       backend: str = "auto", compile: bool | None = None) -> Tensor:
-    """Run the cascade on ``ws.X`` (bf16, already prescaled into ``ws.scale`` when the config says
-    so); returns the buffer (``ws.X`` or ``ws.C``) holding the result. ``split``: the seed's two-kernel
+    """Run the cascade on ``ws.X`` (bf16; the config's prescale is applied here and its factor left in
+    ``ws.scale``); returns the buffer (``ws.X`` or ``ws.C``) holding the result. ``split``: the seed's two-kernel
     ``a X + X B`` (default: rows > SPLIT_BADDBMM_MIN_ROWS); ignored when the config fuses it."""
     cfg = get_config(config)
     maps_ = load_maps(maps)
@@ -153,11 +165,14 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
     gram = XTX if tall else XXT
     if split is None:
         split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
-    gram(X, out=A, backend=backend)
+    if not cfg.prescale:
+        gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
     norm = maybe_compiled(_normalize, want_compile(compile, X))
-    norm(X, A, ws.scale, cfg.fp32_trace, cfg.margin(margin), float(eps))
+    norm(X, A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
     for k, (a, b, c) in enumerate(maps_):
-        if k > 0:
+        if k > 0 or cfg.prescale:
+            # With the prescale the first Gram is taken of the normalized X_1: the unnormalized X
+            # may be huge (its Gram overflows past ~1e19) and the fp32 trace does not need it.
             gram(X, out=A, backend=backend)
         ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
         if cfg.fused_axb:
@@ -189,7 +204,7 @@ def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfi
     lead = x.shape[:-2]
     x3 = x.reshape(-1, *x.shape[-2:])
     ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
-    maybe_compiled(_prescale_cast, want_compile(compile, x))(x3, ws.X, ws.scale, cfg.prescale)
+    maybe_compiled(_safe_cast, want_compile(compile, x))(x3, ws.X, cfg.prescale)
     y = cascade_workspace(ws, maps=maps, config=cfg, split=split, margin=margin, eps=eps, backend=backend,
                           compile=compile)
     return y.reshape(*lead, *y.shape[-2:])

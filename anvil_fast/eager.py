@@ -28,6 +28,8 @@ from anvil_ref.constants import (
 )
 from anvil_ref.maps import MapsLike, load_maps
 
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
 
 def _gram(x: Tensor, tall: bool) -> Tensor:
     return x.mT @ x if tall else x @ x.mT
@@ -42,31 +44,35 @@ def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float 
     seed) is rounded to bf16; the trace and the normalization are computed in fp32. Returns bf16.
 
     ``fp32_trace``: take the trace as the fp32 sum of squares of the bf16 X instead of the bf16
-    Gram's diagonal. ``prescale``: multiply x by an exact power of two (max |x| in [1, 2)) before the
-    cast, and eps alike. Both off reproduce the seed.
+    Gram's diagonal. ``prescale`` (needs ``fp32_trace``): clamp x to bf16's finite range before the
+    cast, scale X by an exact power of two (max |X| in [1, 2)) in the normalization, eps alike, and
+    take the first Gram of the normalized X (anvil_fast.cascade's SAFE order). Both off reproduce
+    the seed.
     """
     maps_ = load_maps(maps)
     if x.ndim < 2:
         raise ValueError(f"x: expected [..., rows, cols], got shape {tuple(x.shape)}")
     lead = x.shape[:-2]
     x3 = x.reshape(-1, *x.shape[-2:])
-    scale = torch.ones((x3.shape[0], 1, 1), dtype=torch.float32, device=x.device)
-    if prescale:
-        amax = x3.float().abs().amax(dim=(-2, -1), keepdim=True)
-        scale = torch.exp2(-torch.floor(torch.log2(amax)).clamp(-126, 126))
-        x3 = x3.float() * scale
-    X = x3.to(torch.bfloat16)
+    if prescale and not fp32_trace:
+        raise ValueError("prescale takes the first Gram after the normalization: it needs fp32_trace=True")
+    X = (x3.float().clamp(-_BF16_MAX, _BF16_MAX) if prescale else x3).to(torch.bfloat16)
     tall = X.size(-2) > X.size(-1)
     if split is None:
         split = X.size(-2) > SPLIT_BADDBMM_MIN_ROWS
-    A = _gram(X, tall)
+    xf, s = X.float(), 1.0
+    if prescale:
+        s = torch.exp2(-torch.floor(torch.log2(xf.abs().amax(dim=(-2, -1), keepdim=True))).clamp(-126, 126))
+        xf = xf * s
+    else:
+        A = _gram(X, tall)
     if fp32_trace:
-        tr = X.float().square().sum(dim=(-2, -1), keepdim=True)
+        tr = xf.square().sum(dim=(-2, -1), keepdim=True)
     else:
         tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
-    d = tr.sqrt() * margin + eps * scale
-    X = (X.float() / d).bfloat16()
-    A = (A.float() / d.square()).bfloat16()
+    d = tr.sqrt() * margin + eps * s
+    X = (xf / d).bfloat16()
+    A = _gram(X, tall) if prescale else (A.float() / d.square()).bfloat16()
     for k, (a, b, c) in enumerate(maps_):
         if k > 0:
             A = _gram(X, tall)
