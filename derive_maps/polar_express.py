@@ -12,8 +12,9 @@ Starting from ``[l_1, u_1] = [l, u]``, step k:
 3. safety factor inside the loop: replace ``p(x)`` by ``p(x / s)`` (coefficients ``a/s, b/s^3, c/s^5``),
    for every map but the last unless ``safety_last``;
 4. propagate the interval: ``l_{k+1} = p(l_k)`` and ``u_{k+1}`` its mirror ``2 - l_{k+1}``
-   (arithmetic) or ``1 / l_{k+1}`` (geometric), as the published algorithm does, or the exact image
-   ``[min p, max p]`` over ``[l_k, u_k]`` (``propagate="exact"``).
+   (arithmetically centred map, which is also what the Remez solution is when no recentring was
+   applied) or ``1 / l_{k+1}`` (geometrically centred), as the published algorithm does, or the
+   exact image ``[min p, max p]`` over ``[l_k, u_k]`` (``propagate="exact"``).
 
 With ``safety_mode="after"`` the factor is applied to the finished list instead (the interval
 chain then ignores it), which is how the Polar Express paper's Algorithm 1 uses its table.
@@ -126,6 +127,8 @@ def greedy(settings: GreedySettings | None = None, *, dps: int = DEFAULT_DPS, **
             mode = settings.final_recentre if (last and settings.final_recentre) else settings.recentre
             if settings.recentre_when == "always" or cushion * u > l or (last and settings.final_recentre):
                 coeffs = recentre(coeffs, l, u, mode=mode)
+            else:
+                mode = "arithmetic"   # the Remez solution itself is arithmetically centred
             if settings.safety_mode == "inside" and (not last or settings.safety_last):
                 coeffs = tuple(c / s ** (2 * j + 1) for j, c in enumerate(coeffs))
             maps.append(coeffs)

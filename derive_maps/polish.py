@@ -24,7 +24,8 @@ the composite's log error ``log F`` (objective ``"log"``) or its absolute error 
    (rho < 0.25) and is quartered after a rejection.
 
 It stops when the predicted drop is below ``rtol * E`` (converged), the radius below
-``min_radius`` (converged: no productive step at any scale), or after ``max_iter`` iterations
+``min_radius`` (converged: no productive step at any scale), the error at or below ``target``
+(if given), or after ``max_iter`` iterations
 (``converged`` False; with ``strict=True`` a :class:`~derive_maps.errors.ConvergenceError`).
 
 The iteration is deterministic (no randomness; HiGHS is deterministic for a given problem), and
@@ -153,11 +154,12 @@ class _Problem:
 
 def polish(maps, l: RealLike, u: RealLike, *, objective: str = "log", dps: int = 40,
            max_iter: int = 300, rtol: float = 1e-7, radius: float = 1e-3, min_radius: float = 1e-12,
-           sub: int = 8, strict: bool = False, progress: bool | None = None,
-           label: str = "polish") -> PolishResult:
+           sub: int = 8, target: float | None = None, strict: bool = False,
+           progress: bool | None = None, label: str = "polish") -> PolishResult:
     """Polish ``maps`` for the minimax of ``g`` on ``[l, u]`` (see the module docstring).
 
-    ``radius``: initial trust radius, relative to each coefficient's magnitude.
+    ``radius``: initial trust radius, relative to each coefficient's magnitude; ``target``: stop as
+    soon as the error is at most this (reported as converged).
     """
     start = check_maps(maps)
     lf, uf = check_interval(l, u)
@@ -183,6 +185,10 @@ def polish(maps, l: RealLike, u: RealLike, *, objective: str = "log", dps: int =
     it = 0
     with Progress(max_iter, label, enabled=progress) as bar:
         for it in range(1, max_iter + 1):
+            if target is not None and e_cur <= target:
+                converged = True
+                it -= 1
+                break
             X = P.exchange(pts)
             g, J = P.linear_model(theta, X)
             m = g.size
