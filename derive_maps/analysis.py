@@ -11,7 +11,7 @@ certified envelope and headroom (and, on request, the bf16-realized envelope).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 import mpmath

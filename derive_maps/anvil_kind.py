@@ -9,8 +9,8 @@ and three pipelines do that here, each deterministic (no randomness at all):
     ``[l, u (1 + headroom + margin)]``, with the Polar Express finite-precision devices: cushion 0.02
     and a safety factor ``1 + headroom`` inside the loop (every map but the last), arithmetic
     recentring, the last map recentred geometrically (so ``log F`` is centred). The safety factor
-    trades exact-arithmetic error (still ~1e-7) for slack at every stage, which is what keeps the
-    bf16 cascade tight.
+    trades some exact-arithmetic error for slack at every stage, which is what keeps the bf16
+    cascade tight (the numbers: ``papers/data/maps_comparison.md``).
 ``optimal``
     The same greedy without cushion or safety factor, followed by the joint minimax polish of all 18
     coefficients on the same interval: the greedy composition is optimal (Polar Express Theorem 4.1),

@@ -23,14 +23,15 @@ are rounded outward to float64.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 import mpmath
 import numpy as np
 
 from .enclosure import enclose, map_consts as _consts, point_jets
-from .errors import ConvergenceError, DeriveMapsError, RealLike, check_interval, check_maps, check_positive
+from .errors import (ConvergenceError, DeriveMapsError, RealLike, check_interval, check_maps, check_positive,
+                     parse_real)
 from .intervals import DTYPE, iv_contains_zero
 from .progress import Progress
 
@@ -295,12 +296,14 @@ def certify_headroom(maps, u: RealLike, *, band: float = 0.01, h_max: float = 0.
     ``resolution``: relative width below which an undecided box counts as leaving the band.
     """
     maps_ = check_maps(maps)
-    uf = parse_u = check_interval(Fraction(0) + Fraction(1, 10**30), u)[1]
+    uf = parse_real(u, "u")
+    if uf <= 0:
+        raise DeriveMapsError(f"u = {float(uf):g}: the headroom is measured above a positive u")
     check_positive(band, "band")
     check_positive(h_max, "h_max")
     check_positive(resolution, "resolution")
     start = enclose_rational(uf)[0]
-    first_bad, x_out, end = _headroom_raw(maps_, start, parse_u, band=band, h_max=h_max,
+    first_bad, x_out, end = _headroom_raw(maps_, start, uf, band=band, h_max=h_max,
                                           resolution=resolution)
     if not np.isfinite(first_bad):
         return Headroom(u=float(uf), band=band, h_max=h_max, certified=h_max, upper=None)

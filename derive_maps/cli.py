@@ -121,7 +121,7 @@ def cmd_derive(a) -> int:
     from .certify import certify_envelope, certify_headroom
     from .polar_express import GreedySettings, greedy
     from .polish import polish
-    from .sets import GENERATED_BY, headroom_band
+    from .sets import headroom_band
     from .tables import Table, dumps, interval, pct, sig
     u = a.u if a.u is not None else f"1/{a.margin}"
     if a.method in ("express", "optimal", "polished"):
@@ -185,7 +185,7 @@ def cmd_compare(a) -> int:
 
 def cmd_facts(a) -> int:
     from .facts import all_facts, facts_table
-    f = all_facts(polish_iterations=a.polish_iterations)
+    f = all_facts(polish_iterations=a.polish_iterations, progress=a.progress)
     _emit([facts_table(f)], f, a.fmt)
     return 0
 

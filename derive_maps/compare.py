@@ -12,7 +12,7 @@ from .bf16 import QUICK_SHAPES, bf16_envelope
 from .errors import check_maps
 from .progress import Progress
 from .sets import BAND, certificate
-from .tables import Table, fixed, interval, pct, sig
+from .tables import Table, interval, pct, sig
 
 
 def resolve(name_or_path: str):

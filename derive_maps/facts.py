@@ -27,9 +27,10 @@ from anvil_ref.constants import ANVIL_MAPS
 from . import mpcomposite as mc
 from .anvil_kind import ANVIL_L, ANVIL_U
 from .certify import certify_envelope
-from .errors import DeriveMapsError, parse_real
+from .errors import parse_real
 from .polar_express import greedy
 from .polish import polish
+from .progress import Progress
 from .tables import Table, sig
 
 CLAIMED_ENDPOINT = 4.0131e-4
@@ -155,10 +156,18 @@ def record_envelope(bf16_row: dict | None = None) -> dict:
     return out
 
 
-def all_facts(*, polish_iterations: int = 100, bf16_row: dict | None = None) -> dict:
-    return dict(endpoints=endpoints(), true_max=true_max(), greedy_distance=greedy_distance(),
-                local_polish=local_polish(polish_iterations), greedy_exact=greedy_exact(),
-                record_envelope=record_envelope(bf16_row))
+def all_facts(*, polish_iterations: int = 100, bf16_row: dict | None = None,
+              progress: bool | None = None) -> dict:
+    steps = (("endpoints", endpoints), ("true_max", true_max), ("greedy_distance", greedy_distance),
+             ("local_polish", lambda: local_polish(polish_iterations)), ("greedy_exact", greedy_exact),
+             ("record_envelope", lambda: record_envelope(bf16_row)))
+    out = {}
+    with Progress(len(steps), "facts", enabled=progress) as bar:
+        for k, (name, fn) in enumerate(steps):
+            bar.update(k, label=f"facts: {name}")
+            out[name] = fn()
+        bar.update(len(steps))
+    return out
 
 
 def facts_table(facts: dict) -> Table:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import mpmath
 
-from .errors import DeriveMapsError, RealLike, check_dps, check_interval, check_n_maps, parse_real
+from .errors import DeriveMapsError, check_dps, check_interval, check_n_maps, parse_real
 from .remez import DEFAULT_DPS, odd_poly, recentre, remez_odd
 
 RECENTRE_MODES = ("arithmetic", "geometric")
