@@ -124,6 +124,10 @@ def cmd_derive(a) -> int:
     from .sets import headroom_band
     from .tables import Table, dumps, interval, pct, sig
     u = a.u if a.u is not None else f"1/{a.margin}"
+    from .sets import NAMED_SETS
+    if a.name in NAMED_SETS or a.name == "anvil":
+        raise DeriveMapsError(f"--name {a.name}: that name belongs to a generated set (python -m derive_maps "
+                              "regenerate rewrites it); choose another name or use --out PATH")
     if a.method in ("express", "optimal", "polished"):
         s = AnvilKindSettings(l=a.l, u=u, n_maps=a.n_maps, headroom=a.headroom, margin=a.design_margin,
                               cushion=a.cushion or "0.02", safety=a.safety, objective=a.objective,

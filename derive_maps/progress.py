@@ -56,7 +56,9 @@ class Progress:
 
     def close(self) -> None:
         if self._drawn:
-            self.update(self.total)
+            if self.done < self.total:
+                self._last = 0.0
+                self.update(self.total)
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False

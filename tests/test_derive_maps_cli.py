@@ -83,6 +83,7 @@ def test_compare_without_bf16(capsys):
     (("derive", "greedy", "--n-maps", "0"), "at least one map"),
     (("derive", "express", "--dps", "5"), "dps"),
     (("derive", "greedy", "--cushion", "abc"), "cannot read"),
+    (("derive", "express", "--name", "anvil_express"), "generated set"),
 ])
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):
     code, out, err = run(capsys, *argv)
