@@ -1,0 +1,305 @@
+"""``python -m derive_maps``: reproduce, analyse, certify, derive, compare, facts, regenerate, bench.
+
+Human-readable tables by default; ``--json`` for machine-readable output, ``--latex`` for the
+paper. Map sets are named (``anvil``, anything in anvil_ref/map_sets: ``anvil_express``,
+``polar_express_nanogpt5``, ``muon_jordan5``...) or given as a JSON path. Interval ends accept
+exact forms such as ``1/300`` and ``1/1.05``.
+
+Examples::
+
+    python -m derive_maps reproduce
+    python -m derive_maps analyse anvil
+    python -m derive_maps certify anvil_express --l 1/300 --u 1/1.05
+    python -m derive_maps derive express --headroom 0.01 --name my_maps
+    python -m derive_maps derive greedy --l 1e-3 --u 1 --n-maps 5 --cushion 0.02 --safety 1.02
+    python -m derive_maps compare anvil anvil_express muon_jordan5
+    python -m derive_maps regenerate --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .errors import DeriveMapsError
+
+FORMATS = ("text", "json", "latex", "markdown")
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json", dest="fmt", action="store_const", const="json", help="machine-readable JSON")
+    g.add_argument("--latex", dest="fmt", action="store_const", const="latex", help="LaTeX tabular")
+    g.add_argument("--markdown", dest="fmt", action="store_const", const="markdown", help="Markdown table")
+    p.set_defaults(fmt="text")
+    p.add_argument("--progress", action="store_true", default=None,
+                   help="draw the progress bar even when stderr is not a terminal")
+
+
+def _add_interval(p: argparse.ArgumentParser, *, l: str, u: str) -> None:
+    p.add_argument("--l", default=l, help=f"lower end of the interval (default {l})")
+    p.add_argument("--u", default=u, help=f"upper end of the interval (default {u})")
+
+
+def _emit(tables, data, fmt: str) -> None:
+    from .tables import dumps, render
+    if fmt == "json":
+        sys.stdout.write(dumps(data))
+    else:
+        sys.stdout.write(render(tables, fmt))
+
+
+# ---------------------------------------------------------------------------------------------
+
+def cmd_reproduce(a) -> int:
+    from .regenerate import reproduction_data, reproduction_tables
+    data = reproduction_data()
+    _emit(reproduction_tables(data), data, a.fmt)
+    return 0
+
+
+def _maps_arg(spec: str):
+    from .compare import resolve
+    return resolve(spec)
+
+
+def cmd_certify(a) -> int:
+    from .certify import certify_envelope, certify_headroom
+    from .sets import headroom_band
+    from .tables import Table, interval, pct, sig
+    maps = _maps_arg(a.maps)
+    e = certify_envelope(maps, a.l, a.u, rtol=a.rtol, progress=a.progress)
+    band = headroom_band(e.max_abs_log_certified) if a.band == "auto" else float(a.band)
+    h = certify_headroom(maps, a.u, band=band)
+    data = dict(maps=a.maps, interval=[a.l, a.u], envelope=e.as_dict(), headroom=asdict(h))
+    rows = [["certified envelope", interval(e.f_min_certified, e.f_max_certified, 10)],
+            ["attained values", interval(e.f_min_attained, e.f_max_attained, 10)],
+            ["certified max |log F|", sig(e.max_abs_log_certified, 6)],
+            ["attained max |log F|", sig(e.max_abs_log_attained, 6)],
+            [f"headroom (|log F| <= {sig(band, 3)})",
+             f"{pct(h.certified, 4)} certified" + (f", out of band at {pct(h.upper, 4)}" if h.upper else
+                                                   f" (in band to the {pct(h.h_max, 3)} search limit)")],
+            ["boxes", str(e.boxes)]]
+    _emit([Table(f"{a.maps} on [{a.l}, {a.u}]", ["quantity", "value"], rows)], data, a.fmt)
+    return 0
+
+
+def cmd_analyse(a) -> int:
+    from .analysis import analyse
+    from .sets import headroom_band
+    from .certify import certify_envelope
+    from .tables import Table, interval, pct, sig
+    maps = _maps_arg(a.maps)
+    band = a.band
+    if band == "auto":
+        band = headroom_band(certify_envelope(maps, a.l, a.u).max_abs_log_certified)
+    r = analyse(maps, a.l, a.u, band=float(band), bf16=a.bf16, progress=a.progress)
+    chain = Table(f"{a.maps}: interval chain on [{a.l}, {a.u}]",
+                  ["stage", "a", "b", "c", "certified range of s_k", "headroom of the rest"],
+                  [[str(s.k), *(("-",) * 3 if s.coeffs is None else tuple(f"{v:.15g}" for v in s.coeffs)),
+                    interval(s.lo, s.hi, 8), "-" if s.headroom is None else pct(s.headroom, 3)] for s in r.chain])
+    worst = sorted(r.alternation, key=lambda t: -abs(t[1]))[:a.top]
+    alt = Table(f"alternation points: {r.n_extrema} extrema (endpoints included), {r.n_active} within 1% "
+                f"of the worst; the {len(worst)} largest", ["sigma", "log F"],
+                [[f"{x:.12g}", sig(v, 6)] for x, v in sorted(worst)])
+    e, h = r.envelope, r.headroom
+    summ_rows = [["certified envelope", interval(e.f_min_certified, e.f_max_certified, 10)],
+                 ["certified max |log F|", sig(e.max_abs_log_certified, 6)],
+                 [f"certified headroom (|log F| <= {sig(h.band, 3)})", pct(h.certified, 4)]]
+    if r.bf16:
+        summ_rows.append(["bf16-realized envelope", interval(r.bf16["lo"], r.bf16["hi"], 6)])
+    summ = Table("certificate", ["quantity", "value"], summ_rows)
+    _emit([summ, chain, alt], r.as_dict(), a.fmt)
+    return 0
+
+
+def cmd_derive(a) -> int:
+    from .anvil_kind import AnvilKindSettings, derive
+    from .certify import certify_envelope, certify_headroom
+    from .polar_express import GreedySettings, greedy
+    from .polish import polish
+    from .sets import headroom_band
+    from .tables import Table, dumps, interval, pct, sig
+    u = a.u if a.u is not None else f"1/{a.margin}"
+    from .sets import NAMED_SETS
+    if a.name in NAMED_SETS or a.name == "anvil":
+        raise DeriveMapsError(f"--name {a.name}: that name belongs to a generated set (python -m derive_maps "
+                              "regenerate rewrites it); choose another name or use --out PATH")
+    if a.method in ("express", "optimal", "polished"):
+        s = AnvilKindSettings(l=a.l, u=u, n_maps=a.n_maps, headroom=a.headroom, margin=a.design_margin,
+                              cushion=a.cushion or "0.02", safety=a.safety, objective=a.objective,
+                              target=a.target, max_iter=a.max_iter, dps=a.dps)
+        d = derive(a.method, s, name=a.name, start=_maps_arg(a.start) if a.start else None,
+                   progress=a.progress)
+        maps, info = d.maps, dict(method=a.method, design_interval=list(d.design_interval),
+                                  settings=d.settings, notes=d.notes)
+    elif a.method == "greedy":
+        g = greedy(GreedySettings(l=a.l, u=u, n_maps=a.n_maps, cushion=a.cushion or "0",
+                                  safety=a.safety or "1", safety_mode=a.safety_mode, recentre=a.recentre,
+                                  recentre_when=a.recentre_when, final_recentre=a.final_recentre),
+                   dps=a.dps)
+        maps, info = g.maps, dict(method="greedy", settings=asdict(g.settings),
+                                  chain=[[float(x), float(y)] for x, y in g.chain])
+    else:  # polish
+        if not a.start:
+            raise DeriveMapsError("derive polish: give the starting map set with --start NAME_OR_JSON")
+        r = polish(_maps_arg(a.start), a.l, u, objective=a.objective, dps=a.dps, max_iter=a.max_iter,
+                   target=a.target, progress=a.progress)
+        maps, info = r.maps, dict(method="polish", start=a.start, objective=a.objective, error=r.error,
+                                  start_error=r.start_error, iterations=r.iterations, converged=r.converged)
+    e = certify_envelope(maps, a.l, u)
+    h = certify_headroom(maps, u, band=headroom_band(e.max_abs_log_certified))
+    doc = {"generated_by": a.cmdline, "name": a.name or f"derived_{a.method}",
+           "maps": [list(m) for m in maps], "maps_hex": [[float(v).hex() for v in m] for m in maps],
+           "provenance": info,
+           "certified": dict(interval=[a.l, u], envelope_certified=[e.f_min_certified, e.f_max_certified],
+                             max_abs_log_certified=e.max_abs_log_certified, headroom_band=h.band,
+                             headroom_certified=h.certified)}
+    written = None
+    if a.out or a.name:
+        from anvil_ref.maps import MAP_SETS_DIR
+        path = Path(a.out) if a.out else MAP_SETS_DIR / f"{a.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps(doc))
+        written = str(path)
+    rows = [[str(k + 1), *(f"{v:.17g}" for v in m)] for k, m in enumerate(maps)]
+    notes = [f"certified on [{a.l}, {u}]: envelope {interval(e.f_min_certified, e.f_max_certified, 10)}, "
+             f"max |log F| {sig(e.max_abs_log_certified, 5)}, headroom {pct(h.certified, 4)} "
+             f"(|log F| <= {sig(h.band, 3)})"]
+    if written:
+        notes.append(f"written to {written} (load with anvil_ref.maps.load_maps)")
+    _emit([Table(f"derived ({a.method})", ["map", "a", "b", "c"], rows, notes)], doc, a.fmt)
+    return 0
+
+
+def cmd_compare(a) -> int:
+    from .compare import compare_rows, comparison_table, criteria_table, resolve
+    from .sets import COMPARISON
+    names = a.sets or list(COMPARISON)
+    sets = {n: resolve(n) for n in names}
+    rows = compare_rows(sets, bf16=not a.no_bf16, quick=a.quick, progress=a.progress)
+    tables = [comparison_table(rows)] + ([criteria_table(rows)] if any(r["name"] == "anvil" for r in rows)
+                                         and len(rows) > 1 else [])
+    _emit(tables, {"rows": rows}, a.fmt)
+    return 0
+
+
+def cmd_facts(a) -> int:
+    from .facts import all_facts, facts_table
+    f = all_facts(polish_iterations=a.polish_iterations, progress=a.progress)
+    _emit([facts_table(f)], f, a.fmt)
+    return 0
+
+
+def cmd_regenerate(a) -> int:
+    from .regenerate import REPO, build_all, check_all, write_all
+    files = build_all(progress=a.progress)
+    if a.check:
+        problems = check_all(files)
+        for p in problems:
+            print(p, file=sys.stderr)
+        print(f"{len(files)} generated files checked: " + ("unchanged" if not problems else
+                                                            f"{len(problems)} differ"))
+        return 1 if problems else 0
+    write_all(files)
+    for p in files:
+        print(p.relative_to(REPO))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import run_bench
+    return run_bench(fmt=a.fmt, repeat=a.repeat)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from .anvil_kind import ANVIL_L, ANVIL_U
+    p = argparse.ArgumentParser(prog="python -m derive_maps", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("reproduce", help="reproduce the published Polar Express tables")
+    _add_format(s)
+    s.set_defaults(func=cmd_reproduce)
+
+    for name, func, hlp in (("certify", cmd_certify, "certified envelope, max|log F| and headroom"),
+                            ("analyse", cmd_analyse, "interval chain, alternation points and certificate")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("maps", help="map set name or JSON path")
+        _add_interval(s, l=ANVIL_L, u=ANVIL_U)
+        s.add_argument("--band", default="auto",
+                       help="headroom band: |log F| <= band (default auto = max(0.01, the set's max|log F|))")
+        _add_format(s)
+        s.set_defaults(func=func)
+        if name == "certify":
+            s.add_argument("--rtol", type=float, default=1e-3, help="relative tightness of the bounds")
+        else:
+            s.add_argument("--bf16", action="store_true", help="also measure the bf16-realized envelope")
+            s.add_argument("--top", type=int, default=12, help="how many alternation points to list")
+
+    s = sub.add_parser("derive", help="derive a new map set")
+    s.add_argument("method", choices=("express", "optimal", "polished", "greedy", "polish"),
+                   help="express/optimal/polished: the ANVIL-kind pipelines; greedy: Polar Express with "
+                        "your settings; polish: joint minimax polish of --start")
+    s.add_argument("--l", default=ANVIL_L, help="lower end of the design interval")
+    s.add_argument("--u", default=None, help="upper end (default 1/margin)")
+    s.add_argument("--margin", default="1.05", help="Frobenius margin: u = 1/margin (default 1.05)")
+    s.add_argument("--n-maps", type=int, default=6)
+    s.add_argument("--headroom", default="0.01", help="certified headroom above u to design for")
+    s.add_argument("--design-margin", default="0.0005", help="extra design room on top of --headroom")
+    s.add_argument("--objective", choices=("log", "abs"), default="log")
+    s.add_argument("--cushion", default=None)
+    s.add_argument("--safety", default=None)
+    s.add_argument("--safety-mode", choices=("inside", "after"), default="inside")
+    s.add_argument("--recentre", choices=("arithmetic", "geometric"), default="arithmetic")
+    s.add_argument("--recentre-when", choices=("always", "cushioned"), default="always")
+    s.add_argument("--final-recentre", choices=("arithmetic", "geometric"), default=None)
+    s.add_argument("--start", default=None, help="starting map set for polish/polished")
+    s.add_argument("--target", type=float, default=2.5e-5, help="polish: stop at this max|log F|")
+    s.add_argument("--max-iter", type=int, default=200)
+    s.add_argument("--dps", type=int, default=40, help="mpmath working precision (digits)")
+    s.add_argument("--name", default=None, help="save as anvil_ref/map_sets/NAME.json")
+    s.add_argument("--out", default=None, help="save to this JSON path")
+    _add_format(s)
+    s.set_defaults(func=cmd_derive)
+
+    s = sub.add_parser("compare", help="compare map sets side by side")
+    s.add_argument("sets", nargs="*", help="names or JSON paths (default: the paper's comparison)")
+    s.add_argument("--no-bf16", action="store_true", help="skip the bf16 measurement")
+    s.add_argument("--quick", action="store_true", help="small bf16 suite")
+    _add_format(s)
+    s.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("facts", help="check the issue's statements about ANVIL_MAPS")
+    s.add_argument("--polish-iterations", type=int, default=100)
+    _add_format(s)
+    s.set_defaults(func=cmd_facts)
+
+    s = sub.add_parser("regenerate", help="rewrite (or --check) every generated file")
+    s.add_argument("--check", action="store_true", help="compare with the files on disk, change nothing")
+    s.add_argument("--progress", action="store_true", default=None)
+    s.set_defaults(func=cmd_regenerate)
+
+    s = sub.add_parser("bench", help="time the solvers (one CPU core)")
+    s.add_argument("--repeat", type=int, default=1)
+    _add_format(s)
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    import shlex
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parser.parse_args(argv)
+    a.cmdline = "python -m derive_maps " + " ".join(shlex.quote(x) for x in argv)
+    try:
+        return a.func(a)
+    except DeriveMapsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
