@@ -76,7 +76,9 @@ def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float 
     for k, (a, b, c) in enumerate(maps_):
         if k > 0:
             A = _gram(X, tall)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        # torch (seen on 2.13's CPU build) returns the input unscaled, or NaN for beta = 0, from a bf16
+        # baddbmm with alpha = 0 on matrices 32 or more wide; b*A in fp32, rounded once, is the same math.
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0 else (A.float() * b).bfloat16()
         if split:
             C = torch.bmm(X, B) if tall else torch.bmm(B, X)
             X = C.add_(X, alpha=a)

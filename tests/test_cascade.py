@@ -175,3 +175,16 @@ def test_fast_cascade_matches_reference(config, shape):
 
     row, _ = D.cascade_row(shape, "gaussian", config, compile=False)
     assert check("cascade", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
+
+
+def test_eager_bf16_cascade_with_a_cubic_map():
+    """A map with c = 0 (a cubic) must not go through a bf16 baddbmm with alpha = 0, which torch's
+    CPU build gets wrong for matrices 32 or more wide."""
+    from anvil_fast.eager import eager_bf16_cascade
+
+    x = torch.randn(2, 64, 48, dtype=torch.float64)
+    maps = [(1.5, -0.5, 0.0)] * 8  # Newton-Schulz cubic
+    out = eager_bf16_cascade(x, maps=maps).double()
+    ref = torch.as_tensor(cascade(x, maps=maps))
+    assert torch.isfinite(out).all()
+    assert (out - ref).norm() / ref.norm() < 0.05  # bf16 rounding over 8 maps; the bug gives O(1)
