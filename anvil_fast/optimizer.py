@@ -66,6 +66,7 @@ from .bank_scalars import ADAM_COLUMNS, BankScalarStaging
 from .comms import DONE, Comms, Handle, resolve_comms
 from .replicated_adam import ReplicatedAdam
 from .transpose import transpose_add, transpose_copy
+from .update import join_master, split_master
 
 
 STATE_FORMAT = "anvil_fast.AnvilAndAdam/1"
@@ -111,16 +112,14 @@ def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
 
 def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
     """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact, bit ops)."""
-    bits = master.view(torch.int32)
-    hi.view(torch.int16).copy_((bits >> 16).to(torch.int16))
-    lo.view(torch.int16).copy_((bits & 0xFFFF).to(torch.int16))
+    h, l_ = split_master(master)
+    hi.view(torch.int16).copy_(h)
+    lo.view(torch.int16).copy_(l_)
 
 
 def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
     """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
-    h = hi.view(torch.int16).to(torch.int32) << 16
-    lo32 = lo.view(torch.int16).to(torch.int32) & 0xFFFF
-    master.view(torch.int32).copy_(h | lo32)
+    master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
 
 
 class AnvilAndAdam:
