@@ -191,14 +191,19 @@ def run_cpu(a: argparse.Namespace) -> int:
     lines += ["", f"Distance after {STEPS} steps, ||p - p_ref|| / ||p_ref - p_0||, on the mean of the ranks' gradients:",
               "", f"| parameter | {a.world} ranks | 1 process |", "|---|---:|---:|"]
     lines += [f"| {l} | {dist_rel[l]:.2e} | {single_rel[l]:.2e} |" for l in dist_rel]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text)
+    _emit(lines, a.out)
     return 0 if ok else 1
 
+
+
+def _emit(lines: list[str], out: str | None) -> None:
+    """Print the table and, with ``--out``, write it there too (folders created)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
 
 # --------------------------------------------------------------------------------------------- GPU
 def _time_steps(fn, n: int, warmup: int) -> float:
@@ -334,12 +339,7 @@ def run_gpu(a: argparse.Namespace) -> int:
         ok &= same and rnd and (eq1 or rel <= 2.0 ** -5)
         lines.append(f"| {w} | {'yes' if same else 'NO'} | {'yes' if eq1 else 'no'} | {rel:.2e} | "
                      f"{'yes' if rnd else 'NO'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text)
+    _emit(lines, a.out)
     return 0 if ok else 1
 
 
