@@ -1,20 +1,26 @@
-"""Where Triton can run, and two bugs of its CPU interpreter that the kernels work around soundly.
+"""Where Triton can run, and three bugs of its CPU interpreter that the kernels work around soundly.
 
 Imported lazily by the kernel modules; ``import anvil_fast`` never imports Triton.
 
-The interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors with NumPy. Under triton 3.9 two
-of its bf16 operations are wrong (both checked at run time by the probes below, on every test run):
+The interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors with NumPy. Under triton 3.9 three
+of its bf16 operations are wrong (each checked at run time by the probes below, on every test run):
 
 1. ``tl.dot`` on bf16 operands returns garbage (relative error ~1e9-1e10), while fp16 and fp32
    operands are right (:func:`interpreter_bf16_dot_is_broken`, a 32 x 32 product both ways).
 2. ``x.to(tl.bfloat16)`` from fp32 truncates (rounds toward zero; ``fp_downcast_rounding="rtne"`` is
    ignored) where compiled Triton rounds to nearest even (:func:`interpreter_bf16_cast_truncates`).
+3. ``x.to(tl.float32)`` from bf16 is wrong for bf16 subnormals (below 2**-126: e.g. -6.06e-39
+   widens to -3.67e-40), where the exact widening is the bf16 pattern as the high half of the fp32
+   one (:func:`interpreter_bf16_widen_is_wrong`).
 
-The kernels take two switches. ``DOT_F32`` widens every bf16 tile to fp32 right before ``tl.dot``:
+The kernels take three switches. ``DOT_F32`` widens every bf16 tile to fp32 right before ``tl.dot``:
 bf16 -> fp32 is exact and both paths accumulate in fp32, so the product is the same real number up
 to fp32 summation order. ``ROUND_FIX`` rounds fp32 to bf16 on the bit pattern (round to nearest
-even, the GPU's rounding). Everything else the kernels do (index math, masks, 64-bit offsets, the
-mirrored stores, the epilogues, bf16 loads) is the very same code. Each switch is on only under the
+even, the GPU's rounding). ``WIDEN_FIX`` (the element-wise kernels of :mod:`anvil_fast.rails` and
+:mod:`anvil_fast.normalize`, whose tests feed subnormals) widens on the bit pattern; the Gram
+kernels' interpreter tests use normal-range inputs and do not take it. Everything else the
+kernels do (index math, masks, 64-bit offsets, the mirrored stores, the epilogues, bf16 loads) is
+the very same code. Each switch is on only under the
 interpreter and only while its probe finds the bug, so a fixed interpreter tests the native path.
 What only a GPU run covers: the native bf16 ``tl.dot`` lowering (wgmma), the native cast, real
 layouts / pipelining (``num_warps``, ``num_stages``), and offsets past 2**31 elements (too large
@@ -85,6 +91,32 @@ def interpreter_bf16_cast_truncates() -> bool:
     if not ok[1]:
         raise RuntimeError("Triton interpreter: the bit-level round-to-nearest-even cast is wrong")
     return not ok[0]
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_bf16_widen_is_wrong() -> bool:
+    """True when the interpreter's bf16 -> fp32 widening differs from torch's (exact) one on bf16
+    values that include subnormals (the native widening, without WIDEN_FIX)."""
+    if not (triton_available() and interpreting()):
+        return False
+    import torch
+
+    from .gram import _probe_widen
+
+    x = (torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 2.0 ** -128).bfloat16()
+    ok = []
+    for fix in (False, True):
+        c = torch.empty(1024, dtype=torch.float32)
+        _probe_widen[(1,)](x, c, N=1024, WIDEN_FIX=fix)
+        ok.append(bool((c == x.float()).all()))
+    if not ok[1]:
+        raise RuntimeError("Triton interpreter: the bit-level bf16 -> fp32 widening is wrong")
+    return not ok[0]
+
+
+def widen_fix() -> bool:
+    """The ``WIDEN_FIX`` switch for kernel launches (see the module docstring)."""
+    return interpreting() and interpreter_bf16_widen_is_wrong()
 
 
 def round_fix() -> bool:

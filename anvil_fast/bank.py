@@ -12,8 +12,8 @@ eff_wd, fast_beta, fast_weight; ``[chunk, 1, 1]`` for eff_lr), so
 
 The update, in the seed's order::
 
-    rails_lookahead   twin rails + Nesterov lookahead -> bf16 X         (compiled; velocity in place)
-    cascade           Gram kernels + maps on the bank's workspace        (Triton + compiled normalize)
+    rails_lookahead   twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
+    cascade           normalization + Gram kernels + maps on the workspace (Triton; FAITHFUL: compiled normalize)
     rail_equalizer    lane-energy equalizer (+ guard in SAFE)            (compiled; lane_energy in place)
     decay + update    sign-aligned decay on the fp32 master p|mantissa  (compiled; p, mantissa in place)
 
@@ -163,10 +163,13 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
         ws = bank.workspace = CascadeWorkspace.for_shape(tuple(bank.p_slice.shape), bank.p_slice.device)
     cfg = bank.config
     # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (clamped to bf16's range in SAFE)
-    rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
-                    x_out=ws.X, prescale=cfg.prescale, compile=compile)
+    #    (SAFE on CUDA: one Triton kernel that also leaves the normalization's block partials)
+    ready = rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
+                            x_out=ws.X, prescale=cfg.prescale, fused=cfg.fused_rails,
+                            partials=ws.partials if cfg.fused_rails else None, backend=backend, compile=compile)
     # 2. The cascade
-    v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile)
+    v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile,
+                          partials_ready=ready)
     # 3. Equalize per-lane update energy (guarded in SAFE)
     v = rail_equalizer(v, bank.lane_energy, bank.beta2, bank.red_dim,
                        guard_trips=bank.guard_trips if cfg.guard else None, compile=compile)

@@ -18,8 +18,8 @@ includes compilation and graph capture. FLOPs are counted per bank: ``plain`` = 
 matmuls of the math (per map ``4 k^2 K + 2 k^3`` for ``k = min(rows, cols)``, ``K = max``), ``exec`` =
 what the symmetric kernels execute (lower-triangular tiles only). The roofline floor of the fast
 path is the matmul phase's ``exec / peak`` plus the element-wise phases' bytes over the bandwidth
-(rails 20 B, normalization 8 B, equalizer 6 B, update 14 B per element; the matmul phase's own
-traffic overlaps its compute).
+(rails 20 B, normalization 4 B -- read and write X, its partials come from the rails --, equalizer 6 B,
+update 14 B per element; the matmul phase's own traffic overlaps its compute).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 SHAPES = ((8, 256, 768), (8, 768, 768), (8, 2816, 768), (64, 768, 768), (24, 2816, 768))
-ELEMENTWISE_BYTES = 20 + 8 + 6 + 14
+ELEMENTWISE_BYTES = 20 + 4 + 6 + 14
 
 
 def _bench(fn: Callable[[], object], *, rep_ms: int = 200) -> float:
@@ -114,9 +114,10 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
 
                 def casc(b=bank):
                     ws = b.workspace
-                    rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
-                                    prescale=b.config.prescale)
-                    cascade_workspace(ws, maps=b.maps, config=b.config, split=b.split_baddbmm)
+                    ready = rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
+                                            prescale=b.config.prescale, fused=b.config.fused_rails,
+                                            partials=ws.partials)
+                    cascade_workspace(ws, maps=b.maps, config=b.config, split=b.split_baddbmm, partials_ready=ready)
                 r["fast_casc_graph"] = _bench(_graphed(casc), rep_ms=rep_ms)
                 try:  # the breakdown must never cost the main table
                     r.update(_phases(bank, rep_ms=rep_ms))
@@ -144,11 +145,13 @@ def _phases(bank, *, rep_ms: int) -> dict:
 
     b, ws = bank, bank.workspace
     r = {}
+    kw = dict(prescale=b.config.prescale, fused=b.config.fused_rails, partials=ws.partials)
+    ready = rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, **kw)
     r["ph_rails"] = _bench(_graphed(lambda: rails_lookahead(
-        b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
-        prescale=b.config.prescale)), rep_ms=rep_ms)
+        b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, **kw)), rep_ms=rep_ms)
     r["ph_casc"] = _bench(_graphed(lambda: cascade_workspace(ws, maps=b.maps, config=b.config,
-                                                             split=b.split_baddbmm)), rep_ms=rep_ms)
+                                                             split=b.split_baddbmm, partials_ready=ready)),
+                          rep_ms=rep_ms)
 
     def post():
         v = rail_equalizer(ws.X, b.lane_energy, b.beta2, b.red_dim, guard_trips=b.guard_trips)
@@ -190,8 +193,8 @@ def format_phases(rows, tflops: float, gbs: float) -> str:
             f"{r['k_baa']:>6.1f} {r['k_baa_cublas']:>6.1f} {baa_fl / r['k_baa'] / 1e6:>4.0f} | "
             f"{r['k_axb']:>6.1f} {r['k_axb_cublas']:>6.1f} {axb_fl / r['k_axb'] / 1e6:>4.0f} | "
             f"{maps_ms:>6.3f} {r['safe_graph'] - maps_ms:>6.3f}")
-    lines.append("Phases of the SAFE update, each captured alone (ms): rails = twin rails + lookahead (+ clamp), "
-                 "casc = normalization (+ prescale) + 6 maps, eq+upd = guarded equalizer + mantissa update. One map's kernels "
+    lines.append("Phases of the SAFE update, each captured alone (ms): rails = twin rails + lookahead + clamp "
+                 "(+ the normalization's block partials when fused), casc = normalization (+ prescale) + 6 maps, eq+upd = guarded equalizer + mantissa update. One map's kernels "
                  "(us, CUDA-graph replays, tuned configuration) next to cuBLAS doing the same product (full Gram "
                  "bmm; baddbmm for b*A + c*A@A and for a*X + X@B, which first copies X); TF/s = FLOPs the "
                  "kernel executes (lower tiles only for the symmetric ones). maps = 6 x (gram + baa + axb) in ms; "

@@ -33,8 +33,8 @@ events, L2 flushed between repetitions, after a warm-up that includes compilatio
 
 The floor of the fast step: the banks' cascade FLOPs as the symmetric kernels execute them
 (:func:`anvil_fast.bench.flops`) at the bf16 matmul peak measured in the same run, plus the bytes the
-step must move at the measured copy bandwidth: per bank element 48 B of element-wise phases
-(:data:`anvil_fast.bench.ELEMENTWISE_BYTES`) + 4 B for the gradient's copy into the bank's
+step must move at the measured copy bandwidth: per bank element the element-wise phases' bytes
+(:data:`anvil_fast.bench.ELEMENTWISE_BYTES`, 44 B) + 4 B for the gradient's copy into the bank's
 persistent buffer; per Adam element 28 B (p, m, v read and written, g read, fp32).
 """
 

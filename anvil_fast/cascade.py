@@ -28,6 +28,10 @@ than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-
 4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.gram.aX_plus_mm`: one rounding, no extra
    pass over X), and the equalizer's guard is on (:mod:`anvil_fast.equalizer`).
 
+and, for speed only, the twin rails and the normalization run as Triton kernels on CUDA
+(``fused_rails``; :mod:`anvil_fast.rails`, :mod:`anvil_fast.normalize`): the same operations, with
+the fp32 trace summed in another order.
+
 Why SAFE exists. A rank-1 matrix has ``sigma_max = ||X||_F``, so after the normalization
 ``sigma_max / d = 1 / margin`` -- exactly the end of the interval the maps are designed for. There
 every partial composite ``p_k o ... o p_1`` attains its maximum, and those maxima lie on the rising
@@ -55,7 +59,8 @@ from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
 from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
+from .normalize import NormPartials, block_partials, normalize_from_partials
+from .rails import BF16_MAX, PRESCALE_EXP_LIMIT, use_fused
 
 #: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).
 SAFE_MARGIN_SLACK = 2.0 ** -7
@@ -71,18 +76,25 @@ class CascadeConfig:
     margin_slack: float  #: margin = FROBENIUS_MARGIN * (1 + margin_slack)
     fused_axb: bool  #: a*X + X@B as one kernel, one rounding (else the seed's baddbmm / bmm + add_)
     guard: bool  #: the equalizer zeroes (and counts) matrices whose update is non-finite or exploded
+    #: the twin rails and the normalization as Triton kernels (:mod:`anvil_fast.rails`,
+    #: :mod:`anvil_fast.normalize`) where they can run (else the seed's compiled torch code)
+    fused_rails: bool = False
 
     def __post_init__(self):
         if self.prescale and not self.fp32_trace:
             raise ValueError(f"config {self.name!r}: prescale takes the first Gram after the normalization, "
                              "so the trace must come from X (set fp32_trace=True)")
+        if self.fused_rails and not self.prescale:
+            raise ValueError(f"config {self.name!r}: the fused normalization kernels implement the prescaled "
+                             "one (set prescale=True, or fused_rails=False)")
 
     def margin(self, base: float = FROBENIUS_MARGIN) -> float:
         return base * (1.0 + self.margin_slack)
 
 
 FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
-SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True)
+SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True,
+                    fused_rails=True)
 DEFAULT_CONFIG = SAFE
 CONFIGS = {c.name: c for c in (FAITHFUL, SAFE)}
 
@@ -105,13 +117,14 @@ def is_tall(shape) -> bool:
 class CascadeWorkspace:
     """Persistent buffers of one bank's cascade (allocated once, written in place: fixed addresses
     for CUDA graphs). X and C are the ping-pong iterates, A the Gram, B the polynomial, scale the
-    prescale factor per matrix."""
+    prescale factor per matrix, partials the fused normalization's block partials and denominators."""
 
     X: Tensor
     C: Tensor
     A: Tensor
     B: Tensor
     scale: Tensor = field(repr=False)
+    partials: NormPartials | None = field(default=None, repr=False)
 
     @classmethod
     def for_shape(cls, shape: tuple[int, ...], device) -> "CascadeWorkspace":
@@ -121,7 +134,8 @@ class CascadeWorkspace:
         bf = dict(dtype=torch.bfloat16, device=device)
         return cls(X=torch.empty(shape, **bf), C=torch.empty(shape, **bf), A=torch.empty((shape[0], k, k), **bf),
                    B=torch.empty((shape[0], k, k), **bf),
-                   scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device))
+                   scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device),
+                   partials=NormPartials.for_shape(tuple(shape), device))
 
 
 def _normalize(X: Tensor, A: Tensor, scale: Tensor, fp32_trace: bool, prescale: bool, margin: float,
@@ -154,10 +168,12 @@ def _safe_cast(x: Tensor, x_out: Tensor, prescale: bool) -> None:
 
 def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
                       split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
-                      backend: str = "auto", compile: bool | None = None) -> Tensor:
+                      backend: str = "auto", compile: bool | None = None, partials_ready: bool = False) -> Tensor:
     """Run the cascade on ``ws.X`` (bf16; the config's prescale is applied here and its factor left in
     ``ws.scale``); returns the buffer (``ws.X`` or ``ws.C``) holding the result. ``split``: the seed's two-kernel
-    ``a X + X B`` (default: rows > SPLIT_BADDBMM_MIN_ROWS); ignored when the config fuses it."""
+    ``a X + X B`` (default: rows > SPLIT_BADDBMM_MIN_ROWS); ignored when the config fuses it.
+    ``partials_ready``: ``ws.partials`` already holds the partials of this X (the fused rails wrote
+    them), so the fused normalization skips its own pass over X."""
     cfg = get_config(config)
     maps_ = load_maps(maps)
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
@@ -167,8 +183,16 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
         split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
     if not cfg.prescale:
         gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
-    norm = maybe_compiled(_normalize, want_compile(compile, X))
-    norm(X, A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
+    if cfg.fused_rails and use_fused(X, backend):
+        if ws.partials is None:
+            ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
+        if not partials_ready:
+            block_partials(X, ws.partials, limit=PRESCALE_EXP_LIMIT)
+        normalize_from_partials(X, ws.scale, ws.partials, margin=cfg.margin(margin), eps=float(eps),
+                                limit=PRESCALE_EXP_LIMIT)
+    else:
+        norm = maybe_compiled(_normalize, want_compile(compile, X))
+        norm(X, A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
     for k, (a, b, c) in enumerate(maps_):
         if k > 0 or cfg.prescale:
             # With the prescale the first Gram is taken of the normalized X_1: the unnormalized X

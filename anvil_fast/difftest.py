@@ -136,7 +136,8 @@ def _to(dev, *ts):
     return [t.to(dev) for t in ts]
 
 
-def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None) -> tuple[Row, dict]:
+def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None,
+                 backend="auto") -> tuple[Row, dict]:
     cfg = get_config(cfg)
     grad = make_matrix(family, shape, seed=seed).bfloat16()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -146,7 +147,8 @@ def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu
     mu, fb, w = (torch.tensor(v, **f32) for v in (MOMENTUM, FAST_BETA, FAST_WEIGHT))
     v_dev, g_dev = _to(device, vel.clone(), grad)
     x_out = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    rails_lookahead(g_dev, v_dev, mu, fb, w, x_out=x_out, prescale=cfg.prescale, compile=compile)
+    rails_lookahead(g_dev, v_dev, mu, fb, w, x_out=x_out, prescale=cfg.prescale, fused=cfg.fused_rails,
+                    backend=backend, compile=compile)
     ref = R.twin_rail(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))
     look_fast = x_out.double().cpu()
     look_eager, e0, e1 = eager_rails(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))
@@ -224,7 +226,7 @@ def run(shape, family, config: CascadeConfig | str, *, seed=0, device="cpu", com
     component's reference output as input, so each component is judged on its own error."""
     cfg = get_config(config)
     shape = tuple(shape)
-    rows = [momentum_row(shape, family, cfg, seed=seed, device=device, compile=compile)[0]]
+    rows = [momentum_row(shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend)[0]]
     crow, ref_y = cascade_row(shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend)
     rows.append(crow)
     erow, v_eq = equalizer_row(ref_y, shape, family, cfg, seed=seed, device=device, compile=compile)

@@ -98,7 +98,7 @@ if triton_available():
     import triton
 
     from . import gram_kernels as K
-    from .gram_kernels import _probe_cast, _probe_dot, _to_bf16  # noqa: F401  (used by other modules)
+    from .gram_kernels import _probe_cast, _probe_dot, _probe_widen, _to_bf16  # noqa: F401  (used by other modules)
 
 
 def _descriptor(t2d: Tensor, block: list[int]):

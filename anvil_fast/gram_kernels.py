@@ -56,6 +56,22 @@ def _probe_cast(A, C, N: tl.constexpr, ROUND_FIX: tl.constexpr):
 
 
 @triton.jit
+def _probe_widen(A, C, N: tl.constexpr, WIDEN_FIX: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(C + r, _from_bf16(tl.load(A + r), WIDEN_FIX))
+
+
+@triton.jit
+def _from_bf16(x, WIDEN_FIX: tl.constexpr):
+    # bf16 -> fp32 (exact). WIDEN_FIX does it on the bits (the high half of the fp32 pattern): only
+    # under the interpreter, whose widening gets bf16 subnormals wrong.
+    if WIDEN_FIX:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _to_bf16(x, ROUND_FIX: tl.constexpr):
     # fp32 -> bf16, round to nearest even. ROUND_FIX does it on the bits (add 0x7FFF plus the
     # lowest kept bit, drop the low half): only under the interpreter, whose cast truncates.

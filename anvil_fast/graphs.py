@@ -48,6 +48,10 @@ def baked_addresses(opt, label: str) -> dict[str, int]:
         for name, t in sorted(vars(ws).items() if hasattr(ws, "__dict__") else []):
             if isinstance(t, torch.Tensor):
                 out[f"workspace.{name}"] = t.data_ptr()
+            elif t is not None and hasattr(t, "__dict__"):  # NormPartials: the fused normalization's buffers
+                for sub, u in sorted(vars(t).items()):
+                    if isinstance(u, torch.Tensor):
+                        out[f"workspace.{name}.{sub}"] = u.data_ptr()
     return out
 
 

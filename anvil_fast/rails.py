@@ -16,10 +16,23 @@ graph reads the current ones.
 ``prescale=True`` (the safe configuration) clamps x to bf16's largest finite value before the cast,
 so no finite x becomes inf. The configuration's power-of-two prescale itself is *not* applied here
 but by the normalization (:func:`anvil_fast.cascade.cascade_workspace`), which reads the bf16 X
-anyway: finding ``max|x|`` here would need a second pass over the fp32 gradient and both rails
-(the reduction must finish before the first scaled element can be written), about 3x this phase's
-bytes; over the bf16 X it is one extra 2-byte read. Since bf16 and fp32 share their exponent range,
-casting before scaling by an exact power of two loses nothing outside fp32's subnormal range.
+anyway: finding ``max|x|`` before the cast would need a second pass over the fp32 gradient and both
+rails (the reduction must finish before the first scaled element can be written), about 3x this
+phase's bytes. Since bf16 and fp32 share their exponent range, casting before scaling by an exact
+power of two loses nothing outside fp32's subnormal range.
+
+Two implementations of the same operations:
+
+* ``fused=False``: the seed's code above, run through torch.compile (the FAITHFUL configuration:
+  the seed's operations as the seed compiles them).
+* ``fused=True`` (the SAFE configuration, on CUDA): one Triton kernel. Why not the compiled code:
+  measured on an H200 (NOTES.md, run 4), the compiled function took as long as moving ~55 bytes per
+  element would, where 20 are needed (read the bf16 gradient and both fp32 rails, write both rails
+  and the bf16 X). The kernel does exactly one read and one write of each and, while every element
+  of X is in registers, writes the per-block partials of the normalization
+  (:mod:`anvil_fast.normalize`), so the normalization need not read X to find its scale and norm. Each ``lerp`` is torch's formula
+  (``a + w (b - a)`` for ``|w| < 0.5``, else ``b - (b - a)(1 - w)``) with the multiply-add fused
+  (``fma``), as torch's CUDA and vectorized CPU lerps contract it.
 """
 
 from __future__ import annotations
@@ -30,11 +43,23 @@ from torch import Tensor
 from anvil_ref.constants import RAIL_SLOW_BETA
 
 from ._compile import maybe_compiled, want_compile
+from ._triton import interpreting, round_fix, triton_available, widen_fix
+from .normalize import NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix
 
 #: Clamp of the prescale exponent, so that ``2**-e`` and ``eps * 2**-e`` stay finite in fp32.
 PRESCALE_EXP_LIMIT = 126
 #: bf16's largest finite value (the SAFE cast clamps to it).
 BF16_MAX = torch.finfo(torch.bfloat16).max
+_MAX_GRID_Y = 65535
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .gram_kernels import _from_bf16, _to_bf16
+    from .normalize import _block_partials
+else:  # pragma: no cover - exercised only where triton is absent
+    triton = None
 
 
 def _rails_lookahead(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t: Tensor,
@@ -49,11 +74,115 @@ def _rails_lookahead(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_be
     x_out.copy_(g.clamp(-BF16_MAX, BF16_MAX) if prescale else g)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _lerp(a, b, w):
+        # torch's lerp (ATen/native/Lerp.h) with the multiply-add fused.
+        d = b - a
+        return tl.where(tl.abs(w) < 0.5, tl.fma(w, d, a), tl.fma(-(1.0 - w), d, b))
+
+    @triton.jit
+    def _rails_kernel(g_ptr, v0_ptr, v1_ptr, x_ptr, mu_ptr, fb_ptr, w_ptr, pa_ptr, ps_ptr, slow_w, bf16_max,
+                      mn, nb, CLAMP: tl.constexpr, PARTIALS: tl.constexpr, LIMIT: tl.constexpr,
+                      ROUND_FIX: tl.constexpr, WIDEN_FIX: tl.constexpr, BLOCK: tl.constexpr):
+        # Program (b, c): elements [b BLOCK, (b + 1) BLOCK) of matrix c (blocks never straddle two
+        # matrices, so each block's partials belong to one matrix's norm).
+        b = tl.program_id(0)
+        c = tl.program_id(1).to(tl.int64)
+        inner = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = inner < mn
+        offs = c * mn + inner
+        mu = tl.load(mu_ptr)
+        fw = 1.0 - tl.load(fb_ptr)
+        w = tl.load(w_ptr)
+        g_raw = tl.load(g_ptr + offs, mask=m, other=0.0)
+        if g_raw.dtype == tl.bfloat16:
+            g = _from_bf16(g_raw, WIDEN_FIX)
+        else:
+            g = g_raw.to(tl.float32)
+        v0 = _lerp(tl.load(v0_ptr + offs, mask=m, other=0.0), g, fw)
+        v1 = _lerp(tl.load(v1_ptr + offs, mask=m, other=0.0), g, slow_w)
+        tl.store(v0_ptr + offs, v0, mask=m)
+        tl.store(v1_ptr + offs, v1, mask=m)
+        x = _lerp(g, w * v0 + (1.0 - w) * v1, mu)
+        if CLAMP:
+            x = tl.minimum(tl.maximum(x, -bf16_max, propagate_nan=tl.PropagateNan.ALL), bf16_max,
+                           propagate_nan=tl.PropagateNan.ALL)
+        xb = _to_bf16(x, ROUND_FIX)
+        tl.store(x_ptr + offs, xb, mask=m)
+        if PARTIALS:
+            amax, ss = _block_partials(tl.where(m, _from_bf16(xb, WIDEN_FIX), 0.0), LIMIT)
+            tl.store(pa_ptr + c * nb + b, amax)
+            tl.store(ps_ptr + c * nb + b, ss)
+
+
+def use_fused(t: Tensor, backend: str) -> bool:
+    """Whether the Triton kernels run for ``t``: on CUDA with ``backend`` "auto" or "triton"; on CPU only
+    for "triton" under Triton's interpreter (tests); "torch" never."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "torch" or not triton_available():
+        if backend == "triton":
+            raise ValueError("backend='triton': Triton is not available here")
+        return False
+    if t.is_cuda:
+        return True
+    if backend == "triton":
+        if not (interpreting() and t.device.type == "cpu"):
+            raise ValueError(f"backend='triton': Triton cannot run on a {t.device.type} tensor here "
+                             "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors)")
+        return True
+    return False
+
+
+def _check_fused(grad: Tensor, velocity: Tensor, x_out: Tensor, partials: NormPartials | None) -> None:
+    shape = tuple(x_out.shape)
+    if len(shape) != 3:
+        raise ValueError(f"rails: x_out must be [chunk, rows, cols], got {shape}")
+    for name, t, dt, want in (("grad", grad, (torch.bfloat16, torch.float32), shape),
+                              ("velocity", velocity, (torch.float32,), (2, *shape)),
+                              ("x_out", x_out, (torch.bfloat16,), shape)):
+        if t.dtype not in dt or tuple(t.shape) != want or not t.is_contiguous() or t.device != x_out.device:
+            raise ValueError(f"rails: {name} must be a contiguous {' or '.join(map(str, dt))} tensor of shape "
+                             f"{want} on {x_out.device}, got {t.dtype} {tuple(t.shape)} on {t.device} "
+                             f"(contiguous: {t.is_contiguous()})")
+    if partials is not None:
+        want = (shape[0], blocks_per_matrix(shape[1], shape[2]))
+        if tuple(partials.amax.shape) != want or tuple(partials.sumsq.shape) != want:
+            raise ValueError(f"rails: partials must be [chunk, blocks] = {want}, got {tuple(partials.amax.shape)}")
+
+
+def _rails_fused(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t: Tensor, fast_weight_t: Tensor,
+                 x_out: Tensor, prescale: bool, partials: NormPartials | None) -> None:
+    _check_fused(grad, velocity, x_out, partials)
+    chunk, rows, cols = x_out.shape
+    mn, nb = rows * cols, blocks_per_matrix(rows, cols)
+    v0, v1 = velocity[0], velocity[1]
+    for s in range(0, chunk, _MAX_GRID_Y):
+        e = min(chunk, s + _MAX_GRID_Y)
+        pa = partials.amax[s:e] if partials is not None else x_out  # unused when PARTIALS is off
+        ps = partials.sumsq[s:e] if partials is not None else x_out
+        _rails_kernel[(nb, e - s)](grad[s:e], v0[s:e], v1[s:e], x_out[s:e], momentum_t, fast_beta_t, fast_weight_t,
+                                   pa, ps, 1 - RAIL_SLOW_BETA, BF16_MAX, mn, nb, CLAMP=bool(prescale),
+                                   PARTIALS=partials is not None, LIMIT=PRESCALE_EXP_LIMIT, ROUND_FIX=round_fix(),
+                                   WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
+
+
 def rails_lookahead(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t: Tensor,
-                    fast_weight_t: Tensor, *, x_out: Tensor, prescale: bool = False,
-                    compile: bool | None = None) -> None:
+                    fast_weight_t: Tensor, *, x_out: Tensor, prescale: bool = False, fused: bool = False,
+                    partials: NormPartials | None = None, backend: str = "auto",
+                    compile: bool | None = None) -> bool:
     """One twin-rail step in place on ``velocity`` ([2, *chunk] fp32), writing the cascade's bf16
     input into ``x_out`` ([*chunk] bf16; clamped to bf16's finite range when ``prescale``).
-    ``grad`` is the bf16 (or fp32) gradient; it is not written."""
+    ``grad`` is the bf16 (or fp32) gradient; it is not written.
+
+    ``fused``: run the Triton kernel where it can run (:func:`use_fused`), else the compiled torch
+    code. ``partials``: with the kernel, also write X's normalization partials there. Returns True
+    when the partials were written (the caller's normalization may then skip its own pass)."""
+    if fused and use_fused(x_out, backend):
+        _rails_fused(grad, velocity, momentum_t, fast_beta_t, fast_weight_t, x_out, bool(prescale), partials)
+        return partials is not None
     fn = maybe_compiled(_rails_lookahead, want_compile(compile, grad))
     fn(grad, velocity, momentum_t, fast_beta_t, fast_weight_t, x_out, bool(prescale))
+    return False

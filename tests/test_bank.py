@@ -111,6 +111,44 @@ def test_safe_bank_never_trips_on_near_rank1():
     assert int(bank.guard_trips.sum()) == 0
 
 
+@pytest.mark.parametrize("case", ["gaussian", "huge", "nan"])
+def test_fused_safe_bank_matches_the_plain_torch_bank(case):
+    # SAFE's Triton path (fused rails + normalization, Gram kernels; here in Triton's interpreter)
+    # against the same update with plain-torch kernels: the rails to one fp32 rounding, the step to
+    # bf16 precision, the same guard decisions (a NaN gradient trips its matrix on both paths).
+    from anvil_fast._triton import interpreting, triton_available
+
+    if not (triton_available() and (interpreting() or torch.cuda.is_available())):
+        pytest.skip("needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(7))
+    if case == "huge":
+        grad = grad * 2.0 ** 100
+    if case == "nan":
+        grad[1, 5, 5] = float("nan")
+    a, b = _bank(SAFE, grad=grad, device=dev), _bank(SAFE, grad=grad)
+    if case == "huge":
+        for bk in (a, b):
+            bk.velocity.mul_(2.0 ** 100)
+    w0 = R.join_fp32(b.p_slice, b.mantissa).double()
+    v0 = b.velocity.clone()
+    anvil_bank_update(a, backend="triton", compile=False)
+    anvil_bank_update(b, backend="torch", compile=False)
+    assert torch.equal(a.guard_trips.cpu(), b.guard_trips)
+    assert int(b.guard_trips.sum()) == (1 if case == "nan" else 0)
+    ok = [i for i in range(SHAPE[0]) if not (case == "nan" and i == 1)]
+    big = torch.maximum(v0.abs(), grad.float().abs()[None])[:, ok]
+    assert err_ulps(a.velocity.cpu()[:, ok], b.velocity[:, ok], big) <= 1
+    wa, wb = R.join_fp32(a.p_slice.cpu(), a.mantissa.cpu()).double(), R.join_fp32(b.p_slice, b.mantissa).double()
+    for i in ok:
+        if float(b.eff_lr[i]) == 0:
+            assert torch.equal(wa[i], w0[i]) and torch.equal(wb[i], w0[i])
+            continue
+        err = ((wa[i] - wb[i]).norm() / (wb[i] - w0[i]).norm()).item()
+        assert err <= 2.0 ** -6, (i, err)
+    assert torch.isfinite(wa).all() and torch.isfinite(a.lane_energy).all()
+
+
 def test_compiled_cpu_smoke_and_scalars_do_not_recompile():
     # One torch.compile'd step on CPU equals the eager step; new scalar values reuse the graphs.
     torch._dynamo.reset()

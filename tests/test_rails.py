@@ -125,3 +125,104 @@ def test_fast_rails_match_reference(family):
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False)
     assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
+
+
+# The fused Triton rails (anvil_fast.rails, SAFE on CUDA): here in Triton's CPU interpreter
+# (tests/conftest.py; ROUND_FIX / WIDEN_FIX stand in for its wrong bf16 casts, anvil_fast/_triton.py).
+def _fused_runnable():
+    from anvil_fast._triton import interpreting, triton_available
+
+    return triton_available() and (interpreting() or torch.cuda.is_available())
+
+
+fused = pytest.mark.skipif(not _fused_runnable(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+FUSED_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@fused
+@pytest.mark.parametrize("family", ["gaussian", "near_rank1", "zero", "huge", "tiny"])
+def test_fused_rails_match_reference(family):
+    from anvil_fast import difftest as D
+    from anvil_fast.cascade import SAFE
+    from tests.tolerances import check
+
+    row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False, backend="triton", device=FUSED_DEV)
+    assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
+
+
+def _rails_inputs(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(shape, generator=g).bfloat16()
+    vel = torch.randn((2, *shape), generator=g)
+    f32 = dict(dtype=torch.float32, device=FUSED_DEV)
+    scalars = [torch.tensor(v, **f32) for v in (0.95, 0.9, 0.4385)]  # momentum, fast beta, fast weight
+    return grad, vel, scalars
+
+
+def _run_rails(grad, vel, scalars, *, fused, prescale=True, with_partials=True):
+    from anvil_fast.normalize import NormPartials
+    from anvil_fast.rails import rails_lookahead
+
+    shape = tuple(grad.shape)
+    v = vel.clone().to(FUSED_DEV)
+    x = torch.empty(shape, dtype=torch.bfloat16, device=FUSED_DEV)
+    p = NormPartials.for_shape(shape, FUSED_DEV) if with_partials else None
+    wrote = rails_lookahead(grad.to(FUSED_DEV), v, *scalars, x_out=x, prescale=prescale, fused=fused, partials=p,
+                            backend="triton" if fused else "torch", compile=False)
+    assert wrote == (fused and with_partials)
+    return v.cpu(), x.cpu(), p
+
+
+@fused
+@pytest.mark.parametrize("shape", [(3, 37, 301), (2, 64, 64), (1, 1, 5)])
+def test_fused_rails_equal_the_torch_rails_and_leave_the_partials_of_x(shape):
+    # Same formula as torch's lerp (fused multiply-add, as torch's vectorized CPU lerp): the rails
+    # agree to one fp32 rounding of the largest term, X to one bf16 rounding, and the partials are
+    # those block_partials computes from the X written.
+    from anvil_fast.difftest import err_ulps
+    from anvil_fast.normalize import NormPartials, block_partials
+    from anvil_fast.rails import PRESCALE_EXP_LIMIT
+
+    grad, vel, sc = _rails_inputs(shape, seed=sum(shape))
+    vf, xf, pf = _run_rails(grad, vel, sc, fused=True)
+    vt, xt, _ = _run_rails(grad, vel, sc, fused=False)
+    big = torch.maximum(vel.abs(), grad.float().abs()[None])
+    assert err_ulps(vf, vt, big) <= 1
+    ulp = torch.finfo(torch.bfloat16).eps * xt.float().abs()
+    assert bool(((xf.float() - xt.float()).abs() <= ulp).all())
+    p2 = NormPartials.for_shape(shape, FUSED_DEV)
+    block_partials(xf.to(FUSED_DEV), p2, limit=PRESCALE_EXP_LIMIT)
+    assert torch.equal(pf.amax, p2.amax) and torch.equal(pf.sumsq, p2.sumsq)
+
+
+@fused
+def test_fused_rails_clamp_huge_and_keep_nan_where_it_is():
+    shape = (2, 16, 300)
+    grad, vel, sc = _rails_inputs(shape)
+    grad[0, 3, 7] = float("nan")
+    # matrix 1: lookahead values between bf16's largest finite value and fp32's, which a plain cast
+    # rounds to inf
+    grad[1] = torch.finfo(torch.bfloat16).max
+    vel[:, 1] = 3.4e38
+    v, x, p = _run_rails(grad, vel, sc, fused=True)
+    assert torch.isfinite(x[1]).all(), "SAFE clamps the lookahead to bf16's finite range"
+    assert float(x[1].float().abs().max()) == torch.finfo(torch.bfloat16).max
+    nan = torch.isnan(x[0])
+    assert nan.sum() == 1 and nan[3, 7], "a NaN gradient element stays one NaN element of X"
+    assert torch.isnan(p.amax[0, 0]) and not torch.isnan(p.amax[0, 1]) and not torch.isnan(p.amax[1]).any()
+    _, x_noclamp, _ = _run_rails(grad, vel, sc, fused=True, prescale=False, with_partials=False)
+    _, x_torch, _ = _run_rails(grad, vel, sc, fused=False, prescale=False, with_partials=False)
+    assert torch.isinf(x_noclamp[1]).all() and torch.isinf(x_torch[1]).all()  # what the clamp prevents
+
+
+@fused
+def test_fused_rails_check_their_input():
+    grad, vel, sc = _rails_inputs((2, 8, 8))
+    with pytest.raises(ValueError, match="velocity"):
+        _run_rails(grad, vel[:, :, :, :4], sc, fused=True)
+    with pytest.raises(ValueError, match="grad"):
+        _run_rails(grad.half(), vel, sc, fused=True)
+    from anvil_fast.rails import use_fused
+
+    with pytest.raises(ValueError, match="backend"):
+        use_fused(grad, "cuda")

@@ -1,7 +1,9 @@
 """Compile every tuning candidate of anvil_fast.gram for sm_90a on a machine WITHOUT a GPU and print
 each kernel's registers, stack (spills), shared memory and instruction mix (wgmma, TMA, cp.async).
 
-    python tools/gram_sm90_report.py [gram] [baa] [mm]
+    python tools/gram_sm90_report.py [gram] [baa] [mm] [rails]
+
+(``rails``: the element-wise kernels of anvil_fast.rails and anvil_fast.normalize.)
 
 Why: the device time is scarce; compile errors, register spills and shared-memory overflows of a
 candidate are visible before any GPU run. The kernels go through Triton's own JIT specialization
@@ -71,14 +73,34 @@ class _Compile:
             try:
                 k = self.fn.warmup(*args, grid=grid, **kw)
                 print(f"  {name:24s} TMA={kw.get('TMA', '-')!s:5} EVEN={kw.get('EVEN', '-')!s:5} "
-                      f"w{kw['num_warps']} s{kw['num_stages']} {time.time() - t:4.1f} s  {resources(k)}", flush=True)
+                      f"w{kw['num_warps']} s{kw.get('num_stages', '-')} {time.time() - t:4.1f} s  {resources(k)}",
+                      flush=True)
             except Exception as e:  # report and go on: the point is to see every candidate
                 print(f"  {name:24s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         return call
 
 
+def elementwise() -> None:
+    from anvil_fast import normalize as N
+    from anvil_fast import rails as RL
+
+    for mod, name in ((RL, "_rails_kernel"), (N, "_partials_kernel"), (N, "_finalize_kernel"), (N, "_scale_kernel")):
+        setattr(mod, name, _Compile(getattr(mod, name)))
+    shape = (24, 2816, 768)
+    g = torch.empty(shape, dtype=torch.bfloat16)
+    x = torch.empty_like(g)
+    v = torch.empty((2, *shape))
+    p = N.NormPartials.for_shape(shape, "cpu")
+    s = [torch.empty(()) for _ in range(3)]
+    RL._rails_fused(g, v, *s, x, True, p)
+    N.block_partials(x, p, limit=RL.PRESCALE_EXP_LIMIT)
+    N.normalize_from_partials(x, torch.empty(shape[0], 1, 1), p, margin=1.05, eps=1e-7, limit=RL.PRESCALE_EXP_LIMIT)
+
+
 def main(which: list[str]) -> None:
     driver.set_active(_Sm90Stub())
+    if "rails" in which:
+        elementwise()
     from anvil_fast import gram as G
     from anvil_fast import gram_kernels as K
     from anvil_fast import gram_tune as GT
@@ -90,7 +112,7 @@ def main(which: list[str]) -> None:
     A = torch.empty_like(X)
     Xt = torch.empty(24, 2816, 768, dtype=torch.bfloat16)
     At = torch.empty(24, 768, 768, dtype=torch.bfloat16)
-    for cfg in GT.SYM_CANDIDATES:
+    for cfg in GT.SYM_CANDIDATES if {"gram", "baa"} & set(which) else ():
         print(cfg.describe())
         if "gram" in which:
             G.XXT(X, out=A, config=cfg, backend="triton")

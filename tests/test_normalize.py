@@ -1,0 +1,123 @@
+"""anvil_fast.normalize: the fused SAFE normalization (block partials -> per-matrix s, d -> X s / d)
+against float64 and against the plain-torch ``_normalize`` it replaces on CUDA.
+
+Without CUDA the kernels run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1;
+``ROUND_FIX`` stands in for its truncating bf16 cast, see anvil_fast/_triton.py). What only the GPU
+run covers: the native cast and the kernels' speed (tools/anvil_fast_gpu.sh runs this file with -m gpu
+too, through the bank and difftest tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from anvil_fast._triton import interpreting, triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available() or not (interpreting() or torch.cuda.is_available()),
+                                reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LIMIT = 126
+
+
+def _mods():
+    from anvil_fast import normalize as N
+    from anvil_fast.cascade import SAFE, _normalize
+
+    return N, SAFE, _normalize
+
+
+def _x(shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).bfloat16().to(DEV)
+
+
+def _partials64(x: torch.Tensor, block: int):
+    """float64 per-block max|x| and sum((x 2**-e_b)**2), e_b = floor(log2 max|x|) clamped."""
+    chunk = x.shape[0]
+    flat = x.reshape(chunk, -1).double().cpu()
+    nb = -(-flat.shape[1] // block)
+    amax, ss = torch.zeros(chunk, nb, dtype=torch.float64), torch.zeros(chunk, nb, dtype=torch.float64)
+    for c in range(chunk):
+        for b in range(nb):
+            v = flat[c, b * block:(b + 1) * block]
+            a = float(v.abs().max())
+            e = LIMIT * -1 if a == 0 else max(-LIMIT, min(LIMIT, math.floor(math.log2(a))))
+            amax[c, b], ss[c, b] = a, float(((v * 2.0 ** -e) ** 2).sum())
+    return amax, ss
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 301), (2, 64, 64), (1, 1, 1), (2, 5, 4097)])
+def test_block_partials_are_exact_max_and_accurate_sums(shape):
+    N, _, _ = _mods()
+    x = _x(shape, seed=sum(shape))
+    p = N.NormPartials.for_shape(tuple(shape), DEV)
+    N.block_partials(x, p, limit=LIMIT)
+    amax, ss = _partials64(x, N.NORM_BLOCK)
+    assert torch.equal(p.amax.double().cpu(), amax)  # max of bf16 values: exact
+    # fp32 sum of <= 4096 terms in [0, 4): relative error <= ~12 * 2**-24 even summed serially
+    assert torch.allclose(p.sumsq.double().cpu(), ss, rtol=2 ** -20, atol=0)
+
+
+@pytest.mark.parametrize("case", ["gaussian", "huge", "tiny", "mixed_blocks", "zero"])
+def test_fused_normalization_matches_plain_torch(case):
+    # The same math as anvil_fast.cascade._normalize; only tr's fp32 summation order differs, so s is
+    # bit-identical, d agrees to a few fp32 ulps, and X to one bf16 rounding where d's last bit
+    # tips it (the tolerance: |X| < 2, one bf16 ulp there is 2**-7).
+    N, SAFE, normalize = _mods()
+    shape = (3, 48, 200)
+    x = {"gaussian": lambda: _x(shape),
+         "huge": lambda: _x(shape, scale=2.0 ** 120),
+         "tiny": lambda: _x(shape, scale=2.0 ** -120),
+         "zero": lambda: torch.zeros(shape, dtype=torch.bfloat16, device=DEV)}.get(case, lambda: None)()
+    if case == "mixed_blocks":  # blocks whose own exponents differ by ~2**60 inside one matrix
+        x = _x(shape).float()
+        x.view(3, -1)[:, :N.NORM_BLOCK] *= 2.0 ** -60
+        x.view(3, -1)[:, N.NORM_BLOCK:] *= 2.0 ** 30
+        x = x.bfloat16()
+    margin, eps = SAFE.margin(), 1e-7
+    xa, sa = x.clone(), torch.ones(3, 1, 1, device=DEV)
+    p = N.NormPartials.for_shape(shape, DEV)
+    N.block_partials(xa, p, limit=LIMIT)
+    N.normalize_from_partials(xa, sa, p, margin=margin, eps=eps, limit=LIMIT)
+    xb, sb = x.clone().cpu(), torch.ones(3, 1, 1)
+    normalize(xb, None, sb, True, True, margin, eps)
+    assert torch.equal(sa.cpu(), sb)
+    # float64 d from the float64 trace of the prescaled X
+    xs = x.double().cpu() * sb.double()
+    d64 = xs.square().sum(dim=(-2, -1), keepdim=True).sqrt() * margin + eps * sb.double()
+    assert torch.allclose(p.d.double().cpu(), d64, rtol=2 ** -20, atol=0)
+    assert torch.isfinite(xa).all()
+    diff = (xa.float().cpu() - xb.float()).abs()
+    assert float(diff.max()) <= 2.0 ** -7
+    assert float((diff > 0).double().mean()) <= 0.01
+    if case == "zero":
+        assert not xa.any() and torch.isfinite(p.d).all()
+
+
+def test_nan_in_one_matrix_stays_in_that_matrix():
+    N, SAFE, _ = _mods()
+    shape = (2, 16, 300)
+    x = _x(shape)
+    x[0, 3, 7] = float("nan")
+    clean = x[1].clone()
+    s = torch.ones(2, 1, 1, device=DEV)
+    p = N.NormPartials.for_shape(shape, DEV)
+    N.block_partials(x, p, limit=LIMIT)
+    assert torch.isnan(p.amax[0]).any() and not torch.isnan(p.amax[1]).any()
+    N.normalize_from_partials(x, s, p, margin=SAFE.margin(), eps=1e-7, limit=LIMIT)
+    assert torch.isnan(x[0]).all(), "a NaN must reach the guard (the whole matrix), not vanish"
+    ref, sr = clean[None].cpu().clone(), torch.ones(1, 1, 1)
+    _mods()[2](ref, None, sr, True, True, SAFE.margin(), 1e-7)
+    assert float((x[1].float().cpu() - ref[0].float()).abs().max()) <= 2.0 ** -7
+
+
+def test_partials_checks_shapes():
+    N, _, _ = _mods()
+    x = _x((2, 8, 8))
+    with pytest.raises(ValueError, match="partials"):
+        N.block_partials(x, N.NormPartials.for_shape((3, 8, 8), DEV), limit=LIMIT)
+    with pytest.raises(ValueError, match="bf16"):
+        N.block_partials(x.float(), N.NormPartials.for_shape((2, 8, 8), DEV), limit=LIMIT)
