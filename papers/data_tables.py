@@ -70,9 +70,9 @@ def near_rank1_table() -> str:
               if line.startswith(("totals:", "device cuda"))]
     return ("```\n" + "\n".join(lines) + "\n```\n\n*Source: `results/anvil_fast_h200/run1/near_rank1.log`, "
             "written by `python3 -m anvil_fast.near_rank1 --count 500` on one H200 (run 1, before the kernel "
-            "tuning and the prescale move, which do not change these paths' roundings except SAFE's first "
-            "Gram; SAFE was re-measured in run 4: " + quote_inline("anvil_fast_h200/run4/near_rank1.log", "totals:")
-            + ").*")
+            "tuning, the prescale move and the fused rails and normalization, which do not change these paths' "
+            "roundings except SAFE's first Gram and fp32 trace summation order; SAFE was re-measured after the last "
+            "of them in run 5: " + quote_inline(f"{BANK_RUN}/near_rank1.log", "totals:") + ").*")
 
 
 def quote_inline(path: str, prefix: str) -> str:
@@ -80,32 +80,40 @@ def quote_inline(path: str, prefix: str) -> str:
     return f"`{line}`"
 
 
+#: The H200 run whose bank benchmark, difftest and near-rank-1 check the paper quotes.
+BANK_RUN = "anvil_fast_h200/run5"
+#: The H200 run whose optimizer benchmark the paper quotes.
+OPTIMIZER_RUN = "anvil_optimizer_h200/run3"
+
+
 def bank_bench_table() -> str:
-    path = "anvil_fast_h200/run4/bench.log"
+    path = f"{BANK_RUN}/bench.log"
     main = _section(path, "shape            plain plain+G")
     phases = _section(path, "shape           rails   casc")
     head = [x for x in (RESULTS / path).read_text().splitlines() if x.startswith("device ")]
     legend = [x for x in (RESULTS / path).read_text().splitlines() if x.startswith("ms per bank update")]
     return ("```\n" + "\n".join(head + main) + "\n```\n\n" + legend[0] + "\n\n```\n" + "\n".join(phases)
-            + "\n```\n\n*Source: `results/anvil_fast_h200/run4/bench.log`, written by `python3 -m anvil_fast.bench "
-            "bank --rep-ms 50 --shapes 64x768x768,24x2816x768,8x768x768` (full command in "
-            "`results/anvil_fast_h200/run4/command.txt`); all five shapes of the issue were measured in run 3 "
-            "(`anvil_fast/NOTES.md`).*")
-
-
-def bank_bench_all_shapes() -> str:
-    path = "anvil_fast_h200/run3/bench.log"
-    main = _section(path, "shape            plain plain+G")
-    return ("```\n" + "\n".join(main) + "\n```\n\n*Source: `results/anvil_fast_h200/run3/bench.log`, written by "
-            "`python3 -m anvil_fast.bench bank --rep-ms 100` (run 3, before the prescale move).*")
+            + f"\n```\n\n*Source: `results/{path}`, written by `python3 -m anvil_fast.bench bank --rep-ms 50` "
+            f"(full command in `results/{BANK_RUN}/command.txt`).*")
 
 
 def difftest_rows() -> str:
-    return quote_log("anvil_fast_h200/run4/difftest.log", ("component", "momentum   2x2816x768       gaussian",
-                                                            "cascade", "equalizer  2x2816x768       gaussian",
-                                                            "update     2x2816x768       gaussian"),
+    return quote_log(f"{BANK_RUN}/difftest.log", ("component", "momentum   2x2816x768       gaussian",
+                                                  "cascade", "equalizer  2x2816x768       gaussian",
+                                                  "update     2x2816x768       gaussian"),
                      command="python3 -m anvil_fast.difftest --device cuda --shapes 2x768x768,2x2816x768 "
                              "--configs safe --families gaussian,near_rank1,huge,tiny,zero")
+
+
+def optimizer_bench() -> str:
+    return (quote_log(f"{OPTIMIZER_RUN}/bench_optimizer.log", ("device", "|", "floor of"),
+                      command="python3 -m anvil_fast.bench optimizer --rep-ms 100")
+            + "\n\nThe torch baseline's time is not stable across machines with the same GPU: on the two-GPU "
+            "machine of an earlier run it took "
+            + quote_inline("anvil_optimizer_h200/run1/bench_optimizer.log", "| torch Muon")
+            + " (`results/anvil_optimizer_h200/run1/bench_optimizer.log`), twice this run's. It launches a "
+            "sequence of small kernels per matrix, so the host's speed enters (not profiled). Only ratios "
+            "measured in one run are comparable.")
 
 
 def optimizer_gpu_tests() -> str:
@@ -119,9 +127,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "maps_reproduction": lambda: include_markdown("maps_reproduction.md"),
     "near_rank1": near_rank1_table,
     "bank_bench": bank_bench_table,
-    "bank_bench_all_shapes": bank_bench_all_shapes,
     "difftest_rows": difftest_rows,
-    "optimizer_bench": lambda: include_markdown("bench_optimizer_h200.md"),
+    "optimizer_bench": optimizer_bench,
     "optimizer_gpu_tests": optimizer_gpu_tests,
     "scaling_cpu": lambda: include_markdown("scaling_cpu_8ranks.md"),
 }
