@@ -43,14 +43,14 @@ from torch import Tensor
 from anvil_ref.constants import RAIL_SLOW_BETA
 
 from ._compile import maybe_compiled, want_compile
-from ._triton import interpreting, round_fix, triton_available, widen_fix
-from .normalize import NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix
+from ._triton import round_fix, triton_available, widen_fix
+from .gram import _use_triton
+from .normalize import _MAX_GRID_Y, NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix
 
 #: Clamp of the prescale exponent, so that ``2**-e`` and ``eps * 2**-e`` stay finite in fp32.
 PRESCALE_EXP_LIMIT = 126
 #: bf16's largest finite value (the SAFE cast clamps to it).
 BF16_MAX = torch.finfo(torch.bfloat16).max
-_MAX_GRID_Y = 65535
 
 if triton_available():
     import triton
@@ -118,22 +118,10 @@ if triton is not None:
 
 
 def use_fused(t: Tensor, backend: str) -> bool:
-    """Whether the Triton kernels run for ``t``: on CUDA with ``backend`` "auto" or "triton"; on CPU only
-    for "triton" under Triton's interpreter (tests); "torch" never."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "torch" or not triton_available():
-        if backend == "triton":
-            raise ValueError("backend='triton': Triton is not available here")
-        return False
-    if t.is_cuda:
-        return True
-    if backend == "triton":
-        if not (interpreting() and t.device.type == "cpu"):
-            raise ValueError(f"backend='triton': Triton cannot run on a {t.device.type} tensor here "
-                             "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors)")
-        return True
-    return False
+    """Whether the Triton kernels run for ``t``: the Gram kernels' rule (:mod:`anvil_fast.gram`): on
+    CUDA with ``backend`` "auto" or "triton"; on CPU only for "triton" under Triton's interpreter
+    (tests); "torch" never. A backend that cannot run raises."""
+    return _use_triton(t, backend)
 
 
 def _check_fused(grad: Tensor, velocity: Tensor, x_out: Tensor, partials: NormPartials | None) -> None:
