@@ -14,7 +14,7 @@ The update, in the seed's order::
 
     rails_lookahead   twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
     cascade           normalization + Gram kernels + maps on the workspace (Triton; FAITHFUL: compiled normalize)
-    rail_equalizer    lane-energy equalizer (+ guard in SAFE)            (compiled; lane_energy in place)
+    rail_equalizer    lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton; FAITHFUL: compiled)
     decay + update    sign-aligned decay on the fp32 master p|mantissa  (compiled; p, mantissa in place)
 
 On a machine without CUDA or Triton the same code runs with plain-torch kernels, eagerly (see
@@ -165,14 +165,15 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
     # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (clamped to bf16's range in SAFE)
     #    (SAFE on CUDA: one Triton kernel that also leaves the normalization's block partials)
     ready = rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
-                            x_out=ws.X, prescale=cfg.prescale, fused=cfg.fused_rails,
-                            partials=ws.partials if cfg.fused_rails else None, backend=backend, compile=compile)
+                            x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
+                            partials=ws.partials if cfg.triton_elementwise else None, backend=backend, compile=compile)
     # 2. The cascade
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile,
                           partials_ready=ready)
     # 3. Equalize per-lane update energy (guarded in SAFE)
     v = rail_equalizer(v, bank.lane_energy, bank.beta2, bank.red_dim,
-                       guard_trips=bank.guard_trips if cfg.guard else None, compile=compile)
+                       guard_trips=bank.guard_trips if cfg.guard else None, compile=compile,
+                       fused=cfg.triton_elementwise, work=ws.equalizer, backend=backend)
     # 4. Sign-aligned decay + update on the fp32 master, gated on the slow rail after this step
     sign_aligned_decay_update(bank.p_slice, bank.mantissa, v, bank.eff_wd, bank.eff_lr, bank.velocity[1],
                               compile=compile)

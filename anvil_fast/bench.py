@@ -115,7 +115,7 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
                 def casc(b=bank):
                     ws = b.workspace
                     ready = rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
-                                            prescale=b.config.prescale, fused=b.config.fused_rails,
+                                            prescale=b.config.prescale, fused=b.config.triton_elementwise,
                                             partials=ws.partials)
                     cascade_workspace(ws, maps=b.maps, config=b.config, split=b.split_baddbmm, partials_ready=ready)
                 r["fast_casc_graph"] = _bench(_graphed(casc), rep_ms=rep_ms)
@@ -145,7 +145,7 @@ def _phases(bank, *, rep_ms: int) -> dict:
 
     b, ws = bank, bank.workspace
     r = {}
-    kw = dict(prescale=b.config.prescale, fused=b.config.fused_rails, partials=ws.partials)
+    kw = dict(prescale=b.config.prescale, fused=b.config.triton_elementwise, partials=ws.partials)
     ready = rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, **kw)
     r["ph_rails"] = _bench(_graphed(lambda: rails_lookahead(
         b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, **kw)), rep_ms=rep_ms)
@@ -154,7 +154,8 @@ def _phases(bank, *, rep_ms: int) -> dict:
                           rep_ms=rep_ms)
 
     def post():
-        v = rail_equalizer(ws.X, b.lane_energy, b.beta2, b.red_dim, guard_trips=b.guard_trips)
+        v = rail_equalizer(ws.X, b.lane_energy, b.beta2, b.red_dim, guard_trips=b.guard_trips,
+                           fused=b.config.triton_elementwise, work=ws.equalizer)
         sign_aligned_decay_update(b.p_slice, b.mantissa, v, b.eff_wd, b.eff_lr, b.velocity[1])
     r["ph_post"] = _bench(_graphed(post), rep_ms=rep_ms)
     # One map's kernels on a normalized iterate (ws.X holds the cascade's output: orthogonal-ish).

@@ -28,9 +28,11 @@ than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-
 4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.gram.aX_plus_mm`: one rounding, no extra
    pass over X), and the equalizer's guard is on (:mod:`anvil_fast.equalizer`).
 
-and, for speed only, the twin rails and the normalization run as Triton kernels on CUDA
-(``fused_rails``; :mod:`anvil_fast.rails`, :mod:`anvil_fast.normalize`): the same operations, with
-the fp32 trace summed in another order.
+and the twin rails, the normalization and the equalizer run as Triton kernels on CUDA
+(``triton_elementwise``; :mod:`anvil_fast.rails`, :mod:`anvil_fast.normalize`,
+:mod:`anvil_fast.equalizer`): the same operations, with fp32 sums in another (fixed) order -- for
+speed (fewer passes over memory) and so that a matrix's update does not depend on how many
+matrices share its bank (the compiled equalizer's did).
 
 Why SAFE exists. A rank-1 matrix has ``sigma_max = ||X||_F``, so after the normalization
 ``sigma_max / d = 1 / margin`` -- exactly the end of the interval the maps are designed for. There
@@ -59,6 +61,7 @@ from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
 from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+from .equalizer import EqualizerWork
 from .normalize import NormPartials, block_partials, normalize_from_partials
 from .rails import BF16_MAX, PRESCALE_EXP_LIMIT, use_fused
 
@@ -76,17 +79,18 @@ class CascadeConfig:
     margin_slack: float  #: margin = FROBENIUS_MARGIN * (1 + margin_slack)
     fused_axb: bool  #: a*X + X@B as one kernel, one rounding (else the seed's baddbmm / bmm + add_)
     guard: bool  #: the equalizer zeroes (and counts) matrices whose update is non-finite or exploded
-    #: the twin rails and the normalization as Triton kernels (:mod:`anvil_fast.rails`,
-    #: :mod:`anvil_fast.normalize`) where they can run (else the seed's compiled torch code)
-    fused_rails: bool = False
+    #: the twin rails, the normalization and the equalizer as Triton kernels (:mod:`anvil_fast.rails`,
+    #: :mod:`anvil_fast.normalize`, :mod:`anvil_fast.equalizer`) where they can run (else the seed's
+    #: compiled torch code)
+    triton_elementwise: bool = False
 
     def __post_init__(self):
         if self.prescale and not self.fp32_trace:
             raise ValueError(f"config {self.name!r}: prescale takes the first Gram after the normalization, "
                              "so the trace must come from X (set fp32_trace=True)")
-        if self.fused_rails and not self.prescale:
+        if self.triton_elementwise and not self.prescale:
             raise ValueError(f"config {self.name!r}: the fused normalization kernels implement the prescaled "
-                             "one (set prescale=True, or fused_rails=False)")
+                             "one (set prescale=True, or triton_elementwise=False)")
 
     def margin(self, base: float = FROBENIUS_MARGIN) -> float:
         return base * (1.0 + self.margin_slack)
@@ -94,7 +98,7 @@ class CascadeConfig:
 
 FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
 SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True,
-                    fused_rails=True)
+                    triton_elementwise=True)
 DEFAULT_CONFIG = SAFE
 CONFIGS = {c.name: c for c in (FAITHFUL, SAFE)}
 
@@ -117,7 +121,8 @@ def is_tall(shape) -> bool:
 class CascadeWorkspace:
     """Persistent buffers of one bank's cascade (allocated once, written in place: fixed addresses
     for CUDA graphs). X and C are the ping-pong iterates, A the Gram, B the polynomial, scale the
-    prescale factor per matrix, partials the fused normalization's block partials and denominators."""
+    prescale factor per matrix, partials the fused normalization's block partials and denominators,
+    equalizer the Triton equalizer's buffers (used by the bank update)."""
 
     X: Tensor
     C: Tensor
@@ -125,6 +130,7 @@ class CascadeWorkspace:
     B: Tensor
     scale: Tensor = field(repr=False)
     partials: NormPartials | None = field(default=None, repr=False)
+    equalizer: EqualizerWork | None = field(default=None, repr=False)
 
     @classmethod
     def for_shape(cls, shape: tuple[int, ...], device) -> "CascadeWorkspace":
@@ -135,7 +141,8 @@ class CascadeWorkspace:
         return cls(X=torch.empty(shape, **bf), C=torch.empty(shape, **bf), A=torch.empty((shape[0], k, k), **bf),
                    B=torch.empty((shape[0], k, k), **bf),
                    scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device),
-                   partials=NormPartials.for_shape(tuple(shape), device))
+                   partials=NormPartials.for_shape(tuple(shape), device),
+                   equalizer=EqualizerWork.for_shape(tuple(shape), device))
 
 
 def _normalize(X: Tensor, A: Tensor, scale: Tensor, fp32_trace: bool, prescale: bool, margin: float,
@@ -183,7 +190,7 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
         split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
     if not cfg.prescale:
         gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
-    if cfg.fused_rails and use_fused(X, backend):
+    if cfg.triton_elementwise and use_fused(X, backend):
         if ws.partials is None:
             ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
         if not partials_ready:

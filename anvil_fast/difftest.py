@@ -147,7 +147,7 @@ def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu
     mu, fb, w = (torch.tensor(v, **f32) for v in (MOMENTUM, FAST_BETA, FAST_WEIGHT))
     v_dev, g_dev = _to(device, vel.clone(), grad)
     x_out = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    rails_lookahead(g_dev, v_dev, mu, fb, w, x_out=x_out, prescale=cfg.prescale, fused=cfg.fused_rails,
+    rails_lookahead(g_dev, v_dev, mu, fb, w, x_out=x_out, prescale=cfg.prescale, fused=cfg.triton_elementwise,
                     backend=backend, compile=compile)
     ref = R.twin_rail(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))
     look_fast = x_out.double().cpu()
@@ -171,7 +171,8 @@ def cascade_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu"
     return Row("cascade", shape, family, cfg.name, rel_err(y, ref), rel_err(ref.bfloat16(), ref), rel_err(e, ref)), ref
 
 
-def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None) -> tuple[Row, Tensor]:
+def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None,
+                  backend="auto") -> tuple[Row, Tensor]:
     cfg = get_config(cfg)
     gen = torch.Generator().manual_seed(seed + 2)
     v = v.bfloat16().cpu()
@@ -181,7 +182,8 @@ def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0,
     ref_v, ref_e = R.equalize(v, energy, beta2=BETA2)
     vf, ef = _to(device, v.clone(), energy.clone())
     trips = torch.zeros(shape[0], dtype=torch.int32, device=device) if cfg.guard else None
-    rail_equalizer(vf, ef, BETA2, red, guard_trips=trips, compile=compile)
+    rail_equalizer(vf, ef, BETA2, red, guard_trips=trips, compile=compile, fused=cfg.triton_elementwise,
+                   backend=backend)
     ev, ee = eager_equalizer(v, energy, beta2=BETA2)
     power = R.lane_power(v)
     eulps = err_ulps(ef, ref_e, torch.maximum(energy.double().abs(), power.abs()))
@@ -229,7 +231,7 @@ def run(shape, family, config: CascadeConfig | str, *, seed=0, device="cpu", com
     rows = [momentum_row(shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend)[0]]
     crow, ref_y = cascade_row(shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend)
     rows.append(crow)
-    erow, v_eq = equalizer_row(ref_y, shape, family, cfg, seed=seed, device=device, compile=compile)
+    erow, v_eq = equalizer_row(ref_y, shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend)
     rows.append(erow)
     rows.append(update_row(v_eq, shape, family, cfg, seed=seed, device=device, compile=compile))
     return rows

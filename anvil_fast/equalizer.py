@@ -20,11 +20,28 @@ left unchanged, and ``guard_trips[i]`` is incremented: visibly, instead of writi
 1e15-sized step into the weights. (The guard protects the weights and the lane energy; a non-finite
 *gradient* still enters the rails -- the optimizer's opt-in finite-gradient check runs before.) Branchless (``torch.where``), so it
 captures in a CUDA graph.
+
+Two implementations of the same operations:
+
+* ``fused=False``: the code above through torch.compile (the FAITHFUL configuration, as the seed).
+* ``fused=True`` (the SAFE configuration, on CUDA): three Triton kernels -- the lane powers (one
+  program per block of lanes of one matrix), the per-matrix statistics (pre- and post-norm, the
+  guard, the lane-energy update and the bf16 gains: one program per matrix), and the scaling of V.
+  Why not the compiled code: its per-matrix sums are reductions whose strategy Inductor picks from
+  the *number of matrices*, so a bank's result depended on how many matrices it held. Measured on an
+  H200 (``tools/chunk_independence.py``, results/anvil_fast_h200/run6/): a 24x3072x768 bank and its
+  two 12-matrix halves gave different V (the eager CUDA reductions differed even at 24x768x768), so
+  the sharded optimizer on two GPUs did not reproduce the one-GPU run bit for bit. Every reduction
+  of the kernels has a fixed shape and order per matrix, so each matrix's result is the same
+  whatever else is in its bank. The sums are fp32 in another order than torch's, the gain's
+  ``rsqrt`` is ``1 / sqrt`` with both correctly rounded, and the lane-energy ``lerp`` is torch's
+  formula with a fused multiply-add (as in :mod:`anvil_fast.rails`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,6 +49,18 @@ from torch import Tensor
 from anvil_ref.constants import LANE_ENERGY_FLOOR
 
 from ._compile import maybe_compiled, want_compile
+from ._triton import round_fix, triton_available, widen_fix
+from .normalize import _MAX_GRID_Y, NORM_BLOCK, NORM_WARPS
+from .rails import use_fused
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .gram_kernels import _from_bf16, _to_bf16
+    from .rails import _lerp
+else:  # pragma: no cover - exercised only where triton is absent
+    triton = None
 
 #: A matrix's update is refused when ||V||_F > GUARD_NORM_RATIO * sqrt(min(rows, cols)).
 GUARD_NORM_RATIO = 1.1
@@ -65,17 +94,146 @@ def _guarded_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: in
     return v.copy_(torch.where(ok, v * eq_scale.type_as(v), torch.zeros((), dtype=v.dtype, device=v.device)))
 
 
+@dataclass
+class EqualizerWork:
+    """Buffers of the Triton equalizer for one bank shape: lane powers (fp32) and bf16 gains per lane,
+    and the guard's verdict per matrix."""
+
+    lane_power: Tensor
+    gain: Tensor
+    ok: Tensor
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, int, int], device, red_dim: int | None = None) -> "EqualizerWork":
+        chunk, rows, cols = shape
+        lanes = rows if (reduction_dim(shape) if red_dim is None else red_dim) == -1 else cols
+        return cls(lane_power=torch.zeros((chunk, lanes), dtype=torch.float32, device=device),
+                   gain=torch.zeros((chunk, lanes), dtype=torch.bfloat16, device=device),
+                   ok=torch.zeros((chunk,), dtype=torch.int32, device=device))
+
+
+#: Lanes per program and reduction elements per step of the lane-power kernel; lanes per step of
+#: the per-matrix kernel.
+_LANE_BLOCK, _RED_BLOCK, _STAT_BLOCK = 32, 128, 1024
+
+if triton is not None:
+
+    @triton.jit
+    def _lane_power_kernel(v_ptr, lp_ptr, lanes, red, s_lane, s_red, mn, WIDEN_FIX: tl.constexpr,
+                           LB: tl.constexpr, RB: tl.constexpr):
+        # lane_power[c, l] = sum_r v[c, l, r]**2 / red, the sum in a fixed order: RB-wide slices
+        # accumulated element-wise in sequence, then one tree over the RB accumulators.
+        lb = tl.program_id(0)
+        c = tl.program_id(1).to(tl.int64)
+        lane = lb * LB + tl.arange(0, LB)
+        r = tl.arange(0, RB)
+        base = v_ptr + c * mn + lane.to(tl.int64)[:, None] * s_lane
+        acc = tl.zeros([LB, RB], dtype=tl.float32)
+        for k in range(0, red, RB):
+            m = (lane[:, None] < lanes) & (k + r[None, :] < red)
+            x = _from_bf16(tl.load(base + (k + r).to(tl.int64)[None, :] * s_red, mask=m, other=0.0), WIDEN_FIX)
+            acc += x * x
+        tl.store(lp_ptr + c * lanes + lane, tl.div_rn(tl.sum(acc, axis=1), red.to(tl.float32)), mask=lane < lanes)
+
+    @triton.jit
+    def _equalizer_stats_kernel(lp_ptr, e_ptr, gain_ptr, ok_ptr, trips_ptr, lanes, lane_len, bound, omb2, floor,
+                                GUARD: tl.constexpr, ROUND_FIX: tl.constexpr, SB: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, SB)
+        acc = tl.zeros([SB], dtype=tl.float32)
+        for k in range(0, lanes, SB):
+            acc += tl.load(lp_ptr + c * lanes + k + i, mask=k + i < lanes, other=0.0)
+        pre = tl.sqrt_rn(tl.sum(acc, axis=0) * lane_len)
+        if GUARD:
+            ok = pre <= bound  # false for NaN and inf: isfinite(pre) and pre <= bound
+        else:
+            ok = tl.zeros([], dtype=tl.int32) == 0
+        acc = tl.zeros([SB], dtype=tl.float32)
+        for k in range(0, lanes, SB):
+            m = k + i < lanes
+            lp = tl.load(lp_ptr + c * lanes + k + i, mask=m, other=0.0)
+            e = tl.load(e_ptr + c * lanes + k + i, mask=m, other=1.0)
+            e = tl.where(ok, _lerp(e, lp, omb2), e)
+            tl.store(e_ptr + c * lanes + k + i, e, mask=m)
+            g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(e, floor)))
+            acc += tl.where(m, (lp * lane_len) * (g * g), 0.0)
+        post = tl.sqrt_rn(tl.sum(acc, axis=0))
+        ratio = tl.div_rn(pre, tl.maximum(post, floor))
+        for k in range(0, lanes, SB):
+            m = k + i < lanes
+            e = tl.load(e_ptr + c * lanes + k + i, mask=m, other=1.0)
+            g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(e, floor)))
+            tl.store(gain_ptr + c * lanes + k + i, _to_bf16(g * ratio, ROUND_FIX), mask=m)
+        tl.store(ok_ptr + c, ok.to(tl.int32))
+        if GUARD:
+            tl.store(trips_ptr + c, tl.load(trips_ptr + c) + (1 - ok.to(tl.int32)))
+
+    @triton.jit
+    def _equalizer_apply_kernel(v_ptr, gain_ptr, ok_ptr, mn, cols, lanes, LANE_IS_ROW: tl.constexpr,
+                                ROUND_FIX: tl.constexpr, WIDEN_FIX: tl.constexpr, BLOCK: tl.constexpr):
+        # v <- ok ? bf16(v * gain[lane]) : 0, as torch's where(ok, v * gain.type_as(v), 0).
+        b = tl.program_id(0)
+        c = tl.program_id(1).to(tl.int64)
+        inner = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = inner < mn
+        lane = inner // cols if LANE_IS_ROW else inner % cols
+        ok = tl.load(ok_ptr + c) != 0
+        g = _from_bf16(tl.load(gain_ptr + c * lanes + lane, mask=m, other=0.0), WIDEN_FIX)
+        x = _from_bf16(tl.load(v_ptr + c * mn + inner, mask=m, other=0.0), WIDEN_FIX)
+        y = tl.where(ok, _to_bf16(x * g, ROUND_FIX), _to_bf16(tl.zeros_like(x), ROUND_FIX))
+        tl.store(v_ptr + c * mn + inner, y, mask=m)
+
+
+def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, guard_trips: Tensor | None,
+                     work: EqualizerWork) -> Tensor:
+    shape = tuple(v.shape)
+    if len(shape) != 3 or v.dtype != torch.bfloat16 or not v.is_contiguous():
+        raise ValueError(f"equalizer: v must be a contiguous [chunk, rows, cols] bf16 tensor, got {v.dtype} {shape}")
+    chunk, rows, cols = shape
+    lanes, red = (rows, cols) if red_dim == -1 else (cols, rows)
+    s_lane, s_red = (cols, 1) if red_dim == -1 else (1, cols)
+    if tuple(work.lane_power.shape) != (chunk, lanes) or not lane_energy.is_contiguous() \
+            or lane_energy.numel() != chunk * lanes or lane_energy.dtype != torch.float32:
+        raise ValueError(f"equalizer: lane_energy must be contiguous fp32 with {chunk} x {lanes} lanes and the work "
+                         f"buffers for {shape}; got {lane_energy.dtype} {tuple(lane_energy.shape)}, work "
+                         f"{tuple(work.lane_power.shape)}")
+    guard = guard_trips is not None
+    mn, nb = rows * cols, -(-rows * cols // NORM_BLOCK)
+    for s in range(0, chunk, _MAX_GRID_Y):
+        e = min(chunk, s + _MAX_GRID_Y)
+        _lane_power_kernel[(triton.cdiv(lanes, _LANE_BLOCK), e - s)](
+            v[s:e], work.lane_power[s:e], lanes, red, s_lane, s_red, mn, WIDEN_FIX=widen_fix(),
+            LB=_LANE_BLOCK, RB=_RED_BLOCK, num_warps=8)
+    _equalizer_stats_kernel[(chunk,)](
+        work.lane_power, lane_energy, work.gain, work.ok, guard_trips if guard else work.ok, lanes, float(red),
+        GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2), LANE_ENERGY_FLOOR, GUARD=guard,
+        ROUND_FIX=round_fix(), SB=_STAT_BLOCK, num_warps=4)
+    for s in range(0, chunk, _MAX_GRID_Y):
+        e = min(chunk, s + _MAX_GRID_Y)
+        _equalizer_apply_kernel[(nb, e - s)](
+            v[s:e], work.gain[s:e], work.ok[s:e], mn, cols, lanes, LANE_IS_ROW=red_dim == -1, ROUND_FIX=round_fix(),
+            WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
+    return v
+
+
 def reduction_dim(shape) -> int:
     """The seed's red_dim: -1 (over columns) when rows >= cols, else -2."""
     return -1 if shape[-2] >= shape[-1] else -2
 
 
 def rail_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, *, guard_trips: Tensor | None = None,
-                   compile: bool | None = None) -> Tensor:
+                   compile: bool | None = None, fused: bool = False, work: EqualizerWork | None = None,
+                   backend: str = "auto") -> Tensor:
     """Equalize ``v`` ([chunk, rows, cols] bf16) in place and update ``lane_energy`` in place; returns
-    ``v``. With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on."""
+    ``v``. With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
+    the Triton kernels where they can run (:func:`anvil_fast.rails.use_fused`), with ``work`` as
+    their buffers (allocated here if not given; a CUDA graph wants them allocated once)."""
     if red_dim not in (-1, -2):
         raise ValueError(f"red_dim: expected -1 or -2, got {red_dim}")
+    if fused and use_fused(v, backend):
+        if work is None:
+            work = EqualizerWork.for_shape(tuple(v.shape), v.device, red_dim)
+        return _equalizer_fused(v, lane_energy, beta2, red_dim, guard_trips, work)
     c = want_compile(compile, v)
     if guard_trips is None:
         return maybe_compiled(_rail_equalizer, c)(v, lane_energy, float(beta2), red_dim)

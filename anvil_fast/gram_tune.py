@@ -80,11 +80,13 @@ def tuning_enabled() -> bool:
 
 
 def cublas_allowed() -> bool:
-    """``ANVIL_FAST_TUNE_CUBLAS=0`` keeps cuBLAS out of the candidates. Every Triton candidate was
-    bit-identical to v1 on the H200 (NOTES.md), so the tuner's choice among them never changes a
-    result; cuBLAS sums in another order (a bf16 ulp in ~0.1% of entries), so with it the bits of
-    the shapes where it wins depend on which one won."""
-    return os.environ.get("ANVIL_FAST_TUNE_CUBLAS", "1") != "0"
+    """``ANVIL_FAST_TUNE_CUBLAS=1`` adds cuBLAS to the candidates (off by default). Every Triton
+    candidate was bit-identical to v1 on the H200 (NOTES.md), so the tuner's choice among them never
+    changes a result; cuBLAS sums in another order (a bf16 ulp in ~0.1% of entries), so with it the
+    bits of a shape where it wins depend on the timing -- and on the bank's size, so a sharded bank
+    would no longer reproduce the one-process result bit for bit. It won one key in five banks, by
+    8% of one kernel (NOTES.md, run 3), which is not worth that."""
+    return os.environ.get("ANVIL_FAST_TUNE_CUBLAS", "0") == "1"
 
 
 def problem_flops(kind: str, key: tuple) -> int:

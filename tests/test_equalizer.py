@@ -92,3 +92,97 @@ def test_fast_equalizer_matches_reference(config, shape):
     v = A.cascade(torch.randn(shape), margin=1.05)
     row, _ = D.equalizer_row(v, shape, "gaussian", get_config(config), compile=False)
     assert check("equalizer", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
+
+
+# The Triton equalizer (SAFE on CUDA; here in Triton's CPU interpreter, tests/conftest.py).
+def _triton_runnable():
+    import torch
+
+    from anvil_fast._triton import interpreting, triton_available
+
+    return triton_available() and (interpreting() or torch.cuda.is_available())
+
+
+fused = pytest.mark.skipif(not _triton_runnable(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+
+
+def _dev():
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@fused
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32), (2, 130, 3)])
+def test_triton_equalizer_matches_reference(shape):
+    import torch
+
+    from anvil_fast import difftest as D
+    from anvil_fast.cascade import SAFE
+    from tests.tolerances import check
+
+    v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(1)), margin=1.05)
+    row, _ = D.equalizer_row(v, shape, "gaussian", SAFE, compile=False, backend="triton", device=_dev())
+    assert check("equalizer", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
+
+
+def _equalize_both(v, energy, *, guard=True):
+    import torch
+
+    from anvil_fast.equalizer import rail_equalizer, reduction_dim
+
+    red = reduction_dim(v.shape)
+    out = []
+    for fused_, backend in ((True, "triton"), (False, "torch")):
+        vf, ef = v.clone().to(_dev() if fused_ else "cpu"), energy.clone().to(_dev() if fused_ else "cpu")
+        trips = torch.zeros(v.shape[0], dtype=torch.int32, device=vf.device) if guard else None
+        rail_equalizer(vf, ef, 0.95, red, guard_trips=trips, compile=False, fused=fused_, backend=backend)
+        out.append((vf.cpu(), ef.cpu(), None if trips is None else trips.cpu()))
+    return out
+
+
+@fused
+@pytest.mark.parametrize("guard", [True, False])
+def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard):
+    # Same operations; the fp32 sums run in another order, so a gain may round to the neighbouring
+    # bf16 value: V within two bf16 roundings, the lane energy within LANE_ENERGY_ULPS (one lerp),
+    # the guard's verdicts identical (matrix 1 is scaled past the bound, matrix 2 holds a NaN).
+    import torch
+
+    from anvil_fast.difftest import err_ulps
+    from tests.tolerances import LANE_ENERGY_ULPS
+
+    shape = (4, 96, 40)
+    v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(2)), margin=1.05).bfloat16()
+    energy = v.float().square().mean(dim=-1, keepdim=True) * 1.5
+    if guard:
+        v[1] *= 8
+        v[2, 3, 4] = float("nan")
+    (va, ea, ta), (vb, eb, tb) = _equalize_both(v, energy, guard=guard)
+    if guard:
+        assert ta.tolist() == tb.tolist() == [0, 1, 1, 0]
+        assert not va[1:3].any(), "a refused matrix gets a zero update"
+        assert torch.equal(ea[1:3], energy[1:3]), "a refused matrix keeps its lane energy"
+    ok = [0, 3] if guard else [0, 1, 2, 3]
+    assert err_ulps(ea[ok], eb[ok].double(), torch.maximum(ea[ok].abs(), eb[ok].abs())) <= LANE_ENERGY_ULPS
+    diff = (va[ok].float() - vb[ok].float()).abs()
+    assert bool((diff <= 2 * torch.finfo(torch.bfloat16).eps * vb[ok].float().abs()).all())
+
+
+@fused
+def test_triton_equalizer_does_not_depend_on_the_bank_size():
+    # The reason for the kernels: a matrix's result must not depend on how many matrices share its
+    # bank (the sharded optimizer equals the one-process run bit for bit only then).
+    import torch
+
+    from anvil_fast.equalizer import rail_equalizer
+
+    shape = (4, 40, 24)
+    v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(3)), margin=1.05).bfloat16().to(_dev())
+    e = v.float().square().mean(dim=-1, keepdim=True)
+    whole, we, wt = v.clone(), e.clone(), torch.zeros(4, dtype=torch.int32, device=v.device)
+    rail_equalizer(whole, we, 0.9, -1, guard_trips=wt, fused=True, backend="triton")
+    for s in (slice(0, 1), slice(1, 4)):
+        part, pe, pt = v[s].clone(), e[s].clone(), torch.zeros(s.stop - s.start, dtype=torch.int32, device=v.device)
+        rail_equalizer(part, pe, 0.9, -1, guard_trips=pt, fused=True, backend="triton")
+        assert torch.equal(part, whole[s]) and torch.equal(pe, we[s])

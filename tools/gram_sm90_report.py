@@ -3,7 +3,7 @@ each kernel's registers, stack (spills), shared memory and instruction mix (wgmm
 
     python tools/gram_sm90_report.py [gram] [baa] [mm] [rails]
 
-(``rails``: the element-wise kernels of anvil_fast.rails and anvil_fast.normalize.)
+(``rails``: the element-wise kernels of anvil_fast.rails, anvil_fast.normalize and anvil_fast.equalizer.)
 
 Why: the device time is scarce; compile errors, register spills and shared-memory overflows of a
 candidate are visible before any GPU run. The kernels go through Triton's own JIT specialization
@@ -81,10 +81,12 @@ class _Compile:
 
 
 def elementwise() -> None:
+    from anvil_fast import equalizer as EQ
     from anvil_fast import normalize as N
     from anvil_fast import rails as RL
 
-    for mod, name in ((RL, "_rails_kernel"), (N, "_partials_kernel"), (N, "_finalize_kernel"), (N, "_scale_kernel")):
+    for mod, name in ((RL, "_rails_kernel"), (N, "_partials_kernel"), (N, "_finalize_kernel"), (N, "_scale_kernel"),
+                      (EQ, "_lane_power_kernel"), (EQ, "_equalizer_stats_kernel"), (EQ, "_equalizer_apply_kernel")):
         setattr(mod, name, _Compile(getattr(mod, name)))
     shape = (24, 2816, 768)
     g = torch.empty(shape, dtype=torch.bfloat16)
@@ -95,6 +97,12 @@ def elementwise() -> None:
     RL._rails_fused(g, v, *s, x, True, p)
     N.block_partials(x, p, limit=RL.PRESCALE_EXP_LIMIT)
     N.normalize_from_partials(x, torch.empty(shape[0], 1, 1), p, margin=1.05, eps=1e-7, limit=RL.PRESCALE_EXP_LIMIT)
+    for shp in (shape, (72, 256, 768)):  # tall (lanes = rows) and wide (lanes = columns)
+        red = EQ.reduction_dim(shp)
+        xv = torch.empty(shp, dtype=torch.bfloat16)
+        work = EQ.EqualizerWork.for_shape(shp, "cpu")
+        EQ._equalizer_fused(xv, torch.empty(work.lane_power.shape), 0.95, red, torch.zeros(shp[0], dtype=torch.int32),
+                            work)
 
 
 def main(which: list[str]) -> None:
