@@ -1,6 +1,9 @@
 """Test session setup shared by all test files.
 
 * ``gpu`` marker: tests that need a CUDA device are skipped without one.
+* ``triton_dev`` fixture: a test of the Triton kernels that takes it runs twice -- on CPU through
+  Triton's interpreter (``interpreter``: CI; skipped where the interpreter is off, i.e. with CUDA)
+  and on CUDA (``cuda``, carrying the ``gpu`` marker, so ``pytest -m gpu`` runs it on the GPU).
 * Without CUDA, Triton kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` must be set
   before any kernel module is imported, so it is set here (conftest is imported first). The library
   itself never runs the interpreter on its own: CPU tensors take the plain-torch path unless a test
@@ -26,6 +29,27 @@ def _cuda() -> bool:
 HAS_CUDA = _cuda()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        not (_triton() and _interpreting()), reason="Triton's interpreter is off here (TRITON_INTERPRET unset: CUDA)")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _triton(), reason="needs Triton")]),
+])
+def triton_dev(request) -> str:
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items):

@@ -112,15 +112,12 @@ def test_safe_bank_never_trips_on_near_rank1():
 
 
 @pytest.mark.parametrize("case", ["gaussian", "huge", "nan"])
-def test_fused_safe_bank_matches_the_plain_torch_bank(case):
-    # SAFE's Triton path (fused rails + normalization, Gram kernels; here in Triton's interpreter)
-    # against the same update with plain-torch kernels: the rails to one fp32 rounding, the step to
-    # bf16 precision, the same guard decisions (a NaN gradient trips its matrix on both paths).
-    from anvil_fast._triton import interpreting, triton_available
-
-    if not (triton_available() and (interpreting() or torch.cuda.is_available())):
-        pytest.skip("needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+def test_fused_safe_bank_matches_the_plain_torch_bank(case, triton_dev):
+    # SAFE's Triton path (fused rails, normalization and equalizer, Gram kernels; on CPU in Triton's
+    # interpreter) against the same update with plain-torch kernels on CPU: the rails to one fp32
+    # rounding, the step to bf16 precision, the same guard decisions (a NaN gradient trips its
+    # matrix on both paths).
+    dev = triton_dev
     grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(7))
     if case == "huge":
         grad = grad * 2.0 ** 100

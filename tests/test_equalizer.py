@@ -94,27 +94,10 @@ def test_fast_equalizer_matches_reference(config, shape):
     assert check("equalizer", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
 
 
-# The Triton equalizer (SAFE on CUDA; here in Triton's CPU interpreter, tests/conftest.py).
-def _triton_runnable():
-    import torch
-
-    from anvil_fast._triton import interpreting, triton_available
-
-    return triton_available() and (interpreting() or torch.cuda.is_available())
-
-
-fused = pytest.mark.skipif(not _triton_runnable(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
-
-
-def _dev():
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@fused
+# The Triton equalizer (SAFE on CUDA): on CPU in Triton's interpreter and on CUDA (the triton_dev
+# fixture of tests/conftest.py).
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32), (2, 130, 3)])
-def test_triton_equalizer_matches_reference(shape):
+def test_triton_equalizer_matches_reference(shape, triton_dev):
     import torch
 
     from anvil_fast import difftest as D
@@ -122,11 +105,11 @@ def test_triton_equalizer_matches_reference(shape):
     from tests.tolerances import check
 
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(1)), margin=1.05)
-    row, _ = D.equalizer_row(v, shape, "gaussian", SAFE, compile=False, backend="triton", device=_dev())
+    row, _ = D.equalizer_row(v, shape, "gaussian", SAFE, compile=False, backend="triton", device=triton_dev)
     assert check("equalizer", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
 
 
-def _equalize_both(v, energy, *, guard=True):
+def _equalize_both(v, energy, dev, *, guard=True):
     import torch
 
     from anvil_fast.equalizer import rail_equalizer, reduction_dim
@@ -134,16 +117,15 @@ def _equalize_both(v, energy, *, guard=True):
     red = reduction_dim(v.shape)
     out = []
     for fused_, backend in ((True, "triton"), (False, "torch")):
-        vf, ef = v.clone().to(_dev() if fused_ else "cpu"), energy.clone().to(_dev() if fused_ else "cpu")
+        vf, ef = v.clone().to(dev if fused_ else "cpu"), energy.clone().to(dev if fused_ else "cpu")
         trips = torch.zeros(v.shape[0], dtype=torch.int32, device=vf.device) if guard else None
         rail_equalizer(vf, ef, 0.95, red, guard_trips=trips, compile=False, fused=fused_, backend=backend)
         out.append((vf.cpu(), ef.cpu(), None if trips is None else trips.cpu()))
     return out
 
 
-@fused
 @pytest.mark.parametrize("guard", [True, False])
-def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard):
+def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard, triton_dev):
     # Same operations; the fp32 sums run in another order, so a gain may round to the neighbouring
     # bf16 value: V within two bf16 roundings, the lane energy within LANE_ENERGY_ULPS (one lerp),
     # the guard's verdicts identical (matrix 1 is scaled past the bound, matrix 2 holds a NaN).
@@ -158,7 +140,7 @@ def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard):
     if guard:
         v[1] *= 8
         v[2, 3, 4] = float("nan")
-    (va, ea, ta), (vb, eb, tb) = _equalize_both(v, energy, guard=guard)
+    (va, ea, ta), (vb, eb, tb) = _equalize_both(v, energy, triton_dev, guard=guard)
     if guard:
         assert ta.tolist() == tb.tolist() == [0, 1, 1, 0]
         assert not va[1:3].any(), "a refused matrix gets a zero update"
@@ -169,8 +151,7 @@ def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard):
     assert bool((diff <= 2 * torch.finfo(torch.bfloat16).eps * vb[ok].float().abs()).all())
 
 
-@fused
-def test_triton_equalizer_does_not_depend_on_the_bank_size():
+def test_triton_equalizer_does_not_depend_on_the_bank_size(triton_dev):
     # The reason for the kernels: a matrix's result must not depend on how many matrices share its
     # bank (the sharded optimizer equals the one-process run bit for bit only then).
     import torch
@@ -178,7 +159,7 @@ def test_triton_equalizer_does_not_depend_on_the_bank_size():
     from anvil_fast.equalizer import rail_equalizer
 
     shape = (4, 40, 24)
-    v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(3)), margin=1.05).bfloat16().to(_dev())
+    v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(3)), margin=1.05).bfloat16().to(triton_dev)
     e = v.float().square().mean(dim=-1, keepdim=True)
     whole, we, wt = v.clone(), e.clone(), torch.zeros(4, dtype=torch.int32, device=v.device)
     rail_equalizer(whole, we, 0.9, -1, guard_trips=wt, fused=True, backend="triton")

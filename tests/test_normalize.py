@@ -1,10 +1,10 @@
 """anvil_fast.normalize: the fused SAFE normalization (block partials -> per-matrix s, d -> X s / d)
 against float64 and against the plain-torch ``_normalize`` it replaces on CUDA.
 
-Without CUDA the kernels run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1;
-``ROUND_FIX`` stands in for its truncating bf16 cast, see anvil_fast/_triton.py). What only the GPU
-run covers: the native cast and the kernels' speed (tools/anvil_fast_gpu.sh runs this file with -m gpu
-too, through the bank and difftest tests)."""
+Every test takes the ``triton_dev`` fixture (tests/conftest.py): on CPU the kernels run in Triton's
+interpreter (``ROUND_FIX`` / ``WIDEN_FIX`` stand in for its wrong bf16 casts, see
+anvil_fast/_triton.py), on CUDA natively (``pytest -m gpu``). What only the GPU run covers: the
+native casts, the compiled reductions' order, and the kernels' speed (``python -m anvil_fast.bench``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,6 @@ import math
 import pytest
 import torch
 
-from anvil_fast._triton import interpreting, triton_available
-
-pytestmark = pytest.mark.skipif(not triton_available() or not (interpreting() or torch.cuda.is_available()),
-                                reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 126
 
 
@@ -29,9 +23,9 @@ def _mods():
     return N, SAFE, _normalize
 
 
-def _x(shape, seed=0, scale=1.0):
+def _x(shape, dev, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).bfloat16().to(DEV)
+    return (torch.randn(shape, generator=g) * scale).bfloat16().to(dev)
 
 
 def _partials64(x: torch.Tensor, block: int):
@@ -50,10 +44,11 @@ def _partials64(x: torch.Tensor, block: int):
 
 
 @pytest.mark.parametrize("shape", [(3, 37, 301), (2, 64, 64), (1, 1, 1), (2, 5, 4097)])
-def test_block_partials_are_exact_max_and_accurate_sums(shape):
+def test_block_partials_are_exact_max_and_accurate_sums(shape, triton_dev):
+    dev = triton_dev
     N, _, _ = _mods()
-    x = _x(shape, seed=sum(shape))
-    p = N.NormPartials.for_shape(tuple(shape), DEV)
+    x = _x(shape, dev, seed=sum(shape))
+    p = N.NormPartials.for_shape(tuple(shape), dev)
     N.block_partials(x, p, limit=LIMIT)
     amax, ss = _partials64(x, N.NORM_BLOCK)
     assert torch.equal(p.amax.double().cpu(), amax)  # max of bf16 values: exact
@@ -62,24 +57,25 @@ def test_block_partials_are_exact_max_and_accurate_sums(shape):
 
 
 @pytest.mark.parametrize("case", ["gaussian", "huge", "tiny", "mixed_blocks", "zero"])
-def test_fused_normalization_matches_plain_torch(case):
+def test_fused_normalization_matches_plain_torch(case, triton_dev):
     # The same math as anvil_fast.cascade._normalize; only tr's fp32 summation order differs, so s is
     # bit-identical, d agrees to a few fp32 ulps, and X to one bf16 rounding where d's last bit
     # tips it (the tolerance: |X| < 2, one bf16 ulp there is 2**-7).
     N, SAFE, normalize = _mods()
+    dev = triton_dev
     shape = (3, 48, 200)
-    x = {"gaussian": lambda: _x(shape),
-         "huge": lambda: _x(shape, scale=2.0 ** 120),
-         "tiny": lambda: _x(shape, scale=2.0 ** -120),
-         "zero": lambda: torch.zeros(shape, dtype=torch.bfloat16, device=DEV)}.get(case, lambda: None)()
+    x = {"gaussian": lambda: _x(shape, dev),
+         "huge": lambda: _x(shape, dev, scale=2.0 ** 120),
+         "tiny": lambda: _x(shape, dev, scale=2.0 ** -120),
+         "zero": lambda: torch.zeros(shape, dtype=torch.bfloat16, device=dev)}.get(case, lambda: None)()
     if case == "mixed_blocks":  # blocks whose own exponents differ by ~2**60 inside one matrix
-        x = _x(shape).float()
+        x = _x(shape, dev).float()
         x.view(3, -1)[:, :N.NORM_BLOCK] *= 2.0 ** -60
         x.view(3, -1)[:, N.NORM_BLOCK:] *= 2.0 ** 30
         x = x.bfloat16()
     margin, eps = SAFE.margin(), 1e-7
-    xa, sa = x.clone(), torch.ones(3, 1, 1, device=DEV)
-    p = N.NormPartials.for_shape(shape, DEV)
+    xa, sa = x.clone(), torch.ones(3, 1, 1, device=dev)
+    p = N.NormPartials.for_shape(shape, dev)
     N.block_partials(xa, p, limit=LIMIT)
     N.normalize_from_partials(xa, sa, p, margin=margin, eps=eps, limit=LIMIT)
     xb, sb = x.clone().cpu(), torch.ones(3, 1, 1)
@@ -97,14 +93,15 @@ def test_fused_normalization_matches_plain_torch(case):
         assert not xa.any() and torch.isfinite(p.d).all()
 
 
-def test_nan_in_one_matrix_stays_in_that_matrix():
+def test_nan_in_one_matrix_stays_in_that_matrix(triton_dev):
     N, SAFE, _ = _mods()
+    dev = triton_dev
     shape = (2, 16, 300)
-    x = _x(shape)
+    x = _x(shape, dev)
     x[0, 3, 7] = float("nan")
     clean = x[1].clone()
-    s = torch.ones(2, 1, 1, device=DEV)
-    p = N.NormPartials.for_shape(shape, DEV)
+    s = torch.ones(2, 1, 1, device=dev)
+    p = N.NormPartials.for_shape(shape, dev)
     N.block_partials(x, p, limit=LIMIT)
     assert torch.isnan(p.amax[0]).any() and not torch.isnan(p.amax[1]).any()
     N.normalize_from_partials(x, s, p, margin=SAFE.margin(), eps=1e-7, limit=LIMIT)
@@ -114,10 +111,11 @@ def test_nan_in_one_matrix_stays_in_that_matrix():
     assert float((x[1].float().cpu() - ref[0].float()).abs().max()) <= 2.0 ** -7
 
 
-def test_partials_checks_shapes():
+def test_partials_checks_shapes(triton_dev):
     N, _, _ = _mods()
-    x = _x((2, 8, 8))
+    dev = triton_dev
+    x = _x((2, 8, 8), dev)
     with pytest.raises(ValueError, match="partials"):
-        N.block_partials(x, N.NormPartials.for_shape((3, 8, 8), DEV), limit=LIMIT)
+        N.block_partials(x, N.NormPartials.for_shape((3, 8, 8), dev), limit=LIMIT)
     with pytest.raises(ValueError, match="bf16"):
-        N.block_partials(x.float(), N.NormPartials.for_shape((2, 8, 8), DEV), limit=LIMIT)
+        N.block_partials(x.float(), N.NormPartials.for_shape((2, 8, 8), dev), limit=LIMIT)

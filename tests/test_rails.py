@@ -127,55 +127,45 @@ def test_fast_rails_match_reference(family):
     assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
 
 
-# The fused Triton rails (anvil_fast.rails, SAFE on CUDA): here in Triton's CPU interpreter
-# (tests/conftest.py; ROUND_FIX / WIDEN_FIX stand in for its wrong bf16 casts, anvil_fast/_triton.py).
-def _fused_runnable():
-    from anvil_fast._triton import interpreting, triton_available
-
-    return triton_available() and (interpreting() or torch.cuda.is_available())
-
-
-fused = pytest.mark.skipif(not _fused_runnable(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
-FUSED_DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@fused
+# The fused Triton rails (anvil_fast.rails, SAFE on CUDA), on CPU in Triton's interpreter and on CUDA
+# (the triton_dev fixture of tests/conftest.py; ROUND_FIX / WIDEN_FIX stand in for the interpreter's
+# wrong bf16 casts, anvil_fast/_triton.py).
 @pytest.mark.parametrize("family", ["gaussian", "near_rank1", "zero", "huge", "tiny"])
-def test_fused_rails_match_reference(family):
+def test_fused_rails_match_reference(family, triton_dev):
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
     from tests.tolerances import check
 
-    row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False, backend="triton", device=FUSED_DEV)
+    row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False, backend="triton", device=triton_dev)
     assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
 
 
-def _rails_inputs(shape, seed=0):
+def _rails_inputs(shape, dev, seed=0):
     g = torch.Generator().manual_seed(seed)
     grad = torch.randn(shape, generator=g).bfloat16()
     vel = torch.randn((2, *shape), generator=g)
-    f32 = dict(dtype=torch.float32, device=FUSED_DEV)
+    f32 = dict(dtype=torch.float32, device=dev)
     scalars = [torch.tensor(v, **f32) for v in (0.95, 0.9, 0.4385)]  # momentum, fast beta, fast weight
     return grad, vel, scalars
 
 
 def _run_rails(grad, vel, scalars, *, fused, prescale=True, with_partials=True):
+    dev = scalars[0].device
     from anvil_fast.normalize import NormPartials
     from anvil_fast.rails import rails_lookahead
 
     shape = tuple(grad.shape)
-    v = vel.clone().to(FUSED_DEV)
-    x = torch.empty(shape, dtype=torch.bfloat16, device=FUSED_DEV)
-    p = NormPartials.for_shape(shape, FUSED_DEV) if with_partials else None
-    wrote = rails_lookahead(grad.to(FUSED_DEV), v, *scalars, x_out=x, prescale=prescale, fused=fused, partials=p,
+    v = vel.clone().to(dev)
+    x = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+    p = NormPartials.for_shape(shape, dev) if with_partials else None
+    wrote = rails_lookahead(grad.to(dev), v, *scalars, x_out=x, prescale=prescale, fused=fused, partials=p,
                             backend="triton" if fused else "torch", compile=False)
     assert wrote == (fused and with_partials)
     return v.cpu(), x.cpu(), p
 
 
-@fused
 @pytest.mark.parametrize("shape", [(3, 37, 301), (2, 64, 64), (1, 1, 5)])
-def test_fused_rails_equal_the_torch_rails_and_leave_the_partials_of_x(shape):
+def test_fused_rails_equal_the_torch_rails_and_leave_the_partials_of_x(shape, triton_dev):
     # Same formula as torch's lerp (fused multiply-add, as torch's vectorized CPU lerp): the rails
     # agree to one fp32 rounding of the largest term, X to one bf16 rounding, and the partials are
     # those block_partials computes from the X written.
@@ -183,22 +173,21 @@ def test_fused_rails_equal_the_torch_rails_and_leave_the_partials_of_x(shape):
     from anvil_fast.normalize import NormPartials, block_partials
     from anvil_fast.rails import PRESCALE_EXP_LIMIT
 
-    grad, vel, sc = _rails_inputs(shape, seed=sum(shape))
+    grad, vel, sc = _rails_inputs(shape, triton_dev, seed=sum(shape))
     vf, xf, pf = _run_rails(grad, vel, sc, fused=True)
     vt, xt, _ = _run_rails(grad, vel, sc, fused=False)
     big = torch.maximum(vel.abs(), grad.float().abs()[None])
     assert err_ulps(vf, vt, big) <= 1
     ulp = torch.finfo(torch.bfloat16).eps * xt.float().abs()
     assert bool(((xf.float() - xt.float()).abs() <= ulp).all())
-    p2 = NormPartials.for_shape(shape, FUSED_DEV)
-    block_partials(xf.to(FUSED_DEV), p2, limit=PRESCALE_EXP_LIMIT)
+    p2 = NormPartials.for_shape(shape, triton_dev)
+    block_partials(xf.to(triton_dev), p2, limit=PRESCALE_EXP_LIMIT)
     assert torch.equal(pf.amax, p2.amax) and torch.equal(pf.sumsq, p2.sumsq)
 
 
-@fused
-def test_fused_rails_clamp_huge_and_keep_nan_where_it_is():
+def test_fused_rails_clamp_huge_and_keep_nan_where_it_is(triton_dev):
     shape = (2, 16, 300)
-    grad, vel, sc = _rails_inputs(shape)
+    grad, vel, sc = _rails_inputs(shape, triton_dev)
     grad[0, 3, 7] = float("nan")
     # matrix 1: lookahead values between bf16's largest finite value and fp32's, which a plain cast
     # rounds to inf
@@ -215,9 +204,8 @@ def test_fused_rails_clamp_huge_and_keep_nan_where_it_is():
     assert torch.isinf(x_noclamp[1]).all() and torch.isinf(x_torch[1]).all()  # what the clamp prevents
 
 
-@fused
-def test_fused_rails_check_their_input():
-    grad, vel, sc = _rails_inputs((2, 8, 8))
+def test_fused_rails_check_their_input(triton_dev):
+    grad, vel, sc = _rails_inputs((2, 8, 8), triton_dev)
     with pytest.raises(ValueError, match="velocity"):
         _run_rails(grad, vel[:, :, :, :4], sc, fused=True)
     with pytest.raises(ValueError, match="grad"):

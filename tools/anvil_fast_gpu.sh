@@ -25,9 +25,9 @@ budget() { local left=$(( DEADLINE - $(elapsed) - ${2:-0} )); (( left < $1 )) &&
 stamp "pytest kernels"
 timeout "$(budget "${T_GRAM:-120}" 260)" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gram.py \
   2>&1 | tee "$OUT/pytest_gram_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-stamp "pytest bank/difftest/near_rank1"
+stamp "pytest bank/rails/normalize/equalizer/difftest/near_rank1"
 timeout "$(budget "${T_BANK:-150}" 110)" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_bank.py \
-  tests/test_difftest.py tests/test_near_rank1.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+  tests/test_rails.py tests/test_normalize.py tests/test_equalizer.py tests/test_difftest.py tests/test_near_rank1.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
 if [[ -n "$DIFF" ]]; then
   stamp difftest
   timeout "$(budget 110 160)" python3 -m anvil_fast.difftest --shapes 4x96x96,2x256x768,2x768x768,2x2816x768 \
@@ -47,7 +47,8 @@ fi
 if (( $(elapsed) < DEADLINE - 30 )); then
   stamp "pytest rest of the GPU suite"
   timeout "$(budget 600 5)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore=tests/test_gram.py \
-    --ignore=tests/test_bank.py --ignore=tests/test_difftest.py --ignore=tests/test_near_rank1.py -rfEs \
+    --ignore=tests/test_bank.py --ignore=tests/test_difftest.py --ignore=tests/test_near_rank1.py \
+    --ignore=tests/test_rails.py --ignore=tests/test_normalize.py --ignore=tests/test_equalizer.py -rfEs \
     2>&1 | tee "$OUT/pytest_rest_gpu.log" | tail -15
 fi
 stamp done
