@@ -1,5 +1,6 @@
-"""Mutation check of the reference tests: apply one deliberate bug at a time to anvil_ref and show
-that the reference tests catch it (a test must be able to fail).
+"""Mutation check of the tests: apply one deliberate bug at a time to anvil_ref, or to one of the
+fast path's element-wise Triton kernels (run by the tests in Triton's CPU interpreter), and show
+that the tests catch it (a test must be able to fail).
 
     python tools/mutants.py        # prints CAUGHT/MISSED per mutant; exit status 1 if any is missed
 
@@ -14,7 +15,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_rails.py", "tests/test_cascade.py", "tests/test_equalizer.py", "tests/test_update.py",
-         "tests/test_storage.py", "tests/test_adam.py", "tests/test_optimizer.py"]
+         "tests/test_storage.py", "tests/test_adam.py", "tests/test_optimizer.py", "tests/test_normalize.py",
+         "tests/test_bank.py"]
 MUTANTS = [
     ("anvil_ref/rails.py", "return like(beta * v_ + (1.0 - beta) * g_, g)", "return like(beta * v_ - (1.0 - beta) * g_, g)", "wrong sign in EMA"),
     ("anvil_ref/rails.py", "return beta_min + (step / warmup_steps)", "return beta_min + ((step + 1) / warmup_steps)", "schedule off-by-one (warmup)"),
@@ -33,6 +35,14 @@ MUTANTS = [
     ("anvil_ref/optimizer.py", "            self.pending_grads = pending\n            return", "            self.pending_grads = {}\n            return", "adam grads dropped"),
     ("anvil_ref/optimizer.py", "p_new = sign_aligned_update(p, u, rails.v_slow,", "p_new = sign_aligned_update(p, u, rails.v_fast,", "gate on fast rail"),
     ("anvil_ref/config.py", "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1]) * lr_mul", "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2]) * lr_mul", "shape multiplier transposed"),
+    # the fast path's element-wise kernels
+    ("anvil_fast/rails.py", "tl.fma(-(1.0 - w), d, b))", "tl.fma(-(1.0 - w), d, a))", "fast lerp: wrong base of the large-weight branch"),
+    ("anvil_fast/rails.py", "CLAMP=bool(prescale),", "CLAMP=False,", "fast rails: SAFE clamp dropped"),
+    ("anvil_fast/normalize.py", "f = _exp2i(_floor_log2(pa, LIMIT) - e)", "f = _exp2i(e - _floor_log2(pa, LIMIT))", "fast norm: block factor inverted"),
+    ("anvil_fast/normalize.py", "e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127", "e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126", "fast norm: exponent off by one"),
+    ("anvil_fast/equalizer.py", "ok = pre <= bound  #", "ok = pre <= 10 * bound  #", "fast equalizer: guard bound"),
+    ("anvil_fast/equalizer.py", "GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2),", "GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), float(beta2),", "fast equalizer: EMA weight"),
+    ("anvil_fast/equalizer.py", "lane = inner // cols if LANE_IS_ROW else inner % cols", "lane = inner % cols if LANE_IS_ROW else inner // cols", "fast equalizer: lane index"),
 ]
 
 
