@@ -148,21 +148,24 @@ if triton is not None:
             ok = pre <= bound  # false for NaN and inf: isfinite(pre) and pre <= bound
         else:
             ok = tl.zeros([], dtype=tl.int32) == 0
+        # The new lane energy is computed twice (same inputs, same operations, same bits) and stored
+        # only in the last pass, so no pass reads what another thread of this program wrote.
         acc = tl.zeros([SB], dtype=tl.float32)
         for k in range(0, lanes, SB):
             m = k + i < lanes
             lp = tl.load(lp_ptr + c * lanes + k + i, mask=m, other=0.0)
             e = tl.load(e_ptr + c * lanes + k + i, mask=m, other=1.0)
-            e = tl.where(ok, _lerp(e, lp, omb2), e)
-            tl.store(e_ptr + c * lanes + k + i, e, mask=m)
-            g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(e, floor)))
+            g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(tl.where(ok, _lerp(e, lp, omb2), e), floor)))
             acc += tl.where(m, (lp * lane_len) * (g * g), 0.0)
         post = tl.sqrt_rn(tl.sum(acc, axis=0))
         ratio = tl.div_rn(pre, tl.maximum(post, floor))
         for k in range(0, lanes, SB):
             m = k + i < lanes
+            lp = tl.load(lp_ptr + c * lanes + k + i, mask=m, other=0.0)
             e = tl.load(e_ptr + c * lanes + k + i, mask=m, other=1.0)
+            e = tl.where(ok, _lerp(e, lp, omb2), e)
             g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(e, floor)))
+            tl.store(e_ptr + c * lanes + k + i, e, mask=m)
             tl.store(gain_ptr + c * lanes + k + i, _to_bf16(g * ratio, ROUND_FIX), mask=m)
         tl.store(ok_ptr + c, ok.to(tl.int32))
         if GUARD:
