@@ -50,7 +50,7 @@ from anvil_ref.constants import LANE_ENERGY_FLOOR
 
 from ._compile import maybe_compiled, want_compile
 from ._triton import round_fix, triton_available, widen_fix
-from .normalize import _MAX_GRID_Y, NORM_BLOCK, NORM_WARPS
+from .normalize import NORM_BLOCK, NORM_WARPS, blocks_per_matrix, matrix_slices
 from .rails import use_fused
 
 if triton_available():
@@ -201,9 +201,8 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
                          f"buffers for {shape}; got {lane_energy.dtype} {tuple(lane_energy.shape)}, work "
                          f"{tuple(work.lane_power.shape)}")
     guard = guard_trips is not None
-    mn, nb = rows * cols, -(-rows * cols // NORM_BLOCK)
-    for s in range(0, chunk, _MAX_GRID_Y):
-        e = min(chunk, s + _MAX_GRID_Y)
+    mn, nb = rows * cols, blocks_per_matrix(rows, cols)
+    for s, e in matrix_slices(chunk):
         _lane_power_kernel[(triton.cdiv(lanes, _LANE_BLOCK), e - s)](
             v[s:e], work.lane_power[s:e], lanes, red, s_lane, s_red, mn, WIDEN_FIX=widen_fix(),
             LB=_LANE_BLOCK, RB=_RED_BLOCK, num_warps=8)
@@ -211,8 +210,7 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
         work.lane_power, lane_energy, work.gain, work.ok, guard_trips if guard else work.ok, lanes, float(red),
         GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2), LANE_ENERGY_FLOOR, GUARD=guard,
         ROUND_FIX=round_fix(), SB=_STAT_BLOCK, num_warps=4)
-    for s in range(0, chunk, _MAX_GRID_Y):
-        e = min(chunk, s + _MAX_GRID_Y)
+    for s, e in matrix_slices(chunk):
         _equalizer_apply_kernel[(nb, e - s)](
             v[s:e], work.gain[s:e], work.ok[s:e], mn, cols, lanes, LANE_IS_ROW=red_dim == -1, ROUND_FIX=round_fix(),
             WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)

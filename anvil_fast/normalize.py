@@ -64,6 +64,13 @@ def blocks_per_matrix(rows: int, cols: int) -> int:
     return -(-rows * cols // NORM_BLOCK)
 
 
+def matrix_slices(chunk: int):
+    """(start, stop) ranges of at most _MAX_GRID_Y matrices: the element-wise kernels put the matrix
+    index on grid axis 1, whose size CUDA limits."""
+    for s in range(0, chunk, _MAX_GRID_Y):
+        yield s, min(chunk, s + _MAX_GRID_Y)
+
+
 @dataclass
 class NormPartials:
     """Per-block partials of one bank's X ([chunk, blocks_per_matrix] fp32 each) and the per-matrix
@@ -173,8 +180,7 @@ def block_partials(X: Tensor, p: NormPartials, *, limit: int) -> None:
     """Write the per-block partials of the bf16 X into ``p`` (one read of X)."""
     chunk, rows, cols = _check_x(X, p)
     mn, nb = rows * cols, p.amax.shape[1]
-    for s in range(0, chunk, _MAX_GRID_Y):
-        e = min(chunk, s + _MAX_GRID_Y)
+    for s, e in matrix_slices(chunk):
         _partials_kernel[(nb, e - s)](X[s:e], p.amax[s:e], p.sumsq[s:e], mn, nb, LIMIT=limit,
                                       WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
 
@@ -187,7 +193,6 @@ def normalize_from_partials(X: Tensor, scale: Tensor, p: NormPartials, *, margin
     mn, nb = rows * cols, p.amax.shape[1]
     _finalize_kernel[(chunk,)](p.amax, p.sumsq, scale, p.d, nb, float(margin), float(eps), LIMIT=limit,
                                RBLOCK=_REDUCE_BLOCK, num_warps=4)
-    for s in range(0, chunk, _MAX_GRID_Y):
-        e = min(chunk, s + _MAX_GRID_Y)
+    for s, e in matrix_slices(chunk):
         _scale_kernel[(nb, e - s)](X[s:e], scale[s:e], p.d[s:e], mn, ROUND_FIX=round_fix(),
                                    WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)

@@ -45,7 +45,7 @@ from anvil_ref.constants import RAIL_SLOW_BETA
 from ._compile import maybe_compiled, want_compile
 from ._triton import round_fix, triton_available, widen_fix
 from .gram import _use_triton
-from .normalize import _MAX_GRID_Y, NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix
+from .normalize import NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix, matrix_slices
 
 #: Clamp of the prescale exponent, so that ``2**-e`` and ``eps * 2**-e`` stay finite in fp32.
 PRESCALE_EXP_LIMIT = 126
@@ -147,8 +147,7 @@ def _rails_fused(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t
     chunk, rows, cols = x_out.shape
     mn, nb = rows * cols, blocks_per_matrix(rows, cols)
     v0, v1 = velocity[0], velocity[1]
-    for s in range(0, chunk, _MAX_GRID_Y):
-        e = min(chunk, s + _MAX_GRID_Y)
+    for s, e in matrix_slices(chunk):
         pa = partials.amax[s:e] if partials is not None else x_out  # unused when PARTIALS is off
         ps = partials.sumsq[s:e] if partials is not None else x_out
         _rails_kernel[(nb, e - s)](grad[s:e], v0[s:e], v1[s:e], x_out[s:e], momentum_t, fast_beta_t, fast_weight_t,

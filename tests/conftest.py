@@ -31,16 +31,8 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the platform
-        return False
-    return True
+from anvil_fast._triton import interpreting as _interpreting  # noqa: E402  (after TRITON_INTERPRET is set)
+from anvil_fast._triton import triton_available as _triton  # noqa: E402
 
 
 @pytest.fixture(params=[

@@ -119,3 +119,27 @@ def test_partials_checks_shapes(triton_dev):
         N.block_partials(x, N.NormPartials.for_shape((3, 8, 8), dev), limit=LIMIT)
     with pytest.raises(ValueError, match="bf16"):
         N.block_partials(x.float(), N.NormPartials.for_shape((2, 8, 8), dev), limit=LIMIT)
+
+
+def test_launches_sliced_over_the_matrix_axis_give_the_same_bits(triton_dev, monkeypatch):
+    # CUDA limits grid axis 1 (the matrix index) to 65535: the element-wise kernels launch in slices
+    # of that many matrices. With the limit lowered to 2, five matrices take three launches.
+    from anvil_fast.equalizer import EqualizerWork, rail_equalizer
+
+    N, SAFE, _ = _mods()
+    shape = (5, 24, 40)
+    x = _x(shape, triton_dev)
+    outs = []
+    for limit in (65535, 2):
+        monkeypatch.setattr(N, "_MAX_GRID_Y", limit)
+        xs, s = x.clone(), torch.ones(5, 1, 1, device=triton_dev)
+        p = N.NormPartials.for_shape(shape, triton_dev)
+        N.block_partials(xs, p, limit=LIMIT)
+        N.normalize_from_partials(xs, s, p, margin=SAFE.margin(), eps=1e-7, limit=LIMIT)
+        e = xs.float().square().mean(dim=-2, keepdim=True)
+        trips = torch.zeros(5, dtype=torch.int32, device=triton_dev)
+        rail_equalizer(xs, e, 0.9, -2, guard_trips=trips, fused=True, work=EqualizerWork.for_shape(shape, triton_dev),
+                       backend="triton")
+        outs.append((xs, p.amax, p.sumsq, s, e))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
