@@ -31,13 +31,32 @@ from anvil_ref.maps import MapsLike, load_maps
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
-def _gram(x: Tensor, tall: bool) -> Tensor:
-    return x.mT @ x if tall else x @ x.mT
+#: How eager_bf16_cascade forms its products: the library's bf16 GEMM ("library"), or the model of a
+#: bf16 GEMM with fp32 accumulation ("fp32": the bf16 operands multiplied in fp32, the result rounded
+#: once to bf16). The model's bits do not depend on which bf16 kernel the CPU's BLAS picks (oneDNN's
+#: AMX and AVX-512 bf16 kernels accumulate in different orders, and their choice can change with
+#: the machine), so measurements that are stored and re-checked use it.
+GEMMS = ("library", "fp32")
+
+
+def _mm(x: Tensor, y: Tensor, gemm: str) -> Tensor:
+    return x @ y if gemm == "library" else (x.float() @ y.float()).bfloat16()
+
+
+def _addmm(beta: float, c: Tensor, alpha: float, x: Tensor, y: Tensor, gemm: str) -> Tensor:
+    """``beta*c + alpha*(x @ y)`` rounded once to bf16."""
+    if gemm == "library":
+        return torch.baddbmm(c, x, y, beta=beta, alpha=alpha)
+    return (beta * c.float() + alpha * (x.float() @ y.float())).bfloat16()
+
+
+def _gram(x: Tensor, tall: bool, gemm: str = "library") -> Tensor:
+    return _mm(x.mT, x, gemm) if tall else _mm(x, x.mT, gemm)
 
 
 def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float = FROBENIUS_MARGIN,
                        eps: float = FROBENIUS_EPS, split: bool | None = None, fp32_trace: bool = False,
-                       prescale: bool = False) -> Tensor:
+                       prescale: bool = False, gemm: str = "library") -> Tensor:
     """The seed's bf16 cascade in eager torch: ``x`` ([..., m, n], any float dtype) is cast to bf16;
     every Gram, ``b*A + c*A@A`` (one baddbmm: fp32 accumulation, one rounding) and ``a*X + X@B``
     (one baddbmm, or bmm then add when ``split``; default: rows > SPLIT_BADDBMM_MIN_ROWS, as the
@@ -47,8 +66,10 @@ def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float 
     Gram's diagonal. ``prescale`` (needs ``fp32_trace``): clamp x to bf16's finite range before the
     cast, scale X by an exact power of two (max |X| in [1, 2)) in the normalization, eps alike, and
     take the first Gram of the normalized X (anvil_fast.cascade's SAFE order). Both off reproduce
-    the seed.
+    the seed. ``gemm``: how products are formed (:data:`GEMMS`).
     """
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     maps_ = load_maps(maps)
     if x.ndim < 2:
         raise ValueError(f"x: expected [..., rows, cols], got shape {tuple(x.shape)}")
@@ -65,25 +86,25 @@ def eager_bf16_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, margin: float 
         s = torch.exp2(-torch.floor(torch.log2(xf.abs().amax(dim=(-2, -1), keepdim=True))).clamp(-126, 126))
         xf = xf * s
     else:
-        A = _gram(X, tall)
+        A = _gram(X, tall, gemm)
     if fp32_trace:
         tr = xf.square().sum(dim=(-2, -1), keepdim=True)
     else:
         tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
     d = tr.sqrt() * margin + eps * s
     X = (xf / d).bfloat16()
-    A = _gram(X, tall) if prescale else (A.float() / d.square()).bfloat16()
+    A = _gram(X, tall, gemm) if prescale else (A.float() / d.square()).bfloat16()
     for k, (a, b, c) in enumerate(maps_):
         if k > 0:
-            A = _gram(X, tall)
+            A = _gram(X, tall, gemm)
         # torch (seen on 2.13's CPU build) returns the input unscaled, or NaN for beta = 0, from a bf16
         # baddbmm with alpha = 0 on matrices 32 or more wide; b*A in fp32, rounded once, is the same math.
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0 else (A.float() * b).bfloat16()
+        B = _addmm(b, A, c, A, A, gemm) if c != 0 else (A.float() * b).bfloat16()
         if split:
-            C = torch.bmm(X, B) if tall else torch.bmm(B, X)
+            C = _mm(X, B, gemm) if tall else _mm(B, X, gemm)
             X = C.add_(X, alpha=a)
         else:
-            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+            X = _addmm(a, X, 1.0, X, B, gemm) if tall else _addmm(a, X, 1.0, B, X, gemm)
     return X.reshape(*lead, *X.shape[-2:])
 
 

@@ -15,9 +15,11 @@ rounding the input to bf16 moves the small singular values by up to ~0.4% of the
 
 The envelope is ``[min, max]`` of all output singular values over the suite; the realized input
 range (normalized singular values of the bf16-rounded input, computed in float64) is reported so
-the coverage of ``[l, u]`` is visible. The measurement runs with one torch thread so it is
-reproducible on a given machine; bf16 GEMM accumulation order depends on the CPU's kernels, so the
-last digits may differ between machines.
+the coverage of ``[l, u]`` is visible. Products follow the model of a bf16 GEMM with fp32
+accumulation (``gemm="fp32"`` of the eager cascade: bf16 operands multiplied in fp32, the result
+rounded once to bf16, as a GPU's tensor cores do), with one torch thread: the CPU's own bf16 GEMM
+kernels (oneDNN's AMX or AVX-512 paths) accumulate in orders that differ between machines and even
+between processes, which moved stored envelopes by up to 6e-4.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def bf16_envelope(maps, *, l: float = 1 / 300, u: float = 1 / FROBENIUS_MARGIN,
                     d = FROBENIUS_MARGIN * torch.linalg.matrix_norm(Xb.double()) + FROBENIUS_EPS
                     sin = torch.linalg.svdvals(Xb.double()) / d
                     with torch.no_grad():
-                        Y = eager_bf16_cascade(X, maps=maps_)
+                        Y = eager_bf16_cascade(X, maps=maps_, gemm="fp32")
                     s = torch.linalg.svdvals(Y.double()).numpy()
                     if not np.all(np.isfinite(s)):
                         s = np.array([np.inf])
