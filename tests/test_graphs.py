@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast.graphs import BankUpdateGraphs, StaleGraphError, baked_addresses, check_addresses
+from anvil_fast.graphs import (BankUpdateGraphs, GraphUnsupported, StaleGraphError, baked_addresses,
+                               capture_unsupported_reason, check_addresses, step_tensors)
+from anvil_ref.config import ConfigError
 from anvil_fast.optimizer import AnvilAndAdam
 from tests import optimizer_cases as C
 
@@ -68,3 +70,182 @@ def test_replays_equal_eager_updates_bitwise():
     C.accumulate(graphed.params, {l: g for l, g in C.gradients(9, device="cuda").items() if l in C.DENSE})
     with pytest.raises(StaleGraphError, match="qk_bank"):
         graphed.step(do_adam=False)
+
+
+# ------------------------------------------------------------------ the step from persistent buffers
+# A schedule with plan changes (vo_bank has no gradient at step 2, gates none at steps 1-2, so none
+# on the Adam step 2; lm_head none at steps 3-4) and Adam-free steps (1 and 3; the Adam gradients
+# of those steps are kept and accumulate as backward() would).
+SCHEDULE = [(True, set()), (False, {"gates"}), (True, {"vo_bank", "gates"}), (False, {"lm_head"}),
+            (True, {"lm_head"})]
+
+
+def _fp32_banks(params):
+    """The same model with its banks as float32 masters (the drop-in's layout for fp32 models)."""
+    for _, p in params:
+        if p.label in C.RESHAPES:
+            p.data = p.data.float()
+    return params
+
+
+def _twins(device, fp32_banks):
+    import functools
+
+    from anvil_fast.bank import anvil_bank_update
+
+    def make():
+        params = C.make_params(0, device=device)
+        if fp32_banks:
+            params = _fp32_banks(params)
+        return AnvilAndAdam(params, C.TABLE, C.SCATTER, C.WORK, bank_config="faithful", allow_fp32_banks=fp32_banks,
+                            bank_update=functools.partial(anvil_bank_update, compile=False))
+    return make(), make()
+
+
+def _run_schedule(eager, buffered, device, *, steps=SCHEDULE, graphed=False):
+    bufs = buffered.grad_buffers()
+    for t, (do_adam, dropped) in enumerate(steps):
+        for opt in (eager, buffered):
+            C.set_hyper(opt, t)
+        C.accumulate(eager.params, {l: g for l, g in C.gradients(t, device=device).items()
+                                    if l in C.DENSE and l not in dropped})
+        read = [l for l in eager.labels if eager.params[l].grad is not None
+                and (do_adam or eager.param_cfgs[l].optim == "anvil")]
+        for l in read:  # what the eager step reads, copied (with the bank cast) into the buffers
+            bufs[l].copy_(eager.params[l].grad)
+        eager.step(do_adam=do_adam)
+        buffered.step_from_buffers(read, do_adam=do_adam)
+        _assert_same_state(eager, buffered, f"step {t}")
+        assert all(p.grad is None for p in buffered.params.values()), "step_from_buffers never writes .grad"
+
+
+def _assert_same_state(a, b, where):
+    for l in a.labels:
+        assert torch.equal(a.params[l].data.view(torch.int16 if a.params[l].element_size() == 2 else torch.int32),
+                           b.params[l].data.view(torch.int16 if b.params[l].element_size() == 2 else torch.int32)), \
+            f"{where}: {l}"
+        for k, v in a.param_states[l].items():
+            w = b.param_states[l][k]
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, w) or (v.dtype.is_floating_point and torch.equal(v.view(torch.int32), w.view(torch.int32))), \
+                    f"{where}: {l}.{k}"
+            else:
+                assert v == w, f"{where}: {l}.{k} {v} != {w}"
+
+
+@pytest.mark.parametrize("fp32_banks", [False, True], ids=["bf16_banks", "fp32_banks"])
+def test_step_from_buffers_equals_step_bitwise(fp32_banks):
+    eager, buffered = _twins("cpu", fp32_banks)
+    _run_schedule(eager, buffered, "cpu")
+    # the schedule really exercised what it claims: Adam steps without some gradients
+    assert eager.param_states["scalars"]["step"] == 3
+    assert eager.param_states["gates"]["step"] == 2 and eager.param_states["lm_head"]["step"] == 2
+
+
+def test_grad_buffers_are_persistent_and_bank_buffers_are_the_banks_own():
+    opt, _ = _twins("cpu", True)
+    a, b = opt.grad_buffers(), opt.grad_buffers()
+    assert set(a) == set(opt.labels) and all(a[l] is b[l] for l in a)
+    for l in opt.bank_labels:  # one process: the copy into the buffer is the only pass (and the cast)
+        assert a[l].dtype == torch.bfloat16 and a[l].data_ptr() == opt.banks[l].grad.data_ptr()
+        assert tuple(a[l].shape) == tuple(opt.params[l].shape)
+    flat = {g.dtype: g.grad for g in opt.replicated.groups}
+    for l in opt.replicated_labels:
+        g = flat[opt.params[l].dtype]
+        assert g.data_ptr() <= a[l].data_ptr() < g.data_ptr() + g.numel() * g.element_size()
+
+
+def test_step_from_buffers_refuses_unknown_labels():
+    opt, _ = _twins("cpu", False)
+    with pytest.raises(ConfigError, match="unknown labels \\['nope'\\]"):
+        opt.step_from_buffers(["qk_bank", "nope"])
+
+
+def test_step_capture_needs_cuda_with_reason():
+    opt, _ = _twins("cpu", False)
+    with pytest.raises(GraphUnsupported, match="CUDA graphs need the optimizer's tensors on a CUDA device, got cpu"):
+        opt.capture_step()
+    assert capture_unsupported_reason(opt) is not None
+
+
+def test_capture_refuses_gloo():
+    opt, _ = _twins("cpu", False)
+    opt.device, opt.world_size = torch.device("cuda", 0), 2  # what capture_unsupported_reason reads
+
+    class Gloo:
+        backend = "gloo"
+    opt.comms = Gloo()
+    assert "'gloo'" in capture_unsupported_reason(opt) and "NCCL" in capture_unsupported_reason(opt)
+
+
+def test_step_tensors_cover_everything_a_step_writes():
+    """Saving and restoring step_tensors() must undo a step: run one, restore, compare."""
+    opt, twin = _twins("cpu", True)
+    bufs = opt.grad_buffers()
+    twin.grad_buffers()
+    saved = {k: t.clone() for k, t in step_tensors(opt).items()}
+    C.set_hyper(opt, 0)
+    for l, g in C.gradients(0).items():
+        if l in C.DENSE:
+            bufs[l].copy_(g)
+    steps = {l: st.get("step") for l, st in opt.param_states.items()}
+    opt.step_from_buffers([l for l in opt.labels if l in C.DENSE])
+    for k, t in step_tensors(opt).items():
+        t.copy_(saved[k])
+    for l, s in steps.items():  # host state is the caller's business (StepGraph never runs prepare twice)
+        if s is not None:
+            opt.param_states[l]["step"] = s
+    _assert_same_state(twin, opt, "restored")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp32_banks", [False, True], ids=["bf16_banks", "fp32_banks"])
+def test_step_graph_replays_equal_eager_steps_bitwise(fp32_banks):
+    eager, graphed = _twins("cuda", fp32_banks)
+    sg = graphed.capture_step()
+    # changing lr/momentum/rails every step (through the pinned scalar buffer), a plan change and
+    # Adam-free steps; then the first plan again (replayed, not recaptured)
+    steps = SCHEDULE + [(True, set()), (False, set())]
+    _run_schedule(eager, graphed, "cuda", steps=steps)
+    n_plans = len({(d, frozenset(x)) for d, x in steps})
+    assert sg.captures == n_plans and sg.replays == len(steps) and sg.eager_steps == 0
+    # a rebound parameter stops the replay before anything is written
+    bufs = graphed.grad_buffers()
+    before = graphed.param_states["qk_bank"]["velocity"].clone()
+    graphed.params["qk_bank"].data = graphed.params["qk_bank"].data.clone()
+    with pytest.raises(StaleGraphError, match="param.qk_bank"):
+        graphed.step_from_buffers([l for l in graphed.labels if l in C.DENSE])
+    assert torch.equal(graphed.param_states["qk_bank"]["velocity"], before)
+    assert graphed.param_states["scalars"]["step"] == eager.param_states["scalars"]["step"]
+    del bufs
+
+
+@pytest.mark.gpu
+def test_step_graph_falls_back_to_eager_past_max_plans():
+    eager, graphed = _twins("cuda", False)
+    sg = graphed.capture_step(max_plans=1)
+    _run_schedule(eager, graphed, "cuda")
+    assert sg.captures == 1 and sg.eager_steps == len(SCHEDULE) - sg.replays
+
+
+def test_step_graph_address_check_names_rebound_tensors():
+    """The StepGraph's check before replay, without a GPU: bookkeeping of a captured plan."""
+    from anvil_fast.graphs import StepGraph, step_addresses
+
+    opt, _ = _twins("cpu", True)
+    opt.grad_buffers()
+    plan = opt.plan_of({l: opt.grad_buffers()[l] for l in opt.labels}, True)
+    sg = StepGraph.__new__(StepGraph)  # what __init__ + a capture record (capture itself needs CUDA)
+    sg.opt, sg.baked, sg._signatures = opt, {plan: step_addresses(opt)}, {}
+    sg._signatures[plan] = sg._signature()
+    sg.check_plan(plan)
+    opt.load_state_dict(opt.state_dict())  # in place: nothing rebound
+    sg.check_plan(plan)
+    opt.params["gates"].data = opt.params["gates"].data.clone()  # leaves the flat buffer
+    with pytest.raises(StaleGraphError, match="param.gates"):
+        sg.check_plan(plan)
+    opt.params["gates"].data = opt.replicated.groups[1].param[opt.replicated.groups[1].spans[0]].view(3, 4)
+    sg.check_plan(plan)
+    opt.param_states["mlp_bank"]["velocity"] = opt.param_states["mlp_bank"]["velocity"].clone()
+    with pytest.raises(StaleGraphError, match="state.mlp_bank.velocity"):
+        sg.check_plan(plan)
