@@ -44,6 +44,7 @@ Departures from the seed, each for a reason:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
@@ -121,16 +122,32 @@ def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
     return tuple(r) if r is not None else None
 
 
+def _halves(master: Tensor) -> tuple[Tensor, Tensor]:
+    # An fp32's bit pattern, little-endian, is the int16 pair (low half, high half): the halves are
+    # strided int16 views, so splitting and joining are two plain copies each (one pass over the
+    # bytes, no integer arithmetic) instead of the shift-and-mask form of anvil_fast.update.
+    pairs = master.view(torch.int16).view(*master.shape, 2)
+    return pairs[..., 1], pairs[..., 0]
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
-    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact, bit ops)."""
-    h, l_ = split_master(master)
+    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact)."""
+    h, l_ = _halves(master) if _LITTLE_ENDIAN else split_master(master)
     hi.view(torch.int16).copy_(h)
     lo.view(torch.int16).copy_(l_)
 
 
 def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
     """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
-    master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
+    if not _LITTLE_ENDIAN:  # pragma: no cover - every CUDA host is little-endian
+        master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
+        return
+    h, l_ = _halves(master)
+    h.copy_(hi.view(torch.int16))
+    l_.copy_(lo.view(torch.int16))
 
 
 class AnvilAndAdam:

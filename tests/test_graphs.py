@@ -249,3 +249,26 @@ def test_step_graph_address_check_names_rebound_tensors():
     opt.param_states["mlp_bank"]["velocity"] = opt.param_states["mlp_bank"]["velocity"].clone()
     with pytest.raises(StaleGraphError, match="state.mlp_bank.velocity"):
         sg.check_plan(plan)
+
+
+def test_fp32_split_join_are_the_bit_halves():
+    """split_fp32_/join_fp32_ against anvil_fast.update's shift-and-mask definition, on bit
+    patterns covering signs, zeros, subnormals, infinities and NaN payloads."""
+    from anvil_fast.optimizer import join_fp32_, split_fp32_
+    from anvil_fast.update import join_master, split_master
+
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 7, 5), generator=g, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0, -2 ** 31, 1, 0x7F800000, -8388608, 0x7FC00001, 0x0000FFFF, -1, 0x7F7FFFFF],
+                           dtype=torch.int32)
+    raw.view(-1)[:special.numel()] = special
+    master = raw.view(torch.float32)
+    hi = torch.empty(master.shape, dtype=torch.bfloat16)
+    lo = torch.empty(master.shape, dtype=torch.uint16)
+    split_fp32_(master, hi, lo)
+    want_hi, want_lo = split_master(master)
+    assert torch.equal(hi.view(torch.int16), want_hi) and torch.equal(lo.view(torch.int16), want_lo)
+    back = torch.empty_like(master)
+    join_fp32_(hi, lo, back)
+    assert torch.equal(back.view(torch.int32), raw)
+    assert torch.equal(join_master(want_hi, want_lo).view(torch.int32), raw)
