@@ -333,10 +333,10 @@ class ANVIL(torch.optim.Optimizer):
             self._slots = slots
         return self._slots
 
-    def _copy_grads_and_step(self) -> None:
+    def _copy_grads(self) -> list[str]:
         """Every ``.grad`` into the persistent buffers (one ``_foreach_copy_`` per dtype pair; a
-        bank's copy is also the cast to bf16), then the inner step from the buffers (one CUDA-graph
-        replay when ``cuda_graphs``). A bank member without a gradient counts as a zero gradient."""
+        bank's copy is also the cast to bf16); returns the inner labels with a gradient. A bank
+        member without a gradient counts as a zero gradient."""
         groups: dict[tuple, tuple[list, list]] = {}
         read: dict[str, None] = {}
         missing = []
@@ -354,7 +354,12 @@ class ANVIL(torch.optim.Optimizer):
                 dst.zero_()
         for d, s in groups.values():
             torch._foreach_copy_(d, s)
-        self.inner.step_from_buffers(read, do_adam=True)
+        return list(read)
+
+    def _copy_grads_and_step(self) -> None:
+        """:meth:`_copy_grads`, then the inner step from the buffers (one CUDA-graph replay when
+        ``cuda_graphs``)."""
+        self.inner.step_from_buffers(self._copy_grads(), do_adam=True)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
