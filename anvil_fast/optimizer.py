@@ -291,6 +291,11 @@ class AnvilAndAdam:
         self.fast_beta, self.fast_weight = 0.0, 1.0
         self.split_embed = False
         self._label_index = {l: i for i, l in enumerate(self.labels)}
+        self._cfg_list = list(self.param_cfgs.values())
+        self._bank_cfg_list = [self.param_cfgs[l] for l in self.bank_labels]
+        self._inactive_row = np.array(adam_row(lr=0, beta1=0, beta2=0, eps=1, weight_decay=0, wd_mul=0, step=1,
+                                               active=False), dtype=np.float64)
+        self._adam_host_table = np.zeros((len(self.adam_labels), len(ADAM_COLUMNS)), dtype=np.float64)
         self._replicated_set = frozenset(self.replicated_labels)
         self._adam_chunks: dict[str, Tensor] = {}
         self._grad_buffers: dict[str, Tensor] | None = None
@@ -341,6 +346,16 @@ class AnvilAndAdam:
 
     # ------------------------------------------------------------------ per-step scalars
     def _check_hyperparameters(self) -> None:
+        # Every step, so the common case is one vectorized test; the per-label loop names the culprit.
+        cfgs = self._cfg_list
+        vals = [c.lr for c in cfgs] + [c.lr_mul for c in cfgs] + [c.wd_mul for c in cfgs] + \
+            [c.weight_decay for c in cfgs] + [c.momentum for c in self._bank_cfg_list] + \
+            [c.beta2 for c in self._bank_cfg_list]
+        try:
+            if np.isfinite(np.asarray(vals, dtype=np.float64)).all():
+                return
+        except (TypeError, ValueError):
+            pass
         for label, cfg in self.param_cfgs.items():
             vals = dict(lr=cfg.lr, lr_mul=cfg.lr_mul, wd_mul=cfg.wd_mul, weight_decay=cfg.weight_decay)
             if cfg.optim == "anvil":
@@ -370,8 +385,8 @@ class AnvilAndAdam:
         counts advance here) in one host-to-device copy."""
         table = None
         if active_adam:
-            table = np.array([adam_row(lr=0, beta1=0, beta2=0, eps=1, weight_decay=0, wd_mul=0, step=1,
-                                       active=False)] * len(self.adam_labels))
+            table = self._adam_host_table
+            table[:] = self._inactive_row
             for label in active_adam:
                 cfg, st = self.param_cfgs[label], self.param_states[label]
                 st["step"] += 1
