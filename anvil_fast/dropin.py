@@ -119,7 +119,9 @@ class ANVIL(torch.optim.Optimizer):
         check_finite: refuse a step whose gradients hold NaN/inf (naming the parameter) before
             anything is written.
         bank_config, maps: the bank update's cascade configuration and map set.
-        cuda_graphs: capture the bank updates in CUDA graphs (CUDA only).
+        cuda_graphs: replay each step's device part as one CUDA graph (one capture per set of
+            parameters with gradients). None: on CUDA wherever capture is valid (else off, with the
+            reason in a warning); True: required (raises the reason); False: off.
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
@@ -130,7 +132,7 @@ class ANVIL(torch.optim.Optimizer):
                  adam_eps: float = ADAM_DEFAULTS["eps"], adam_weight_decay: float = ADAM_DEFAULTS["weight_decay"],
                  adam: Iterable[str] | Any = None, anvil: Iterable[str] | Any = None,
                  head_names: Sequence[str] = HEAD_NAMES, shard_min_numel: int = 1 << 16, comms: Any = None,
-                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool = False,
+                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None):
         named, kinds = _named(params)
         if not named:
@@ -250,7 +252,17 @@ class ANVIL(torch.optim.Optimizer):
                                eps=adam_eps, weight_decay=adam_weight_decay))
         super().__init__(groups, dict(lr=lr))
         self._slots = None
-        if cuda_graphs:
+        if cuda_graphs is None:
+            from .graphs import capture_unsupported_reason
+
+            reason = capture_unsupported_reason(self.inner)
+            if reason is None:
+                self.inner.capture_step()
+            elif self.inner.device.type == "cuda":
+                import warnings
+
+                warnings.warn(f"ANVIL: CUDA graphs are off ({reason}); the step runs eagerly", stacklevel=2)
+        elif cuda_graphs:
             self.inner.capture_step()
 
     # ------------------------------------------------------------------ introspection

@@ -188,7 +188,7 @@ class StepGraph:
     :class:`StaleGraphError` before anything is written), and the graph replays. A plan met for
     the first time is captured then (warm-up runs on a side stream, every mutated tensor saved and
     restored bit for bit, then the capture, then the replay), up to ``max_plans`` plans; past that
-    the step runs eagerly. Deferred gathers and sparse updates are not captured (use ``step``).
+    the step runs eagerly. A change of a bank's ``beta2`` counts as a new plan. Deferred gathers and sparse updates are not captured (use ``step``).
     Raises :class:`GraphUnsupported` where capture is not valid (:func:`capture_unsupported_reason`).
     """
 
@@ -212,11 +212,11 @@ class StepGraph:
         return tuple(p.data_ptr() for p in opt.params.values()) + \
             tuple(v.data_ptr() for st in opt.param_states.values() for v in st.values() if isinstance(v, torch.Tensor))
 
-    def check_plan(self, plan) -> None:
-        """Raise :class:`StaleGraphError` if an address baked for ``plan`` is no longer live (a
-        cheap signature of the rebindable tensors first; the full comparison names the culprits)."""
-        baked = self.baked.get(plan)
-        if baked is None or self._signature() == self._signatures[plan]:
+    def check_plan(self, key) -> None:
+        """Raise :class:`StaleGraphError` if an address baked for ``key`` (:meth:`key`) is no longer
+        live (a cheap signature of the rebindable tensors first; the full comparison names them)."""
+        baked = self.baked.get(key)
+        if baked is None or self._signature() == self._signatures[key]:
             return
         now = step_addresses(self.opt)
         stale = sorted(k for k in baked if now.get(k) != baked[k]) or ["parameter or state tensors"]
@@ -227,7 +227,7 @@ class StepGraph:
                 "..., model.to(...) or load_state_dict(assign=True)); build a new optimizer or call "
                 "capture_step() again")
 
-    def _capture(self, plan, grads) -> None:
+    def _capture(self, key, plan, grads) -> None:
         opt = self.opt
         saved = {k: t.clone() for k, t in step_tensors(opt).items()}
         side, main = torch.cuda.Stream(), torch.cuda.current_stream()
@@ -244,10 +244,15 @@ class StepGraph:
         for k, t in step_tensors(opt).items():
             t.copy_(saved[k])
         del saved
-        self.graphs[plan] = graph
-        self.baked[plan] = step_addresses(opt)
-        self._signatures[plan] = self._signature()
+        self.graphs[key] = graph
+        self.baked[key] = step_addresses(opt)
+        self._signatures[key] = self._signature()
         self.captures += 1
+
+    def key(self, plan) -> tuple:
+        """What a graph bakes besides addresses: the plan, and each bank's equalizer decay (a
+        Python float the kernels take as a constant, so a change needs its own capture)."""
+        return plan, tuple(b.beta2 for b in self.opt.banks.values())
 
     def step(self, grads, do_adam: bool) -> dict:
         """One step from ``grads`` (persistent buffers: label -> tensor); returns ``{}``."""
@@ -256,13 +261,15 @@ class StepGraph:
         foreign = [l for l, t in grads.items() if bufs.get(l) is not t]
         if foreign:
             raise ValueError(f"StepGraph.step reads gradients only from opt.grad_buffers(); {foreign} are other tensors")
-        plan = opt.prepare(grads, do_adam, before_write=self.check_plan if self.check else None)
-        if plan not in self.graphs:
+        check = (lambda plan: self.check_plan(self.key(plan))) if self.check else None
+        plan = opt.prepare(grads, do_adam, before_write=check)
+        key = self.key(plan)
+        if key not in self.graphs:
             if len(self.graphs) >= self.max_plans:
                 self.eager_steps += 1
                 return opt.body(plan, grads)
-            self._capture(plan, grads)
-        self.graphs[plan].replay()
+            self._capture(key, plan, grads)
+        self.graphs[key].replay()
         self.replays += 1
         return {}
 

@@ -209,6 +209,12 @@ def test_step_graph_replays_equal_eager_steps_bitwise(fp32_banks):
     _run_schedule(eager, graphed, "cuda", steps=steps)
     n_plans = len({(d, frozenset(x)) for d, x in steps})
     assert sg.captures == n_plans and sg.replays == len(steps) and sg.eager_steps == 0
+    # the equalizer's decay is baked into the kernels: a change is a new capture, not a stale replay
+    for opt in (eager, graphed):
+        for bank in opt.banks.values():
+            bank.beta2 = 0.8
+    _run_schedule(eager, graphed, "cuda", steps=[(True, set())])
+    assert sg.captures == n_plans + 1
     # a rebound parameter stops the replay before anything is written
     bufs = graphed.grad_buffers()
     before = graphed.param_states["qk_bank"]["velocity"].clone()
@@ -225,7 +231,8 @@ def test_step_graph_falls_back_to_eager_past_max_plans():
     eager, graphed = _twins("cuda", False)
     sg = graphed.capture_step(max_plans=1)
     _run_schedule(eager, graphed, "cuda")
-    assert sg.captures == 1 and sg.eager_steps == len(SCHEDULE) - sg.replays
+    # only step 0's plan (Adam, every gradient) was captured; the four other plans ran eagerly
+    assert sg.captures == 1 and sg.replays == 1 and sg.eager_steps == 4
 
 
 def test_step_graph_address_check_names_rebound_tensors():
@@ -241,6 +248,7 @@ def test_step_graph_address_check_names_rebound_tensors():
     sg.check_plan(plan)
     opt.load_state_dict(opt.state_dict())  # in place: nothing rebound
     sg.check_plan(plan)
+    sg.check_plan("a key never captured")  # nothing baked, nothing to check
     opt.params["gates"].data = opt.params["gates"].data.clone()  # leaves the flat buffer
     with pytest.raises(StaleGraphError, match="param.gates"):
         sg.check_plan(plan)
