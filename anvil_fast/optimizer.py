@@ -663,13 +663,24 @@ class AnvilAndAdam:
     @torch.no_grad()
     def nonfinite_labels(self, grads: Mapping[str, Tensor]) -> list[str]:
         """The labels of ``grads`` holding NaN or infinity on this rank or any other (one host
-        sync; every rank gets the same answer)."""
+        sync; every rank gets the same answer). One ``_foreach_norm`` per dtype: an L1 norm is
+        non-finite exactly when an element is NaN or infinite, or when the absolute sum overflows
+        float32 (past 3.4e38), which a gradient whose squares and Frobenius norm must stay finite
+        cannot use either; so a handful of launches whatever the number of parameters."""
         read = [l for l in self.labels if l in grads]
+        if not read and self.world_size == 1:
+            return []
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for l in read:
+            by_dtype.setdefault(grads[l].dtype, []).append(l)
+        order = [l for ls in by_dtype.values() for l in ls]
+        norms = [n for ls in by_dtype.values() for n in torch._foreach_norm([grads[l] for l in ls], 1)]
+        bad = torch.stack([n.float() for n in norms]).isfinite().logical_not_().float() if norms else None
+        if self.world_size == 1:
+            return sorted((l for l, b in zip(order, bad.tolist()) if b), key=self._label_index.__getitem__)
         flags = torch.zeros(len(self.labels), dtype=torch.float32, device=self.device)
-        if read:
-            idx = torch.tensor([self._label_index[l] for l in read], device=self.device)
-            bad = torch.stack([(~torch.isfinite(grads[l])).any() for l in read]).float()
-            flags.index_copy_(0, idx, bad)
+        if bad is not None:
+            flags.index_copy_(0, torch.tensor([self._label_index[l] for l in order], device=self.device), bad)
         self.comms.all_reduce_sum_now(flags)  # every rank refuses together
         return [self.labels[i] for i in flags.nonzero().flatten().tolist()]
 

@@ -280,3 +280,23 @@ def test_fp32_split_join_are_the_bit_halves():
     join_fp32_(hi, lo, back)
     assert torch.equal(back.view(torch.int32), raw)
     assert torch.equal(join_master(want_hi, want_lo).view(torch.int32), raw)
+
+
+def test_nonfinite_labels_on_buffers():
+    """NaN, +inf and -inf anywhere in a gradient are found, in bf16 bank buffers and fp32/bf16 Adam
+    buffers alike; finite gradients (including the largest finite values, alone) are not."""
+    opt, _ = _twins("cpu", True)
+    bufs = opt.grad_buffers()
+    for l, g in C.gradients(0).items():
+        bufs[l].copy_(g)
+    grads = {l: bufs[l] for l in opt.labels}
+    assert opt.nonfinite_labels(grads) == []
+    bufs["gates"].view(-1)[0] = torch.finfo(torch.bfloat16).max
+    bufs["scalars"].view(-1)[-1] = -torch.finfo(torch.float32).max
+    assert opt.nonfinite_labels(grads) == []
+    bufs["mlp_bank"].view(-1)[17] = float("nan")
+    bufs["gates"].view(-1)[5] = float("-inf")
+    bufs["lm_head"].view(-1)[-1] = float("inf")
+    assert opt.nonfinite_labels(grads) == ["mlp_bank", "gates", "lm_head"]
+    assert opt.nonfinite_labels({l: grads[l] for l in ("qk_bank", "gates")}) == ["gates"]
+    assert opt.nonfinite_labels({}) == []
