@@ -6,12 +6,17 @@ matrix); Adam updates everything else, either *sharded* (first dimension split o
 The math is anvil_ref's (:class:`anvil_ref.optimizer.ReferenceAnvilAndAdam` is the specification;
 its module docstring states the semantics, including the Adam gradients kept between Adam steps).
 
-One step (:meth:`AnvilAndAdam.step`), in launch order; on NCCL the launch order *is* the comms
-schedule, since the collectives run on one stream in enqueue order and ``Handle.wait()`` is a stream
-wait:
+One step (:meth:`AnvilAndAdam.step`) is a host part, :meth:`~AnvilAndAdam.prepare`, then a device
+part, :meth:`~AnvilAndAdam.body`. The host part checks everything the step reads, fixes the
+:class:`StepPlan` (which gradients are read, which Adam rows are active, tied or not), advances the
+Adam step counts and stages the scalars (step 0 below). The device part launches steps 1-3 for that
+plan, reading gradients only from the mapping it is given and branching on nothing but the plan, so
+one CUDA graph of it replays any step of the same plan (:class:`~anvil_fast.graphs.StepGraph`).
+In launch order; on NCCL the launch order *is* the comms schedule, since the collectives run on one
+stream in enqueue order and ``Handle.wait()`` is a stream wait:
 
-0. Stage this step's scalars: one host-to-device copy (:mod:`.bank_scalars`). On Adam steps, the
-   replicated parameters' flat all-reduce starts (one per dtype).
+0. (host part) Stage this step's scalars: one host-to-device copy (:mod:`.bank_scalars`).
+   (device part) On Adam steps, the replicated parameters' flat all-reduce starts (one per dtype).
 1. Scatter phase, in ``scatter_order``: each sharded parameter with a gradient starts its
    reduce-scatter (a bank's lands in the bank's persistent ``grad`` buffer); the sparse update's
    ``launch()`` runs at :data:`SPARSE_UPDATE_LABEL`'s place; while tied, ``embed.grad^T`` is added
@@ -22,6 +27,13 @@ wait:
 3. Finish: wait for lm_head's gather, then (tied) ``embed = lm_head^T`` (``transpose_copy``), the
    sparse update's ``finish()``, then wait for every gather not deferred. Deferred gathers come back
    as :class:`~anvil_fast.comms.Handle` objects the caller waits before reading the parameter.
+
+The gradients come from ``.grad`` (:meth:`~AnvilAndAdam.step`) or from persistent buffers at fixed
+addresses (:meth:`~AnvilAndAdam.grad_buffers`, :meth:`~AnvilAndAdam.step_from_buffers`: what a CUDA
+graph needs; a bank's buffer is its bf16 ``grad`` itself on one process, a replicated parameter's
+its slice of the flat all-reduce buffer, so the caller's one copy into them is the only pass). The
+schedule above is the same for both; with a captured step, steps 1-3 are one graph replay after
+the host part.
 
 Adam runs only when ``do_adam``; on other steps Adam gradients stay in ``.grad`` and the next
 backward accumulates into them. ANVIL runs every step. Everything the step will read is checked
