@@ -47,6 +47,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; cpu 1)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--no-phases", action="store_true", help="skip the phase table")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step of each ANVIL variant (torch.profiler: ops, launches, host time)")
 
 
 def _model(size: str, device):
@@ -174,6 +176,23 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
     return out
 
 
+def profile_step(step: Callable[[], object], device, *, rows: int = 20) -> str:
+    """torch.profiler over one step: the ops by host time, and how many kernels were launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    ev = prof.key_averages()
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                     "cudaGraphLaunch", "cudaMemcpyAsync"))
+    aten = sum(e.count for e in ev if e.key.startswith("aten::"))
+    return (f"{aten} aten ops, {launches} launches/copies/graph launches\n"
+            + ev.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def format_phases(size: str, rows) -> str:
     tot_e = sum(e for _, e, _ in rows)
     tot_g = sum(e if g is None else g for _, e, g in rows)
@@ -226,6 +245,8 @@ def run(a: argparse.Namespace) -> int:
             t0 = time.time()
             results[v] = time_fn(opt.step, device, rep_ms=rep_ms, warmup=warmup, min_calls=min_calls)
             print(f"  {size} {v}: {results[v][0]:.3f} ms ({results[v][2]} steps, {time.time() - t0:.1f} s)", flush=True)
+            if a.profile and v.startswith("anvil"):
+                print(f"profile of one step, {size} {v}:\n{profile_step(opt.step, device)}", flush=True)
             if v == "anvil":
                 n = sum(p.numel() for p in model.parameters())
                 print(f"  {size}: {n / 1e6:.1f}M parameters; banks "

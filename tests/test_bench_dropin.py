@@ -16,7 +16,8 @@ def test_dropin_is_registered():
 
 
 def test_dropin_cpu_smoke_runs_end_to_end():
-    out = subprocess.run([sys.executable, "-m", "anvil_fast.bench", "dropin", "--device", "cpu", "--rep-ms", "1"],
+    out = subprocess.run([sys.executable, "-m", "anvil_fast.bench", "dropin", "--device", "cpu", "--rep-ms", "1",
+                          "--profile"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -24,6 +25,7 @@ def test_dropin_cpu_smoke_runs_end_to_end():
                 "| smoke | ANVIL, default arguments |", "| smoke | ANVIL, cuda_graphs=False |",
                 "| smoke | torch Muon + fused AdamW |", "| smoke | fused AdamW alone |"):
         assert row in text, f"{row!r} missing from:\n{text}"
+    assert "profile of one step, smoke anvil:" in text and "aten ops" in text
     # capture is not valid on CPU: the variant says why instead of failing the run
     assert "anvil_graphs: not run: GraphUnsupported: CUDA graphs need the optimizer's tensors on a CUDA device" in text
 
