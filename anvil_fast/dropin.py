@@ -257,7 +257,7 @@ class ANVIL(torch.optim.Optimizer):
 
             reason = capture_unsupported_reason(self.inner)
             if reason is None:
-                self.inner.capture_step()
+                self.inner.capture_step(strict=False)
             elif self.inner.device.type == "cuda":
                 import warnings
 

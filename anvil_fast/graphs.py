@@ -27,6 +27,7 @@ would bake just one of them, forcing the host to wait for each replay before ref
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -189,10 +190,12 @@ class StepGraph:
     the first time is captured then (warm-up runs on a side stream, every mutated tensor saved and
     restored bit for bit, then the capture, then the replay), up to ``max_plans`` plans; past that
     the step runs eagerly. A change of a bank's ``beta2`` counts as a new plan. Deferred gathers and sparse updates are not captured (use ``step``).
-    Raises :class:`GraphUnsupported` where capture is not valid (:func:`capture_unsupported_reason`).
+    Raises :class:`GraphUnsupported` where capture is not valid (:func:`capture_unsupported_reason`),
+    and, with ``strict``, when a capture fails; without ``strict`` a failed capture (state restored)
+    warns and turns the graphs off (:attr:`off_reason`).
     """
 
-    def __init__(self, opt, *, warmup: int = 2, check: bool = True, max_plans: int = 4):
+    def __init__(self, opt, *, warmup: int = 2, check: bool = True, max_plans: int = 4, strict: bool = True):
         reason = capture_unsupported_reason(opt)
         if reason is not None:
             raise GraphUnsupported(reason)
@@ -204,6 +207,8 @@ class StepGraph:
         self._signatures: dict[Any, tuple[int, ...]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = self.captures = self.eager_steps = 0
+        self.strict = bool(strict)
+        self.off_reason: str | None = None  #: why the graphs were turned off after a failed capture
 
     def _signature(self) -> tuple[int, ...]:
         # What a user or a checkpoint load can rebind: parameters and optimizer-state entries.
@@ -227,27 +232,41 @@ class StepGraph:
                 "..., model.to(...) or load_state_dict(assign=True)); build a new optimizer or call "
                 "capture_step() again")
 
-    def _capture(self, key, plan, grads) -> None:
+    def _capture(self, key, plan, grads) -> bool:
+        """Capture ``plan``; on failure restore the state, then raise (``strict``) or warn and turn
+        the graphs off (every later step runs eagerly). Returns whether a graph was captured."""
         opt = self.opt
         saved = {k: t.clone() for k, t in step_tensors(opt).items()}
-        side, main = torch.cuda.Stream(), torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
+        main = torch.cuda.current_stream()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    opt.body(plan, grads, bank_update=self.update)
+            main.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
+            # the default global mode those queries invalidate the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 opt.body(plan, grads, bank_update=self.update)
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in the
-        # default global mode those queries invalidate the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            opt.body(plan, grads, bank_update=self.update)
-        for k, t in step_tensors(opt).items():
-            t.copy_(saved[k])
-        del saved
+        except Exception as exc:
+            main.synchronize()
+            self.off_reason = f"capturing the step failed: {type(exc).__name__}: {exc}"
+            if self.strict:
+                raise GraphUnsupported(self.off_reason) from exc
+            warnings.warn(f"{self.off_reason}; the optimizer steps eagerly from now on", RuntimeWarning, stacklevel=3)
+            return False
+        finally:
+            for k, t in step_tensors(opt).items():
+                if k in saved:  # (a reduce chunk first allocated by the warm-up holds nothing yet)
+                    t.copy_(saved[k])
+            del saved
         self.graphs[key] = graph
         self.baked[key] = step_addresses(opt)
         self._signatures[key] = self._signature()
         self.captures += 1
+        return True
 
     def key(self, plan) -> tuple:
         """What a graph bakes besides addresses: the plan, and each bank's equalizer decay (a
@@ -264,11 +283,10 @@ class StepGraph:
         check = (lambda plan: self.check_plan(self.key(plan))) if self.check else None
         plan = opt.prepare(grads, do_adam, before_write=check)
         key = self.key(plan)
-        if key not in self.graphs:
-            if len(self.graphs) >= self.max_plans:
-                self.eager_steps += 1
-                return opt.body(plan, grads)
-            self._capture(key, plan, grads)
+        if key not in self.graphs and (self.off_reason is not None or len(self.graphs) >= self.max_plans
+                                       or not self._capture(key, plan, grads)):
+            self.eager_steps += 1
+            return opt.body(plan, grads)
         self.graphs[key].replay()
         self.replays += 1
         return {}

@@ -300,3 +300,18 @@ def test_nonfinite_labels_on_buffers():
     assert opt.nonfinite_labels(grads) == ["mlp_bank", "gates", "lm_head"]
     assert opt.nonfinite_labels({l: grads[l] for l in ("qk_bank", "gates")}) == ["gates"]
     assert opt.nonfinite_labels({}) == []
+
+
+@pytest.mark.gpu
+def test_failed_capture_restores_state_and_steps_eagerly():
+    eager, graphed = _twins("cuda", True)
+    real = graphed.bank_update
+
+    def syncing(bank):  # a host read inside the update: not capturable
+        float(bank.grad.float().sum())
+        real(bank)
+    graphed.bank_update = syncing
+    sg = graphed.capture_step(strict=False)
+    with pytest.warns(RuntimeWarning, match="capturing the step failed"):
+        _run_schedule(eager, graphed, "cuda")
+    assert sg.captures == 0 and sg.eager_steps == len(SCHEDULE) and "failed" in sg.off_reason
