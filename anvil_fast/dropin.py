@@ -334,14 +334,14 @@ class ANVIL(torch.optim.Optimizer):
         return loss
 
     def _grad_slots(self) -> list:
-        """(parameter, its slot in the inner optimizer's persistent gradient buffer, label), once."""
+        """(name, parameter, its slot in the inner optimizer's persistent gradient buffer, label), once."""
         if self._slots is None:
             bufs = self.inner.grad_buffers()
             slots = []
             for b in self._banks:
                 view = bufs[b["label"]].view(self.inner.param_cfgs[b["label"]].reshape)
-                slots += [(p, view[i], b["label"]) for i, (_, p) in enumerate(b["members"])]
-            slots += [(p, bufs[n], n) for n, p in self._adam_named]
+                slots += [(name, p, view[i], b["label"]) for i, (name, p) in enumerate(b["members"])]
+            slots += [(n, p, bufs[n], n) for n, p in self._adam_named]
             self._slots = slots
         return self._slots
 
@@ -352,11 +352,14 @@ class ANVIL(torch.optim.Optimizer):
         groups: dict[tuple, tuple[list, list]] = {}
         read: dict[str, None] = {}
         missing = []
-        for p, dst, label in self._grad_slots():
+        for name, p, dst, label in self._grad_slots():
             g = p.grad
             if g is None:
                 missing.append((dst, label))
                 continue
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:  # copy_ would broadcast or cast
+                raise ValueError(f"{name}: gradient {g.dtype} {tuple(g.shape)} on {g.device} does not match the "
+                                 f"parameter's {p.dtype} {tuple(p.shape)} on {p.device}; nothing was updated")
             d, s = groups.setdefault((dst.dtype, g.dtype), ([], []))
             d.append(dst)
             s.append(g)

@@ -315,3 +315,28 @@ def test_failed_capture_restores_state_and_steps_eagerly():
     with pytest.warns(RuntimeWarning, match="capturing the step failed"):
         _run_schedule(eager, graphed, "cuda")
     assert sg.captures == 0 and sg.eager_steps == len(SCHEDULE) and "failed" in sg.off_reason
+
+
+def test_dropin_refuses_a_broadcastable_gradient_before_writing():
+    """The drop-in copies gradients into the persistent buffers with copy_, which would broadcast a
+    [1, n] gradient over an [m, n] parameter: it is refused, naming the parameter, nothing written."""
+    from anvil_fast.dropin import ANVIL
+    from anvil_fast.gpt import GPTConfig, build
+
+    m = build(GPTConfig(n_layer=1, n_embd=16, n_head=2, ctx=8), seed=0)
+    opt = ANVIL(m, bank_config="faithful", compile=False)
+    g = torch.Generator().manual_seed(3)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    for bad_name, bad in (("wte.weight", torch.ones(1, 16)), ("blocks.0.mlp.fc.weight", torch.ones(1, 16)),
+                          ("ln_f.weight", torch.ones(16, dtype=torch.float64))):
+        p = dict(m.named_parameters())[bad_name]
+        good = p.grad.data
+        p.grad.data = bad  # torch refuses p.grad = bad; .grad.data slips through
+        with pytest.raises(ValueError, match=f"{bad_name}: gradient .* does not match"):
+            opt.step()
+        p.grad.data = good
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
+    opt.step()
+    assert not torch.equal(before["blocks.0.mlp.fc.weight"], m.blocks[0].mlp.fc.weight)
