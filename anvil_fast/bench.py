@@ -10,6 +10,9 @@ Commands (each registered in :data:`COMMANDS` as ``name -> (add_arguments, run)`
            update captured alone, and one map's kernels next to cuBLAS.
 ``optimizer`` one full AnvilAndAdam step on a GPT-2-small bank layout next to torch.optim.Muon +
            fused AdamW (:mod:`anvil_fast.bench_optimizer`).
+``dropin`` the drop-in ``anvil_fast.ANVIL``'s step on the package's GPT (small, medium) next to
+           torch.optim.Muon + fused AdamW and fused AdamW alone, with its floor and phase shares
+           (:mod:`anvil_fast.bench_dropin`; ``--device cpu`` is a smoke run).
 
 Method (METHOD.md of the device notes): the bf16 matmul peak (8192^3, random data) and the
 device-to-device copy bandwidth are measured first; every timing is the median of
@@ -273,9 +276,22 @@ def _optimizer_run(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _dropin_args(ap: argparse.ArgumentParser) -> None:
+    from .bench_dropin import add_args
+
+    add_args(ap)
+
+
+def _dropin_run(a: argparse.Namespace) -> int:
+    from .bench_dropin import run
+
+    return run(a)
+
+
 #: name -> (add_arguments(parser), run(namespace) -> exit code)
 COMMANDS: dict[str, tuple[Callable, Callable]] = {"bank": (_bank_args, _bank_run),
-                                                  "optimizer": (_optimizer_args, _optimizer_run)}
+                                                  "optimizer": (_optimizer_args, _optimizer_run),
+                                                  "dropin": (_dropin_args, _dropin_run)}
 
 
 def main(argv=None) -> int:

@@ -119,7 +119,9 @@ class ANVIL(torch.optim.Optimizer):
         check_finite: refuse a step whose gradients hold NaN/inf (naming the parameter) before
             anything is written.
         bank_config, maps: the bank update's cascade configuration and map set.
-        cuda_graphs: capture the bank updates in CUDA graphs (CUDA only).
+        cuda_graphs: replay each step's device part as one CUDA graph (one capture per set of
+            parameters with gradients). None: on CUDA wherever capture is valid (else off, with the
+            reason in a warning); True: required (raises the reason); False: off.
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
@@ -130,7 +132,7 @@ class ANVIL(torch.optim.Optimizer):
                  adam_eps: float = ADAM_DEFAULTS["eps"], adam_weight_decay: float = ADAM_DEFAULTS["weight_decay"],
                  adam: Iterable[str] | Any = None, anvil: Iterable[str] | Any = None,
                  head_names: Sequence[str] = HEAD_NAMES, shard_min_numel: int = 1 << 16, comms: Any = None,
-                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool = False,
+                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None):
         named, kinds = _named(params)
         if not named:
@@ -216,9 +218,7 @@ class ANVIL(torch.optim.Optimizer):
                     p.data = storage[i]
                 bank = nn.Parameter(storage.view(n_pad * shape[0], shape[1]), requires_grad=True)
                 bank.label = label
-                grad = torch.zeros_like(storage)
-                self._banks.append(dict(label=label, param=bank, members=members, grad=grad,
-                                        grad_views=[grad[i] for i in range(n)]))
+                self._banks.append(dict(label=label, param=bank, members=members))
                 inner_named.append((label, bank))
         for name, p in adam_params:
             p.label = name
@@ -251,8 +251,19 @@ class ANVIL(torch.optim.Optimizer):
             groups.append(dict(params=[p for _, p in adam_params], kind="adam", lr=adam_lr, betas=tuple(betas),
                                eps=adam_eps, weight_decay=adam_weight_decay))
         super().__init__(groups, dict(lr=lr))
-        if cuda_graphs:
-            self.inner.use_cuda_graphs()
+        self._slots = None
+        if cuda_graphs is None:
+            from .graphs import capture_unsupported_reason
+
+            reason = capture_unsupported_reason(self.inner)
+            if reason is None:
+                self.inner.capture_step(strict=False)
+            elif self.inner.device.type == "cuda":
+                import warnings
+
+                warnings.warn(f"ANVIL: CUDA graphs are off ({reason}); the step runs eagerly", stacklevel=2)
+        elif cuda_graphs:
+            self.inner.capture_step()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -319,24 +330,51 @@ class ANVIL(torch.optim.Optimizer):
         if self.check_finite:
             self._check_finite()
         self._sync_hyperparameters()
-        kept = {n: p.grad for n, p in self._adam_named}
-        for b in self._banks:
-            live = [(v, p.grad) for v, (_, p) in zip(b["grad_views"], b["members"]) if p.grad is not None]
-            if not live:
-                b["param"].grad = None
-                continue
-            if len(live) < len(b["members"]):
-                b["grad"].zero_()  # members without a gradient count as zero gradient
-            torch._foreach_copy_([v for v, _ in live], [g for _, g in live])
-            b["param"].grad = b["grad"].view_as(b["param"])
-        try:
-            self.inner.step(do_adam=True)
-        finally:
-            for n, p in self._adam_named:
-                p.grad = kept[n]
-            for b in self._banks:
-                b["param"].grad = None
+        self._copy_grads_and_step()
         return loss
+
+    def _grad_slots(self) -> list:
+        """(name, parameter, its slot in the inner optimizer's persistent gradient buffer, label), once."""
+        if self._slots is None:
+            bufs = self.inner.grad_buffers()
+            slots = []
+            for b in self._banks:
+                view = bufs[b["label"]].view(self.inner.param_cfgs[b["label"]].reshape)
+                slots += [(name, p, view[i], b["label"]) for i, (name, p) in enumerate(b["members"])]
+            slots += [(n, p, bufs[n], n) for n, p in self._adam_named]
+            self._slots = slots
+        return self._slots
+
+    def _copy_grads(self) -> list[str]:
+        """Every ``.grad`` into the persistent buffers (one ``_foreach_copy_`` per dtype pair; a
+        bank's copy is also the cast to bf16); returns the inner labels with a gradient. A bank
+        member without a gradient counts as a zero gradient."""
+        groups: dict[tuple, tuple[list, list]] = {}
+        read: dict[str, None] = {}
+        missing = []
+        for name, p, dst, label in self._grad_slots():
+            g = p.grad
+            if g is None:
+                missing.append((dst, label))
+                continue
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:  # copy_ would broadcast or cast
+                raise ValueError(f"{name}: gradient {g.dtype} {tuple(g.shape)} on {g.device} does not match the "
+                                 f"parameter's {p.dtype} {tuple(p.shape)} on {p.device}; nothing was updated")
+            d, s = groups.setdefault((dst.dtype, g.dtype), ([], []))
+            d.append(dst)
+            s.append(g)
+            read[label] = None
+        for dst, label in missing:
+            if label in read and label in self.inner.banks:
+                dst.zero_()
+        for d, s in groups.values():
+            torch._foreach_copy_(d, s)
+        return list(read)
+
+    def _copy_grads_and_step(self) -> None:
+        """:meth:`_copy_grads`, then the inner step from the buffers (one CUDA-graph replay when
+        ``cuda_graphs``)."""
+        self.inner.step_from_buffers(self._copy_grads(), do_adam=True)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

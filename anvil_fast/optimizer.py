@@ -6,12 +6,17 @@ matrix); Adam updates everything else, either *sharded* (first dimension split o
 The math is anvil_ref's (:class:`anvil_ref.optimizer.ReferenceAnvilAndAdam` is the specification;
 its module docstring states the semantics, including the Adam gradients kept between Adam steps).
 
-One step (:meth:`AnvilAndAdam.step`), in launch order; on NCCL the launch order *is* the comms
-schedule, since the collectives run on one stream in enqueue order and ``Handle.wait()`` is a stream
-wait:
+One step (:meth:`AnvilAndAdam.step`) is a host part, :meth:`~AnvilAndAdam.prepare`, then a device
+part, :meth:`~AnvilAndAdam.body`. The host part checks everything the step reads, fixes the
+:class:`StepPlan` (which gradients are read, which Adam rows are active, tied or not), advances the
+Adam step counts and stages the scalars (step 0 below). The device part launches steps 1-3 for that
+plan, reading gradients only from the mapping it is given and branching on nothing but the plan, so
+one CUDA graph of it replays any step of the same plan (:class:`~anvil_fast.graphs.StepGraph`).
+In launch order; on NCCL the launch order *is* the comms schedule, since the collectives run on one
+stream in enqueue order and ``Handle.wait()`` is a stream wait:
 
-0. Stage this step's scalars: one host-to-device copy (:mod:`.bank_scalars`). On Adam steps, the
-   replicated parameters' flat all-reduce starts (one per dtype).
+0. (host part) Stage this step's scalars: one host-to-device copy (:mod:`.bank_scalars`).
+   (device part) On Adam steps, the replicated parameters' flat all-reduce starts (one per dtype).
 1. Scatter phase, in ``scatter_order``: each sharded parameter with a gradient starts its
    reduce-scatter (a bank's lands in the bank's persistent ``grad`` buffer); the sparse update's
    ``launch()`` runs at :data:`SPARSE_UPDATE_LABEL`'s place; while tied, ``embed.grad^T`` is added
@@ -22,6 +27,13 @@ wait:
 3. Finish: wait for lm_head's gather, then (tied) ``embed = lm_head^T`` (``transpose_copy``), the
    sparse update's ``finish()``, then wait for every gather not deferred. Deferred gathers come back
    as :class:`~anvil_fast.comms.Handle` objects the caller waits before reading the parameter.
+
+The gradients come from ``.grad`` (:meth:`~AnvilAndAdam.step`) or from persistent buffers at fixed
+addresses (:meth:`~AnvilAndAdam.grad_buffers`, :meth:`~AnvilAndAdam.step_from_buffers`: what a CUDA
+graph needs; a bank's buffer is its bf16 ``grad`` itself on one process, a replicated parameter's
+its slice of the flat all-reduce buffer, so the caller's one copy into them is the only pass). The
+schedule above is the same for both; with a captured step, steps 1-3 are one graph replay after
+the host part.
 
 Adam runs only when ``do_adam``; on other steps Adam gradients stay in ``.grad`` and the next
 backward accumulates into them. ANVIL runs every step. Everything the step will read is checked
@@ -44,8 +56,9 @@ Departures from the seed, each for a reason:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -87,6 +100,17 @@ class SparseUpdate(Protocol):
         """After the lm_head gather: land what the next steps read before deferred gathers."""
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step launches, decided on the host before anything is written: a captured step
+    graph is valid for exactly one plan."""
+
+    do_adam: bool
+    read: tuple[str, ...]  #: labels whose gradient the step reads, in optimizer order
+    active_adam: tuple[str, ...]  #: Adam labels updated (step count advanced) this step
+    tied_now: bool  #: embed and lm_head tied on this step
+
+
 class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or infinity (raised by the opt-in check before anything is written)."""
 
@@ -110,16 +134,32 @@ def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
     return tuple(r) if r is not None else None
 
 
+def _halves(master: Tensor) -> tuple[Tensor, Tensor]:
+    # An fp32's bit pattern, little-endian, is the int16 pair (low half, high half): the halves are
+    # strided int16 views, so splitting and joining are two plain copies each (one pass over the
+    # bytes, no integer arithmetic) instead of the shift-and-mask form of anvil_fast.update.
+    pairs = master.view(torch.int16).view(*master.shape, 2)
+    return pairs[..., 1], pairs[..., 0]
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
-    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact, bit ops)."""
-    h, l_ = split_master(master)
+    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact)."""
+    h, l_ = _halves(master) if _LITTLE_ENDIAN else split_master(master)
     hi.view(torch.int16).copy_(h)
     lo.view(torch.int16).copy_(l_)
 
 
 def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
     """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
-    master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
+    if not _LITTLE_ENDIAN:  # pragma: no cover - every CUDA host is little-endian
+        master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
+        return
+    h, l_ = _halves(master)
+    h.copy_(hi.view(torch.int16))
+    l_.copy_(lo.view(torch.int16))
 
 
 class AnvilAndAdam:
@@ -262,7 +302,16 @@ class AnvilAndAdam:
 
         self.fast_beta, self.fast_weight = 0.0, 1.0
         self.split_embed = False
-        self._pending: dict[str, tuple[Handle, Tensor]] = {}
+        self._label_index = {l: i for i, l in enumerate(self.labels)}
+        self._cfg_list = list(self.param_cfgs.values())
+        self._bank_cfg_list = [self.param_cfgs[l] for l in self.bank_labels]
+        self._inactive_row = np.array(adam_row(lr=0, beta1=0, beta2=0, eps=1, weight_decay=0, wd_mul=0, step=1,
+                                               active=False), dtype=np.float64)
+        self._adam_host_table = np.zeros((len(self.adam_labels), len(ADAM_COLUMNS)), dtype=np.float64)
+        self._replicated_set = frozenset(self.replicated_labels)
+        self._adam_chunks: dict[str, Tensor] = {}
+        self._grad_buffers: dict[str, Tensor] | None = None
+        self.step_graph = None  #: a :class:`~anvil_fast.graphs.StepGraph` once :meth:`capture_step` ran
 
     # ------------------------------------------------------------------ views and helpers
     def _lo_hi(self, cfg: ParamConfig) -> tuple[int, int]:
@@ -309,6 +358,16 @@ class AnvilAndAdam:
 
     # ------------------------------------------------------------------ per-step scalars
     def _check_hyperparameters(self) -> None:
+        # Every step, so the common case is one vectorized test; the per-label loop names the culprit.
+        cfgs = self._cfg_list
+        vals = [c.lr for c in cfgs] + [c.lr_mul for c in cfgs] + [c.wd_mul for c in cfgs] + \
+            [c.weight_decay for c in cfgs] + [c.momentum for c in self._bank_cfg_list] + \
+            [c.beta2 for c in self._bank_cfg_list]
+        try:
+            if np.isfinite(np.asarray(vals, dtype=np.float64)).all():
+                return
+        except (TypeError, ValueError):
+            pass
         for label, cfg in self.param_cfgs.items():
             vals = dict(lr=cfg.lr, lr_mul=cfg.lr_mul, wd_mul=cfg.wd_mul, weight_decay=cfg.weight_decay)
             if cfg.optim == "anvil":
@@ -317,10 +376,11 @@ class AnvilAndAdam:
             if bad:
                 raise ValueError(f"{label}: hyper-parameters must be finite numbers, got {bad}")
 
-    def _active_adam(self, do_adam: bool) -> list[str]:
+    def _active_adam(self, do_adam: bool, read: Sequence[str]) -> list[str]:
         if not do_adam:
             return []
-        return [l for l in self.adam_labels if self.params[l].grad is not None
+        read = set(read)
+        return [l for l in self.adam_labels if l in read
                 and not (l == EMBED_LABEL and self.tied and not self.split_embed)]
 
     def _bank_fields(self) -> tuple[list, list]:
@@ -337,8 +397,8 @@ class AnvilAndAdam:
         counts advance here) in one host-to-device copy."""
         table = None
         if active_adam:
-            table = np.array([adam_row(lr=0, beta1=0, beta2=0, eps=1, weight_decay=0, wd_mul=0, step=1,
-                                       active=False)] * len(self.adam_labels))
+            table = self._adam_host_table
+            table[:] = self._inactive_row
             for label in active_adam:
                 cfg, st = self.param_cfgs[label], self.param_states[label]
                 st["step"] += 1
@@ -356,7 +416,7 @@ class AnvilAndAdam:
             out += [l for l in self.adam_labels if self.params[l].grad is not None]
         return out
 
-    def _validate(self, do_adam: bool, deferred: frozenset[str]) -> None:
+    def _validate(self, grads: Mapping[str, Tensor], deferred: frozenset[str]) -> None:
         for label in deferred:
             if label not in self.params:
                 raise ConfigError(f"deferred_labels: unknown label {label!r}")
@@ -366,9 +426,11 @@ class AnvilAndAdam:
         check_graphs = getattr(self.bank_update, "check_all", None)
         if check_graphs is not None:  # CUDA graphs: every baked address still live, before any write
             check_graphs()
-        read = self._grads_read(do_adam)
-        for label in read:
-            p, g = self.params[label], self.params[label].grad
+        buffers = self._grad_buffers or {}
+        for label, g in grads.items():
+            if buffers.get(label) is g:
+                continue  # a persistent buffer: shape, dtype and device are right by construction
+            p = self.params[label]
             if tuple(g.shape) != tuple(p.shape):
                 raise ValueError(f"{label}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
             if g.device != p.device:
@@ -378,34 +440,31 @@ class AnvilAndAdam:
             if g.is_sparse:
                 raise ValueError(f"{label}: sparse gradients are not supported (route them through a SparseUpdate)")
         if self.check_finite:
-            flags = torch.zeros(len(self.labels), dtype=torch.float32, device=self.device)
-            if read:
-                idx = torch.tensor([self.labels.index(l) for l in read], device=self.device)
-                bad = torch.stack([(~torch.isfinite(self.params[l].grad)).any() for l in read]).float()
-                flags.index_copy_(0, idx, bad)
-            self.comms.all_reduce_sum_now(flags)  # every rank refuses together
-            hit = flags.nonzero().flatten().tolist()
+            hit = self.nonfinite_labels(grads)
             if hit:
-                names = [f"{self.labels[i]} ({self.names[self.labels[i]]})" for i in hit]
+                names = [f"{l} ({self.names[l]})" for l in hit]
                 raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}"
                                              f"{'' if self.world_size == 1 else ' on at least one rank'}; "
                                              "nothing was updated")
 
     # ------------------------------------------------------------------ comms
-    def _launch_reduce(self, label: str, grad: Tensor) -> None:
+    def _launch_reduce(self, label: str, grad: Tensor) -> tuple[Handle, Tensor]:
         cfg = self.param_cfgs[label]
         if cfg.optim == "anvil":
             bank = self.banks[label]
+            if grad.data_ptr() == bank.grad.data_ptr() and self.world_size == 1:
+                return DONE, bank.grad  # the persistent buffer is the bank's own
             src = grad.contiguous().view(cfg.reshape)
             if src.dtype != bank.grad.dtype:  # fp32 banks: the gradient travels in bf16, as the seed's
                 src = src.to(bank.grad.dtype)
-            self._pending[label] = (self.comms.reduce_scatter_avg(bank.grad, src), bank.grad)
-        elif self.world_size == 1:
-            self._pending[label] = (DONE, grad.contiguous())
-        else:
-            g = grad.contiguous()
-            chunk = torch.empty_like(g[:cfg.chunk_size])
-            self._pending[label] = (self.comms.reduce_scatter_avg(chunk, g), chunk)
+            return self.comms.reduce_scatter_avg(bank.grad, src), bank.grad
+        if self.world_size == 1:
+            return DONE, grad.contiguous()
+        chunk = self._adam_chunks.get(label)
+        if chunk is None:  # allocated once: a captured step bakes its address
+            chunk = self._adam_chunks[label] = torch.empty((cfg.chunk_size, *grad.shape[1:]), dtype=grad.dtype,
+                                                           device=self.device)
+        return self.comms.reduce_scatter_avg(chunk, grad.contiguous()), chunk
 
     def _launch_gather(self, label: str) -> Handle:
         cfg, p = self.param_cfgs[label], self.params[label]
@@ -418,13 +477,13 @@ class AnvilAndAdam:
         p_slice = self._param_shard(label) if self.param_cfgs[label].comms == "sharded" else self.params[label].data
         adam_update_(p_slice, grad_chunk, st["exp_avg"], st["exp_avg_sq"], self.adam_table, self.adam_row[label])
 
-    def _anvil_update(self, label: str, grad_chunk: Tensor) -> None:
+    def _anvil_update(self, label: str, grad_chunk: Tensor, bank_update: Callable) -> None:
         bank = self.banks[label]
         assert grad_chunk is bank.grad
         fp32_slice = self._fp32_bank_slices.get(label)
         if fp32_slice is not None:
             split_fp32_(self._param_shard(label), fp32_slice, bank.mantissa)
-        self.bank_update(bank)
+        bank_update(bank)
         if fp32_slice is not None:
             join_fp32_(fp32_slice, bank.mantissa, self._param_shard(label))
 
@@ -455,37 +514,68 @@ class AnvilAndAdam:
     @torch.no_grad()
     def step(self, do_adam: bool = True, sparse_update: SparseUpdate | None = None,
              deferred_labels: Iterable[str] = frozenset()) -> dict[str, Handle]:
-        """One step (module docstring). Returns label -> gather handle for each deferred label that
-        gathered; wait each before the first read of that parameter's full replica."""
+        """One step (module docstring) from the parameters' ``.grad``. Returns label -> gather handle
+        for each deferred label that gathered; wait each before the first read of that parameter's
+        full replica."""
         deferred = frozenset(deferred_labels)
-        self._validate(do_adam, deferred)
-        tied_now = self.tied and not self.split_embed
-        lm, embed = self.params.get(LM_HEAD_LABEL), self.params.get(EMBED_LABEL)
-        active = self._active_adam(do_adam)
-        active_set = set(active)
+        grads = {l: self.params[l].grad for l in self._grads_read(do_adam)}
+        plan = self.prepare(grads, do_adam, deferred=deferred)
+        handles = self.body(plan, grads, sparse_update=sparse_update, deferred=deferred)
+        for label, cfg in self.param_cfgs.items():
+            if cfg.optim == "adam" and not do_adam:
+                continue  # kept: the next backward accumulates into it
+            self.params[label].grad = None
+        return handles
 
-        # ---- phase 0: scalars (one H2D), the replicated flat all-reduce
-        self.stage_bank_scalars(active)
-        if tied_now and do_adam and lm.grad is not None and embed.grad is not None \
+    def plan_of(self, grads: Mapping[str, Tensor], do_adam: bool) -> StepPlan:
+        """The step's plan: which gradients it reads and which Adam rows it updates."""
+        read = tuple(l for l in self.labels if l in grads)
+        return StepPlan(do_adam=bool(do_adam), read=read, active_adam=tuple(self._active_adam(do_adam, read)),
+                        tied_now=self.tied and not self.split_embed)
+
+    def prepare(self, grads: Mapping[str, Tensor], do_adam: bool, *, deferred: frozenset[str] = frozenset(),
+                before_write: Callable[[StepPlan], None] | None = None) -> StepPlan:
+        """Host part of a step: check everything the step reads (``grads``: label -> the gradient
+        the device part will read), then advance the Adam step counts and upload every scalar (one
+        host-to-device copy). ``before_write(plan)`` runs after the checks and before the first
+        write (the step graph checks its baked addresses there)."""
+        self._validate(grads, deferred)
+        plan = self.plan_of(grads, do_adam)
+        if before_write is not None:
+            before_write(plan)
+        self.stage_bank_scalars(plan.active_adam)
+        return plan
+
+    def body(self, plan: StepPlan, grads: Mapping[str, Tensor], *, sparse_update: SparseUpdate | None = None,
+             deferred: frozenset[str] = frozenset(), bank_update: Callable | None = None) -> dict[str, Handle]:
+        """Device part of a step (phases 0-3 of the module docstring after the scalar upload): every
+        launch for ``plan``, reading gradients only from ``grads`` (labels ``plan.read``). Nothing
+        here inspects ``.grad`` or branches on tensor values, so a CUDA graph of it replays the step."""
+        bank_update = self.bank_update if bank_update is None else bank_update
+        do_adam, tied_now = plan.do_adam, plan.tied_now
+        lm, embed = grads.get(LM_HEAD_LABEL), grads.get(EMBED_LABEL)
+        pending: dict[str, tuple[Handle, Tensor]] = {}
+
+        # ---- phase 0: the replicated flat all-reduce (the scalars went up in prepare())
+        if tied_now and do_adam and lm is not None and embed is not None \
                 and self.param_cfgs[LM_HEAD_LABEL].comms == "replicated":
-            transpose_add(embed.grad, lm.grad)
+            transpose_add(embed, lm)
         if do_adam and self.replicated is not None:
-            self.replicated.launch_reduce(active_set & set(self.replicated_labels))
+            self.replicated.launch_reduce(set(plan.active_adam) & self._replicated_set, grads)
 
         # ---- phase 1: reduces in scatter_order
         for label in self.scatter_order:
             if label == SPARSE_UPDATE_LABEL and sparse_update is not None:
                 sparse_update.launch()
-            cfg, p = self.param_cfgs[label], self.params[label]
-            if cfg.optim == "adam" and not do_adam:
+            cfg = self.param_cfgs[label]
+            g = grads.get(label)
+            if g is None or cfg.comms == "replicated":
                 continue
-            if p.grad is None or cfg.comms == "replicated":
-                continue
-            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:
-                transpose_add(embed.grad, p.grad)
+            if label == LM_HEAD_LABEL and tied_now and do_adam and embed is not None:
+                transpose_add(embed, g)
             if label == EMBED_LABEL and tied_now:
                 continue
-            self._launch_reduce(label, p.grad)
+            pending[label] = self._launch_reduce(label, g)
 
         # ---- phase 2: updates in work_order
         gathers: list[Handle] = []
@@ -501,14 +591,14 @@ class AnvilAndAdam:
                     self.replicated.update(self.adam_table)
                     replicated_done = True
                 continue
-            if label not in self._pending:
+            if label not in pending:
                 continue
-            handle, grad_chunk = self._pending.pop(label)
+            handle, grad_chunk = pending.pop(label)
             handle.wait()
             if cfg.optim == "adam":
                 self._adam_update(label, grad_chunk)
             else:
-                self._anvil_update(label, grad_chunk)
+                self._anvil_update(label, grad_chunk, bank_update)
             g = self._launch_gather(label)
             if label in deferred:
                 deferred_handles[label] = g
@@ -521,18 +611,90 @@ class AnvilAndAdam:
         if lm_gather is not None:
             lm_gather.wait()
         if do_adam and tied_now:
-            transpose_copy(lm.data, embed.data)
+            transpose_copy(self.params[LM_HEAD_LABEL].data, self.params[EMBED_LABEL].data)
         if sparse_update is not None:
             sparse_update.finish()
         for g in gathers:
             g.wait()
-        self._pending.clear()
-
-        for label, cfg in self.param_cfgs.items():
-            if cfg.optim == "adam" and not do_adam:
-                continue  # kept: the next backward accumulates into it
-            self.params[label].grad = None
         return deferred_handles
+
+    # ------------------------------------------------------------------ persistent gradient buffers
+    def grad_buffers(self) -> dict[str, Tensor]:
+        """label -> the persistent buffer :meth:`step_from_buffers` reads that label's gradient
+        from (allocated on the first call, then the same tensors for the optimizer's life). Each has
+        the parameter's shape; copy the gradient in with ``copy_`` (or one ``torch._foreach_copy_``
+        per dtype pair). A bank's buffer is bf16 whatever the parameter's dtype (the gradient
+        travels in bf16, as the seed's), so the copy is also the cast; on one process it *is* the
+        bank's own gradient buffer, so that copy is the only pass over the gradient. A replicated
+        Adam parameter's buffer is its slice of the flat all-reduce buffer."""
+        if self._grad_buffers is None:
+            out = {}
+            flat = self.replicated.grad_views() if self.replicated is not None else {}
+            for label in self.labels:
+                cfg, p = self.param_cfgs[label], self.params[label]
+                if cfg.optim == "anvil":
+                    bank = self.banks[label]
+                    out[label] = bank.grad.view(p.shape) if self.world_size == 1 else \
+                        torch.zeros(p.shape, dtype=bank.grad.dtype, device=self.device)
+                elif cfg.comms == "replicated":
+                    out[label] = flat[label]
+                else:
+                    out[label] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            self._grad_buffers = out
+        return dict(self._grad_buffers)
+
+    @torch.no_grad()
+    def step_from_buffers(self, labels: Iterable[str] | None = None, do_adam: bool = True) -> dict[str, Handle]:
+        """One step reading the gradients of ``labels`` (None: every label) from
+        :meth:`grad_buffers`; the other parameters and their state are not touched (an Adam one's
+        step count does not advance). ``.grad`` is neither read nor written. Uses the whole-step
+        CUDA graph when :meth:`capture_step` installed one. Returns the deferred gather handles
+        (none: deferred gathers and sparse updates go through :meth:`step`)."""
+        bufs = self.grad_buffers()
+        wanted = self.labels if labels is None else list(labels)
+        unknown = [l for l in wanted if l not in self.params]
+        if unknown:
+            raise ConfigError(f"step_from_buffers: unknown labels {unknown}")
+        wanted_set = set(wanted)
+        grads = {l: bufs[l] for l in self.labels if l in wanted_set
+                 and (do_adam or self.param_cfgs[l].optim == "anvil")}
+        if self.step_graph is not None:
+            return self.step_graph.step(grads, do_adam)
+        plan = self.prepare(grads, do_adam)
+        return self.body(plan, grads)
+
+    def capture_step(self, **kwargs) -> Any:
+        """Replay :meth:`step_from_buffers`' device part as one CUDA graph per plan from now on
+        (returns the :class:`~anvil_fast.graphs.StepGraph`; raises ``GraphUnsupported`` with the
+        reason where capture is not valid)."""
+        from .graphs import StepGraph
+
+        self.step_graph = StepGraph(self, **kwargs)
+        return self.step_graph
+
+    @torch.no_grad()
+    def nonfinite_labels(self, grads: Mapping[str, Tensor]) -> list[str]:
+        """The labels of ``grads`` holding NaN or infinity on this rank or any other (one host
+        sync; every rank gets the same answer). One ``_foreach_norm`` per dtype: an L1 norm is
+        non-finite exactly when an element is NaN or infinite, or when the absolute sum overflows
+        float32 (past 3.4e38), which a gradient whose squares and Frobenius norm must stay finite
+        cannot use either; so a handful of launches whatever the number of parameters."""
+        read = [l for l in self.labels if l in grads]
+        if not read and self.world_size == 1:
+            return []
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for l in read:
+            by_dtype.setdefault(grads[l].dtype, []).append(l)
+        order = [l for ls in by_dtype.values() for l in ls]
+        norms = [n for ls in by_dtype.values() for n in torch._foreach_norm([grads[l] for l in ls], 1)]
+        bad = torch.stack([n.float() for n in norms]).isfinite().logical_not_().float() if norms else None
+        if self.world_size == 1:
+            return sorted((l for l, b in zip(order, bad.tolist()) if b), key=self._label_index.__getitem__)
+        flags = torch.zeros(len(self.labels), dtype=torch.float32, device=self.device)
+        if bad is not None:
+            flags.index_copy_(0, torch.tensor([self._label_index[l] for l in order], device=self.device), bad)
+        self.comms.all_reduce_sum_now(flags)  # every rank refuses together
+        return [self.labels[i] for i in flags.nonzero().flatten().tolist()]
 
     # ------------------------------------------------------------------ untie, reset
     @torch.no_grad()
@@ -638,5 +800,5 @@ class AnvilAndAdam:
             p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype).clone()
 
 
-__all__ = ["AnvilAndAdam", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError",
+__all__ = ["AnvilAndAdam", "StepPlan", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError",
            "split_fp32_", "join_fp32_"]

@@ -99,17 +99,32 @@ class ReplicatedAdam:
                         raise RuntimeError(f"{label}: its {name} no longer lives in ReplicatedAdam's flat "
                                            "buffer (it was rebound; load state with copy_, never by assignment)")
 
+    def grad_views(self) -> dict[str, Tensor]:
+        """label -> the member's slice of its flat gradient buffer, in the parameter's shape (a
+        gradient copied there needs no further copy before the all-reduce)."""
+        return {label: g.grad[span].view(p.shape)
+                for g in self.groups for label, p, span in zip(g.labels, g.params, g.spans)}
+
     @torch.no_grad()
-    def launch_reduce(self, active: set[str]) -> None:
-        """Copy the active members' gradients into the flat buffers and start one all-reduce per dtype."""
+    def launch_reduce(self, active: set[str], grads=None) -> None:
+        """Copy the active members' gradients (``grads``: label -> tensor; None: each ``.grad``)
+        into the flat buffers, one ``_foreach_copy_`` per dtype, skipping any that already lie
+        there (:meth:`grad_views`), and start one all-reduce per dtype."""
         if self._handles:
             raise RuntimeError("ReplicatedAdam.launch_reduce called twice without update()")
         self.active = set(active)
         for g in self.groups:
-            live = [(g.grad[span].view(p.shape), p.grad) for label, p, span in zip(g.labels, g.params, g.spans)
-                    if label in self.active]
-            if live:
-                torch._foreach_copy_([d for d, _ in live], [s for _, s in live])
+            dst, src = [], []
+            for label, p, span in zip(g.labels, g.params, g.spans):
+                if label not in self.active:
+                    continue
+                s = p.grad if grads is None else grads[label]
+                d = g.grad[span]
+                if s.data_ptr() != d.data_ptr():
+                    dst.append(d.view(p.shape))
+                    src.append(s)
+            if dst:
+                torch._foreach_copy_(dst, src)
             self._handles.append(self.comms.all_reduce_avg(g.grad))
 
     @torch.no_grad()

@@ -197,7 +197,36 @@ def _session(rank: int, world: int, device: str, compile_banks: bool) -> dict:
 
     # ---- 7. the drop-in on two ranks
     res["dropin_digests"], res["dropin_layout"] = _dropin(rank, device)
+
+    # ---- 8. the step from persistent buffers (captured in CUDA graphs on NCCL) equals the step
+    #         from .grad, bit for bit, with each rank's own gradients, a plan change and Adam-free steps
+    res["buffers_equal"] = _buffers_session(rank, device, compile_banks)
     return res
+
+
+def _buffers_session(rank, device, compile_banks) -> dict[str, bool]:
+    eager, buffered = _opt(None, device, compile_banks), _opt(None, device, compile_banks)
+    if device.startswith("cuda"):
+        buffered.capture_step()
+    bufs = buffered.grad_buffers()
+    for t in range(5):
+        do_adam = t % 2 == 0
+        for opt in (eager, buffered):
+            C.set_hyper(opt, t)
+        C.accumulate(eager.params, {l: g for l, g in C.gradients(t, rank=rank, device=device).items()
+                                    if l in C.DENSE and not (t >= 3 and l in ("gates", "vo_bank"))})
+        read = [l for l in eager.labels if eager.params[l].grad is not None
+                and (do_adam or eager.param_cfgs[l].optim == "anvil")]
+        for l in read:
+            bufs[l].copy_(eager.params[l].grad)
+        eager.step(do_adam=do_adam)
+        buffered.step_from_buffers(read, do_adam=do_adam)
+    out = {f"param.{l}": torch.equal(eager.params[l].data, buffered.params[l].data) for l in eager.labels}
+    for l, st in eager.param_states.items():
+        for k, v in st.items():
+            w = buffered.param_states[l][k]
+            out[f"{l}.{k}"] = torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+    return out
 
 
 def _dropin(rank, device):
@@ -251,6 +280,8 @@ def _check(res: list[dict], bitwise: bool = True) -> None:
         assert "non-finite gradient" in out["nonfinite"] and "vo_bank" in out["nonfinite"], out["nonfinite"]
         assert out["nonfinite_unchanged"]
     assert len(set(res[0]["dropin_digests"])) == 1
+    for out in res:
+        assert all(out["buffers_equal"].values()), {k: v for k, v in out["buffers_equal"].items() if not v}
     layout = res[0]["dropin_layout"]
     assert list(layout["banks"].values()) == [["1.weight", "3.weight", "5.weight"]]
     assert next(iter(layout["reshape"].values())) == (4, 16, 16)  # padded to a multiple of 2 ranks

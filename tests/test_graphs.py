@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast.graphs import BankUpdateGraphs, StaleGraphError, baked_addresses, check_addresses
+from anvil_fast.graphs import (BankUpdateGraphs, GraphUnsupported, StaleGraphError, baked_addresses,
+                               capture_unsupported_reason, check_addresses, step_tensors)
+from anvil_ref.config import ConfigError
 from anvil_fast.optimizer import AnvilAndAdam
 from tests import optimizer_cases as C
 
@@ -68,3 +70,273 @@ def test_replays_equal_eager_updates_bitwise():
     C.accumulate(graphed.params, {l: g for l, g in C.gradients(9, device="cuda").items() if l in C.DENSE})
     with pytest.raises(StaleGraphError, match="qk_bank"):
         graphed.step(do_adam=False)
+
+
+# ------------------------------------------------------------------ the step from persistent buffers
+# A schedule with plan changes (vo_bank has no gradient at step 2, gates none at steps 1-2, so none
+# on the Adam step 2; lm_head none at steps 3-4) and Adam-free steps (1 and 3; the Adam gradients
+# of those steps are kept and accumulate as backward() would).
+SCHEDULE = [(True, set()), (False, {"gates"}), (True, {"vo_bank", "gates"}), (False, {"lm_head"}),
+            (True, {"lm_head"})]
+
+
+def _fp32_banks(params):
+    """The same model with its banks as float32 masters (the drop-in's layout for fp32 models)."""
+    for _, p in params:
+        if p.label in C.RESHAPES:
+            p.data = p.data.float()
+    return params
+
+
+def _twins(device, fp32_banks):
+    import functools
+
+    from anvil_fast.bank import anvil_bank_update
+
+    def make():
+        params = C.make_params(0, device=device)
+        if fp32_banks:
+            params = _fp32_banks(params)
+        return AnvilAndAdam(params, C.TABLE, C.SCATTER, C.WORK, bank_config="faithful", allow_fp32_banks=fp32_banks,
+                            bank_update=functools.partial(anvil_bank_update, compile=False))
+    return make(), make()
+
+
+def _run_schedule(eager, buffered, device, *, steps=SCHEDULE, graphed=False):
+    bufs = buffered.grad_buffers()
+    for t, (do_adam, dropped) in enumerate(steps):
+        for opt in (eager, buffered):
+            C.set_hyper(opt, t)
+        C.accumulate(eager.params, {l: g for l, g in C.gradients(t, device=device).items()
+                                    if l in C.DENSE and l not in dropped})
+        read = [l for l in eager.labels if eager.params[l].grad is not None
+                and (do_adam or eager.param_cfgs[l].optim == "anvil")]
+        for l in read:  # what the eager step reads, copied (with the bank cast) into the buffers
+            bufs[l].copy_(eager.params[l].grad)
+        eager.step(do_adam=do_adam)
+        buffered.step_from_buffers(read, do_adam=do_adam)
+        _assert_same_state(eager, buffered, f"step {t}")
+        assert all(p.grad is None for p in buffered.params.values()), "step_from_buffers never writes .grad"
+
+
+def _assert_same_state(a, b, where):
+    for l in a.labels:
+        assert torch.equal(a.params[l].data.view(torch.int16 if a.params[l].element_size() == 2 else torch.int32),
+                           b.params[l].data.view(torch.int16 if b.params[l].element_size() == 2 else torch.int32)), \
+            f"{where}: {l}"
+        for k, v in a.param_states[l].items():
+            w = b.param_states[l][k]
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, w) or (v.dtype.is_floating_point and torch.equal(v.view(torch.int32), w.view(torch.int32))), \
+                    f"{where}: {l}.{k}"
+            else:
+                assert v == w, f"{where}: {l}.{k} {v} != {w}"
+
+
+@pytest.mark.parametrize("fp32_banks", [False, True], ids=["bf16_banks", "fp32_banks"])
+def test_step_from_buffers_equals_step_bitwise(fp32_banks):
+    eager, buffered = _twins("cpu", fp32_banks)
+    _run_schedule(eager, buffered, "cpu")
+    # the schedule really exercised what it claims: Adam steps without some gradients
+    assert eager.param_states["scalars"]["step"] == 3
+    assert eager.param_states["gates"]["step"] == 2 and eager.param_states["lm_head"]["step"] == 2
+
+
+def test_grad_buffers_are_persistent_and_bank_buffers_are_the_banks_own():
+    opt, _ = _twins("cpu", True)
+    a, b = opt.grad_buffers(), opt.grad_buffers()
+    assert set(a) == set(opt.labels) and all(a[l] is b[l] for l in a)
+    for l in opt.bank_labels:  # one process: the copy into the buffer is the only pass (and the cast)
+        assert a[l].dtype == torch.bfloat16 and a[l].data_ptr() == opt.banks[l].grad.data_ptr()
+        assert tuple(a[l].shape) == tuple(opt.params[l].shape)
+    flat = {g.dtype: g.grad for g in opt.replicated.groups}
+    for l in opt.replicated_labels:
+        g = flat[opt.params[l].dtype]
+        assert g.data_ptr() <= a[l].data_ptr() < g.data_ptr() + g.numel() * g.element_size()
+
+
+def test_step_from_buffers_refuses_unknown_labels():
+    opt, _ = _twins("cpu", False)
+    with pytest.raises(ConfigError, match="unknown labels \\['nope'\\]"):
+        opt.step_from_buffers(["qk_bank", "nope"])
+
+
+def test_step_capture_needs_cuda_with_reason():
+    opt, _ = _twins("cpu", False)
+    with pytest.raises(GraphUnsupported, match="CUDA graphs need the optimizer's tensors on a CUDA device, got cpu"):
+        opt.capture_step()
+    assert capture_unsupported_reason(opt) is not None
+
+
+def test_capture_refuses_gloo():
+    opt, _ = _twins("cpu", False)
+    opt.device, opt.world_size = torch.device("cuda", 0), 2  # what capture_unsupported_reason reads
+
+    class Gloo:
+        backend = "gloo"
+    opt.comms = Gloo()
+    assert "'gloo'" in capture_unsupported_reason(opt) and "NCCL" in capture_unsupported_reason(opt)
+
+
+def test_step_tensors_cover_everything_a_step_writes():
+    """Saving and restoring step_tensors() must undo a step: run one, restore, compare."""
+    opt, twin = _twins("cpu", True)
+    bufs = opt.grad_buffers()
+    twin.grad_buffers()
+    saved = {k: t.clone() for k, t in step_tensors(opt).items()}
+    C.set_hyper(opt, 0)
+    for l, g in C.gradients(0).items():
+        if l in C.DENSE:
+            bufs[l].copy_(g)
+    steps = {l: st.get("step") for l, st in opt.param_states.items()}
+    opt.step_from_buffers([l for l in opt.labels if l in C.DENSE])
+    for k, t in step_tensors(opt).items():
+        t.copy_(saved[k])
+    for l, s in steps.items():  # host state is the caller's business (StepGraph never runs prepare twice)
+        if s is not None:
+            opt.param_states[l]["step"] = s
+    _assert_same_state(twin, opt, "restored")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp32_banks", [False, True], ids=["bf16_banks", "fp32_banks"])
+def test_step_graph_replays_equal_eager_steps_bitwise(fp32_banks):
+    eager, graphed = _twins("cuda", fp32_banks)
+    sg = graphed.capture_step()
+    # changing lr/momentum/rails every step (through the pinned scalar buffer), a plan change and
+    # Adam-free steps; then the first plan again (replayed, not recaptured)
+    steps = SCHEDULE + [(True, set()), (False, set())]
+    _run_schedule(eager, graphed, "cuda", steps=steps)
+    n_plans = len({(d, frozenset(x)) for d, x in steps})
+    assert sg.captures == n_plans and sg.replays == len(steps) and sg.eager_steps == 0
+    # the equalizer's decay is baked into the kernels: a change is a new capture, not a stale replay
+    for opt in (eager, graphed):
+        for bank in opt.banks.values():
+            bank.beta2 = 0.8
+    _run_schedule(eager, graphed, "cuda", steps=[(True, set())])
+    assert sg.captures == n_plans + 1
+    # a rebound parameter stops the replay before anything is written
+    bufs = graphed.grad_buffers()
+    before = graphed.param_states["qk_bank"]["velocity"].clone()
+    graphed.params["qk_bank"].data = graphed.params["qk_bank"].data.clone()
+    with pytest.raises(StaleGraphError, match="param.qk_bank"):
+        graphed.step_from_buffers([l for l in graphed.labels if l in C.DENSE])
+    assert torch.equal(graphed.param_states["qk_bank"]["velocity"], before)
+    assert graphed.param_states["scalars"]["step"] == eager.param_states["scalars"]["step"]
+    del bufs
+
+
+@pytest.mark.gpu
+def test_step_graph_falls_back_to_eager_past_max_plans():
+    eager, graphed = _twins("cuda", False)
+    sg = graphed.capture_step(max_plans=1)
+    _run_schedule(eager, graphed, "cuda")
+    # only step 0's plan (Adam, every gradient) was captured; the four other plans ran eagerly
+    assert sg.captures == 1 and sg.replays == 1 and sg.eager_steps == 4
+
+
+def test_step_graph_address_check_names_rebound_tensors():
+    """The StepGraph's check before replay, without a GPU: bookkeeping of a captured plan."""
+    from anvil_fast.graphs import StepGraph, step_addresses
+
+    opt, _ = _twins("cpu", True)
+    opt.grad_buffers()
+    plan = opt.plan_of({l: opt.grad_buffers()[l] for l in opt.labels}, True)
+    sg = StepGraph.__new__(StepGraph)  # what __init__ + a capture record (capture itself needs CUDA)
+    sg.opt, sg.baked, sg._signatures = opt, {plan: step_addresses(opt)}, {}
+    sg._signatures[plan] = sg._signature()
+    sg.check_plan(plan)
+    opt.load_state_dict(opt.state_dict())  # in place: nothing rebound
+    sg.check_plan(plan)
+    sg.check_plan("a key never captured")  # nothing baked, nothing to check
+    opt.params["gates"].data = opt.params["gates"].data.clone()  # leaves the flat buffer
+    with pytest.raises(StaleGraphError, match="param.gates"):
+        sg.check_plan(plan)
+    opt.params["gates"].data = opt.replicated.groups[1].param[opt.replicated.groups[1].spans[0]].view(3, 4)
+    sg.check_plan(plan)
+    opt.param_states["mlp_bank"]["velocity"] = opt.param_states["mlp_bank"]["velocity"].clone()
+    with pytest.raises(StaleGraphError, match="state.mlp_bank.velocity"):
+        sg.check_plan(plan)
+
+
+def test_fp32_split_join_are_the_bit_halves():
+    """split_fp32_/join_fp32_ against anvil_fast.update's shift-and-mask definition, on bit
+    patterns covering signs, zeros, subnormals, infinities and NaN payloads."""
+    from anvil_fast.optimizer import join_fp32_, split_fp32_
+    from anvil_fast.update import join_master, split_master
+
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 7, 5), generator=g, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0, -2 ** 31, 1, 0x7F800000, -8388608, 0x7FC00001, 0x0000FFFF, -1, 0x7F7FFFFF],
+                           dtype=torch.int32)
+    raw.view(-1)[:special.numel()] = special
+    master = raw.view(torch.float32)
+    hi = torch.empty(master.shape, dtype=torch.bfloat16)
+    lo = torch.empty(master.shape, dtype=torch.uint16)
+    split_fp32_(master, hi, lo)
+    want_hi, want_lo = split_master(master)
+    assert torch.equal(hi.view(torch.int16), want_hi) and torch.equal(lo.view(torch.int16), want_lo)
+    back = torch.empty_like(master)
+    join_fp32_(hi, lo, back)
+    assert torch.equal(back.view(torch.int32), raw)
+    assert torch.equal(join_master(want_hi, want_lo).view(torch.int32), raw)
+
+
+def test_nonfinite_labels_on_buffers():
+    """NaN, +inf and -inf anywhere in a gradient are found, in bf16 bank buffers and fp32/bf16 Adam
+    buffers alike; finite gradients (including the largest finite values, alone) are not."""
+    opt, _ = _twins("cpu", True)
+    bufs = opt.grad_buffers()
+    for l, g in C.gradients(0).items():
+        bufs[l].copy_(g)
+    grads = {l: bufs[l] for l in opt.labels}
+    assert opt.nonfinite_labels(grads) == []
+    bufs["gates"].view(-1)[0] = torch.finfo(torch.bfloat16).max
+    bufs["scalars"].view(-1)[-1] = -torch.finfo(torch.float32).max
+    assert opt.nonfinite_labels(grads) == []
+    bufs["mlp_bank"].view(-1)[17] = float("nan")
+    bufs["gates"].view(-1)[5] = float("-inf")
+    bufs["lm_head"].view(-1)[-1] = float("inf")
+    assert opt.nonfinite_labels(grads) == ["mlp_bank", "gates", "lm_head"]
+    assert opt.nonfinite_labels({l: grads[l] for l in ("qk_bank", "gates")}) == ["gates"]
+    assert opt.nonfinite_labels({}) == []
+
+
+@pytest.mark.gpu
+def test_failed_capture_restores_state_and_steps_eagerly():
+    eager, graphed = _twins("cuda", True)
+    real = graphed.bank_update
+
+    def syncing(bank):  # a host read inside the update: not capturable
+        float(bank.grad.float().sum())
+        real(bank)
+    graphed.bank_update = syncing
+    sg = graphed.capture_step(strict=False)
+    with pytest.warns(RuntimeWarning, match="capturing the step failed"):
+        _run_schedule(eager, graphed, "cuda")
+    assert sg.captures == 0 and sg.eager_steps == len(SCHEDULE) and "failed" in sg.off_reason
+
+
+def test_dropin_refuses_a_broadcastable_gradient_before_writing():
+    """The drop-in copies gradients into the persistent buffers with copy_, which would broadcast a
+    [1, n] gradient over an [m, n] parameter: it is refused, naming the parameter, nothing written."""
+    from anvil_fast.dropin import ANVIL
+    from anvil_fast.gpt import GPTConfig, build
+
+    m = build(GPTConfig(n_layer=1, n_embd=16, n_head=2, ctx=8), seed=0)
+    opt = ANVIL(m, bank_config="faithful", compile=False)
+    g = torch.Generator().manual_seed(3)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    for bad_name, bad in (("wte.weight", torch.ones(1, 16)), ("blocks.0.mlp.fc.weight", torch.ones(1, 16)),
+                          ("ln_f.weight", torch.ones(16, dtype=torch.float64))):
+        p = dict(m.named_parameters())[bad_name]
+        good = p.grad.data
+        p.grad.data = bad  # torch refuses p.grad = bad; .grad.data slips through
+        with pytest.raises(ValueError, match=f"{bad_name}: gradient .* does not match"):
+            opt.step()
+        p.grad.data = good
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
+    opt.step()
+    assert not torch.equal(before["blocks.0.mlp.fc.weight"], m.blocks[0].mlp.fc.weight)

@@ -1,0 +1,287 @@
+"""``python -m anvil_fast.bench dropin``: the optimizer step of the drop-in ``anvil_fast.ANVIL`` on the
+package's GPT (:func:`anvil_fast.gpt.build`, fp32 parameters), side by side in one run with
+``torch.optim.Muon`` (the blocks' 2-D weights, the matrices ANVIL banks) + fused ``torch.optim.AdamW``
+(the rest) and with fused AdamW alone.
+
+Method: every variant gets a fresh model of the same seed and the same seeded random gradients,
+set once; after ``--warmup`` steps (compilation, autotuning, graph capture), ``opt.step()`` alone
+is timed step by step with CUDA events until ``--rep-ms`` of steps have run; the table shows the
+median (and the median host time of one call, which exceeds the device time when the step is
+launch-bound). The floor is the bytes the step must move at the copy bandwidth measured in the same
+run plus the cascade's executed FLOPs at the measured bf16 peak (:func:`anvil_fast.bench.measure_peaks`,
+:func:`anvil_fast.bench.flops`): per bank element 6 B of gradient copy and cast (fp32 read, bf16
+write), the bank update's element-wise bytes (:data:`anvil_fast.bench.ELEMENTWISE_BYTES`) and 16 B
+to split the fp32 master into its bf16 and mantissa halves and join it back; per Adam element 8 B
+of gradient copy and 28 B of Adam. The phase table times each phase of the default ANVIL step
+alone (eagerly, and captured in a CUDA graph where it can be), with its share of their sum.
+
+``--device cpu`` runs a tiny model with every variant that exists on CPU, quickly, so a test can run
+the command end to end; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .gpt import GPTConfig
+
+VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "muon_adamw", "adamw")
+VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cuda_graphs=True",
+                 "anvil_eager": "ANVIL, cuda_graphs=False", "muon_adamw": "torch Muon + fused AdamW",
+                 "adamw": "fused AdamW alone"}
+#: The CPU smoke mode's model: one block, width unequal to the context length.
+SMOKE = GPTConfig(n_layer=1, n_embd=32, n_head=2, ctx=16)
+GRAD_SCALE = 1e-3
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--sizes", default=None, help="comma-separated GPT sizes (default small,medium; cpu: smoke)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--rep-ms", type=float, default=None, help="timed steps per variant, in ms (default 500; cpu 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; cpu 1)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--no-phases", action="store_true", help="skip the phase table")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step of each ANVIL variant (torch.profiler: ops, launches, host time)")
+
+
+def _model(size: str, device):
+    from .gpt import build
+
+    return build(SMOKE if size == "smoke" else size, seed=0, device=device)
+
+
+def _set_grads(model, device, seed: int = 1) -> None:
+    g = torch.Generator(device=device).manual_seed(seed)
+    for p in model.parameters():
+        p.grad = GRAD_SCALE * torch.randn(p.shape, device=device, generator=g, dtype=p.dtype)
+
+
+def _hidden(name: str, p) -> bool:
+    return p.ndim == 2 and name.startswith("blocks.")
+
+
+def make_variant(name: str, model, device) -> Callable[[], object]:
+    """The variant's optimizer over ``model``; returns its ``step``."""
+    fused = dict(fused=True) if device.type == "cuda" else {}
+    if name.startswith("anvil"):
+        from .dropin import ANVIL
+
+        kw = {"anvil_graphs": dict(cuda_graphs=True), "anvil_eager": dict(cuda_graphs=False)}.get(name, {})
+        return ANVIL(model, **kw)
+    if name == "muon_adamw":
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"torch.optim.Muon needs torch >= 2.9, this is {torch.__version__}")
+        named = list(model.named_parameters())
+        muon = torch.optim.Muon([p for n, p in named if _hidden(n, p)], lr=0.02, weight_decay=0.0)
+        adamw = torch.optim.AdamW([p for n, p in named if not _hidden(n, p)], lr=0.008, betas=(0.9, 0.95),
+                                  eps=1e-10, weight_decay=0.0, **fused)
+
+        class Both:
+            def step(self):
+                muon.step()
+                adamw.step()
+        return Both()
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.008, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0,
+                                 **fused)
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min_calls: int = 5
+            ) -> tuple[float, float, int]:
+    """(median device ms per call from CUDA events (CPU: wall ms), median host ms per call, calls)."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    host, pairs = [], []
+    t_end = time.perf_counter() + rep_ms / 1e3
+    while len(host) < min_calls or (time.perf_counter() < t_end and len(host) < 10000):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            b.record()
+            pairs.append((a, b))
+    if cuda:
+        torch.cuda.synchronize()
+        dev = [a.elapsed_time(b) for a, b in pairs]
+    else:
+        dev = host
+    return statistics.median(dev), statistics.median(host), len(host)
+
+
+def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
+    """(memory ms, matmul ms) of one default ANVIL step (module docstring)."""
+    from .bench import ELEMENTWISE_BYTES, flops
+
+    inner = opt.inner
+    fl, nbytes = 0.0, 0.0
+    for label in inner.bank_labels:
+        chunk = tuple(inner.banks[label].p_slice.shape)
+        fl += flops(chunk)[1]
+        nbytes += (6 + ELEMENTWISE_BYTES + 16) * math.prod(chunk)
+    for label in inner.adam_labels:
+        nbytes += (8 + 28) * inner.param_states[label]["exp_avg"].numel()
+    return nbytes / (gbs * 1e6), fl / (tflops * 1e9)
+
+
+def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> list[tuple[str, float, float | None]]:
+    """(phase, eager ms, graphed ms or None) for each phase of the default ANVIL step."""
+    inner = opt.inner
+    bufs = inner.grad_buffers()
+    labels = opt._copy_grads()
+    grads = {l: bufs[l] for l in labels}
+    active = inner._active_adam(True, labels)
+    update = inner.bank_update
+    update = getattr(update, "update", update)
+    sharded = [l for l in active if inner.param_cfgs[l].comms == "sharded"]
+    replicated = set(active) & set(inner.replicated_labels)
+
+    def banks():
+        for l in inner.bank_labels:
+            if l in grads:
+                inner._anvil_update(l, inner.banks[l].grad, update)
+
+    def adam():
+        for l in sharded:
+            inner._adam_update(l, grads[l])
+        if inner.replicated is not None:
+            inner.replicated.launch_reduce(replicated, grads)
+            inner.replicated.update(inner.adam_table)
+
+    rows = [("grad copy", opt._copy_grads, True), ("finite check", lambda: inner.nonfinite_labels(grads), False),
+            ("scalar upload", lambda: inner.stage_bank_scalars(active), False), ("bank updates", banks, True),
+            ("Adam", adam, True)]
+    out = []
+    for name, fn, graphable in rows:
+        eager = time_fn(fn, device, rep_ms=rep_ms, warmup=warmup, min_calls=min_calls)[0]
+        graphed = None
+        if graphable and device.type == "cuda":
+            from .bench import _graphed
+
+            graphed = time_fn(_graphed(fn), device, rep_ms=rep_ms, warmup=warmup)[0]
+        out.append((name, eager, graphed))
+    return out
+
+
+def profile_step(step: Callable[[], object], device, *, rows: int = 20) -> str:
+    """torch.profiler over one step: the ops by host time, and how many kernels were launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    ev = prof.key_averages()
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                     "cudaGraphLaunch", "cudaMemcpyAsync"))
+    aten = sum(e.count for e in ev if e.key.startswith("aten::"))
+    return (f"{aten} aten ops, {launches} launches/copies/graph launches\n"
+            + ev.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def format_phases(size: str, rows) -> str:
+    tot_e = sum(e for _, e, _ in rows)
+    tot_g = sum(e if g is None else g for _, e, g in rows)
+    lines = [f"phases of the default ANVIL step, {size} (each alone, median ms; graphed = captured in one CUDA graph)",
+             f"| phase | eager ms | share | graphed ms | share |", "|---|---:|---:|---:|---:|"]
+    for name, e, g in rows:
+        gg = e if g is None else g
+        lines.append(f"| {name} | {e:.3f} | {e / tot_e:.0%} | {'-' if g is None else f'{g:.3f}'} | {gg / tot_g:.0%} |")
+    lines.append(f"| sum | {tot_e:.3f} | | {tot_g:.3f} | |")
+    return "\n".join(lines)
+
+
+def run(a: argparse.Namespace) -> int:
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("anvil_fast.bench dropin: needs a CUDA device (timings come only from GPU runs); "
+              "--device cpu runs the smoke mode")
+        return 2
+    cpu = device.type == "cpu"
+    sizes = (a.sizes or ("smoke" if cpu else "small,medium")).split(",")
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"anvil_fast.bench dropin: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        return 2
+    rep_ms = a.rep_ms if a.rep_ms is not None else (20 if cpu else 500)
+    warmup = a.warmup if a.warmup is not None else (1 if cpu else 10)
+    min_calls = 2 if cpu else 5
+    if cpu:
+        tflops = gbs = None
+        print(f"CPU smoke mode (torch {torch.__version__}): times are not measurements", flush=True)
+    else:
+        from .bench import measure_peaks
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        tflops, gbs = measure_peaks()
+        print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 8192^3 matmul "
+              f"{tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s (read + write)", flush=True)
+    table = []
+    for size in sizes:
+        results, floor = {}, None
+        for v in variants:
+            model = _model(size, device)
+            _set_grads(model, device)
+            try:
+                opt = make_variant(v, model, device)
+            except Exception as e:  # a variant that cannot exist here says why and the run goes on
+                print(f"  {size} {v}: not run: {type(e).__name__}: {e}", flush=True)
+                continue
+            t0 = time.time()
+            results[v] = time_fn(opt.step, device, rep_ms=rep_ms, warmup=warmup, min_calls=min_calls)
+            print(f"  {size} {v}: {results[v][0]:.3f} ms ({results[v][2]} steps, {time.time() - t0:.1f} s)", flush=True)
+            if a.profile and v.startswith("anvil"):
+                print(f"profile of one step, {size} {v}:\n{profile_step(opt.step, device)}", flush=True)
+            if v == "anvil":
+                n = sum(p.numel() for p in model.parameters())
+                print(f"  {size}: {n / 1e6:.1f}M parameters; banks "
+                      + ", ".join(f"{l} x{len(m)}" for l, m in opt.banks.items()), flush=True)
+                if tflops is not None:
+                    floor = floor_ms(opt, tflops, gbs)
+                if not a.no_phases:
+                    try:  # the breakdown must never cost the main table
+                        print(format_phases(size, phases(opt, device, rep_ms=rep_ms, warmup=warmup,
+                                                         min_calls=min_calls)), flush=True)
+                    except Exception as e:  # pragma: no cover - reported in the log
+                        print(f"  phases of {size} failed: {type(e).__name__}: {e}", flush=True)
+            del opt, model
+            if not cpu:
+                torch.cuda.empty_cache()
+        table.append((size, results, floor))
+    print(format_table(table))
+    return 0
+
+
+def format_table(table) -> str:
+    lines = ["| size | variant | ms/step | host ms | speed-up vs Muon+AdamW | / fused AdamW | floor ms (memory + matmul) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for size, results, floor in table:
+        base, adamw = results.get("muon_adamw"), results.get("adamw")
+        for v, (ms, host, _) in results.items():
+            f = "" if floor is None or not v.startswith("anvil") else \
+                f"{sum(floor):.3f} ({floor[0]:.3f} + {floor[1]:.3f})"
+            lines.append(f"| {size} | {VARIANT_NAMES[v]} | {ms:.3f} | {host:.3f} | "
+                         f"{'' if base is None else f'{base[0] / ms:.2f}x'} | "
+                         f"{'' if adamw is None else f'{ms / adamw[0]:.2f}'} | {f} |")
+    lines.append("ms/step: median over the timed steps (CUDA events around opt.step(); CPU: wall time); host ms: "
+                 "median time of the call on the host; speed-up: Muon+AdamW's ms / this ms; / fused AdamW: this ms / "
+                 "AdamW's (fused on CUDA only); floor: module docstring.")
+    return "\n".join(lines)
+
+
+__all__ = ["add_args", "run", "VARIANTS", "make_variant", "time_fn", "floor_ms", "phases"]
