@@ -414,3 +414,68 @@ def test_nonfinite_gradient_skips_the_whole_step():
     assert opt.skipped_steps == 1
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+# ------------------------------------------------------------------ AnvilAndAdam: maps= and a replicated tied lm_head
+#: The table a user of AnvilAndAdam writes (the reference gets the same literal, not the optimizer's).
+TIED_TABLE = {
+    "mat": {"optim": "anvil", "comms": "sharded"},
+    "embed": {"optim": "adam", "comms": "replicated", "adam_betas": [0.8, 0.9]},
+    "lm_head": {"optim": "adam", "comms": "replicated", "adam_betas": [0.8, 0.9]},
+    "gain": {"optim": "adam", "comms": "replicated", "adam_betas": [0.7, 0.95]},
+}
+TIED_ADAM = dict(lr=0.02, eps=1e-8, weight_decay=0.3)
+TIED_ANVIL = dict(lr=0.03, momentum=0.85, beta2=0.7, weight_decay=1.5)
+
+
+def test_anvil_and_adam_with_maps_and_a_replicated_tied_lm_head():
+    """AnvilAndAdam with a three-map cascade (maps=) and replicated tied embed/lm_head against
+    ReferenceAnvilAndAdam built from the same user table: lm_head's step reads its gradient plus
+    embed's transposed, and embed = lm_head^T afterwards."""
+    from anvil_fast.optimizer import AnvilAndAdam
+    from anvil_ref import ANVIL_MAPS, ParamSpec, ReferenceAnvilAndAdam
+
+    maps = ANVIL_MAPS[:3]
+    g = torch.Generator().manual_seed(21)
+    head = (torch.randn(8, 24, generator=g) * 0.2)
+    values = {"mat": (torch.randn(4 * 16, 8, generator=g) * 0.2), "embed": head.T.contiguous(), "lm_head": head,
+              "gain": torch.ones(3)}
+    params = []
+    for label, v in values.items():
+        p = nn.Parameter(v.clone())
+        p.label = label
+        if label == "mat":
+            p.reshape = (4, 16, 8)
+        params.append((label, p))
+    opt = AnvilAndAdam(params, TIED_TABLE, list(TIED_TABLE), list(TIED_TABLE), TIED_ADAM, TIED_ANVIL,
+                       allow_fp32_banks=True, bank_config="faithful", maps=maps)
+    ref = ReferenceAnvilAndAdam({"mat": ParamSpec(values["mat"].numpy(), (4, 16, 8)),
+                                 **{k: values[k].numpy() for k in ("embed", "lm_head", "gain")}},
+                                TIED_TABLE, adam_defaults=TIED_ADAM, anvil_defaults=TIED_ANVIL, maps=maps)
+    assert opt.param_cfgs["lm_head"].comms == "replicated" and opt.tied
+    bounds = {l: AdamBound(values[l].shape) for l in ("lm_head", "gain")}
+    p = dict(params)
+    for t in range(3):
+        grads = {"mat": _bf16_exact(torch.stack([well_conditioned(16, 8, g) for _ in range(4)]).float()
+                                    .reshape(64, 8) * 0.05),
+                 "embed": _bf16_exact(torch.randn(24, 8, generator=g) * 0.1),
+                 "lm_head": _bf16_exact(torch.randn(8, 24, generator=g) * 0.1),
+                 "gain": _bf16_exact(torch.randn(3, generator=g) * 0.1)}
+        before = {l: v.copy() for l, v in ref.params.items()}
+        st0 = copy.deepcopy(ref.state)
+        mat_before = p["mat"].detach().double().numpy().copy()
+        for l, gr in grads.items():
+            p[l].grad = gr.clone()
+        opt.step(do_adam=True)
+        ref.step({l: gr.double().numpy() for l, gr in grads.items()}, do_adam=True)
+        for l in ("lm_head", "gain"):
+            gl = grads[l].double().numpy() + (grads["embed"].double().numpy().T if l == "lm_head" else 0)
+            b1b2 = tuple(TIED_TABLE[l]["adam_betas"])
+            bounds[l].step(before[l], gl, st0[l]["exp_avg"], st0[l]["exp_avg_sq"], step=t + 1, lr=TIED_ADAM["lr"],
+                           betas=b1b2, eps=TIED_ADAM["eps"], weight_decay=TIED_ADAM["weight_decay"])
+            err = np.abs(p[l].detach().double().numpy() - ref.params[l])
+            assert (err <= bounds[l].e_p).all(), (t, l, float(err.max()), float(bounds[l].e_p.max()))
+        assert torch.equal(p["embed"].detach(), p["lm_head"].detach().T)
+        d_fast = torch.from_numpy(p["mat"].detach().double().numpy() - mat_before).reshape(4, 16, 8)
+        d_ref = torch.from_numpy(ref.params["mat"] - before["mat"]).reshape(4, 16, 8)
+        assert rel_err(d_fast, d_ref) <= TOL.DROPIN_STEP_REL, (t, rel_err(d_fast, d_ref))
