@@ -479,3 +479,103 @@ def test_anvil_and_adam_with_maps_and_a_replicated_tied_lm_head():
         d_fast = torch.from_numpy(p["mat"].detach().double().numpy() - mat_before).reshape(4, 16, 8)
         d_ref = torch.from_numpy(ref.params["mat"] - before["mat"]).reshape(4, 16, 8)
         assert rel_err(d_fast, d_ref) <= TOL.DROPIN_STEP_REL, (t, rel_err(d_fast, d_ref))
+
+
+# ------------------------------------------------------------------ two ranks against one process
+WORLD = 2
+SPAWN_TIMEOUT_S = 240  # the whole session; a collective waits at most COLLECTIVE_TIMEOUT_S
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _finite_check_kw() -> dict:
+    """Refuse a non-finite step by raising (the specification's nonfinite="raise")."""
+    import inspect
+
+    params = inspect.signature(ANVIL).parameters
+    return dict(nonfinite="raise") if "nonfinite" in params else dict(check_finite=True)
+
+
+def _run_dropin(model, opt, steps: int) -> None:
+    """The gradient sequence of check_run (rank-independent and bf16-exact, so the average over
+    ranks is exact), with every group value changed before CHANGE_AT."""
+    seq = gradient_sequence(route_parameters(model), steps)
+    for t in range(steps):
+        if t == CHANGE_AT:
+            for kind, vals in CHANGED.items():
+                next(g for g in opt.param_groups if g["kind"] == kind).update(vals)
+        for n, p in model.named_parameters():
+            p.grad = seq[t][n].clone()
+        opt.step()
+
+
+def _rank_main(rank: int, world: int, folder: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    model = make_model()
+    opt = ANVIL(model, **KW, shard_min_numel=64, bank_config="faithful", compile=False, **_finite_check_kw())
+    _run_dropin(model, opt, STEPS)
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "sharded": {n: c for n, c in opt.adam_names.items()} if hasattr(opt, "adam_names") else {}}
+    # a NaN on rank 1 only: every rank must refuse the step, nothing written, no hang
+    seq = gradient_sequence(route_parameters(model), 1, seed=99)
+    for n, p in model.named_parameters():
+        p.grad = seq[0][n].clone()
+    if rank == 1:
+        model.fc1.bias.grad[0] = float("nan")
+    try:
+        opt.step()
+        out["nonfinite"] = "stepped"
+    except Exception as e:  # noqa: BLE001  (the message is the result)
+        out["nonfinite"] = f"{type(e).__name__}: {e}"
+    out["unchanged"] = all(torch.equal(p.detach(), out["params"][n]) for n, p in model.named_parameters())
+    torch.save(out, os.path.join(folder, f"result{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_with_timeout(fn, world: int, timeout_s: float) -> list[dict]:
+    """Run ``fn(rank, world, folder)`` on ``world`` spawned processes; fail (after stopping them) if
+    they have not all finished within ``timeout_s``."""
+    import os
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="anvil_dropin_") as folder:
+        ctx = mp.start_processes(fn, args=(world, folder), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the {world} ranks did not finish within {timeout_s} s (a hang)")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        return [torch.load(os.path.join(folder, f"result{r}.pt"), weights_only=False) for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropin_two_ranks_against_one_process():
+    """Two gloo ranks (padded, sharded banks; sharded and replicated Adam) against the single-process
+    run of the same model and gradients: equal bit for bit, since the rank-independent, bf16-exact
+    gradients average exactly and every update is elementwise or per matrix (no reduction spans
+    ranks). Then a NaN on rank 1 alone: both ranks refuse the step, nothing written, no hang."""
+    res = spawn_with_timeout(_rank_main, WORLD, SPAWN_TIMEOUT_S)
+    model = make_model()
+    opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
+    _run_dropin(model, opt, STEPS)
+    assert "sharded" in res[0]["sharded"].values() and "replicated" in res[0]["sharded"].values()
+    for r, out in enumerate(res):
+        for n, p in model.named_parameters():
+            assert torch.equal(out["params"][n], p.detach()), (r, n)
+        assert "non-finite" in out["nonfinite"] and "fc1.bias" in out["nonfinite"], (r, out["nonfinite"])
+        assert out["unchanged"], r
