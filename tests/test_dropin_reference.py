@@ -243,6 +243,8 @@ def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, s
                     b.step(st["ref_before"][r.name], g.double().numpy(), s0["exp_avg"], s0["exp_avg_sq"],
                            step=ref.state[r.name]["step"], lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
                            weight_decay=hp["weight_decay"])
+                if g is None:  # untouched, bit for bit (and its step count holds: the bound's next steps)
+                    assert np.array_equal(fast, st["before"][r.name]), (t, r.name)
                 err = np.abs(fast - want)
                 assert (err <= b.e_p).all(), (t, r.name, float((err - b.e_p).max()), float(err.max()))
                 worst[r.name] = max(worst.get(r.name, 0.0), float((err / np.maximum(b.e_p, 1e-300)).max()))
@@ -487,10 +489,13 @@ SPAWN_TIMEOUT_S = 240  # the whole session; a collective waits at most COLLECTIV
 COLLECTIVE_TIMEOUT_S = 30  # every collective here takes milliseconds; waiting longer is a hang
 
 
-def _finite_check_kw() -> dict:
-    """Refuse a non-finite step by raising (the specification's nonfinite="raise")."""
+def _finite_check_kw(mode: str) -> dict:
+    """``mode`` "raise": refuse a non-finite step by raising (the specification's nonfinite="raise",
+    check_finite=True where the drop-in has no nonfinite=); "skip": the specification's default."""
     import inspect
 
+    if mode == "skip":
+        return dict(nonfinite="skip")
     params = inspect.signature(ANVIL).parameters
     return dict(nonfinite="raise") if "nonfinite" in params else dict(check_finite=True)
 
@@ -508,7 +513,7 @@ def _run_dropin(model, opt, steps: int) -> None:
         opt.step()
 
 
-def _rank_main(rank: int, world: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, folder: str, mode: str) -> None:
     import datetime
     import os
 
@@ -518,7 +523,7 @@ def _rank_main(rank: int, world: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     model = make_model()
-    opt = ANVIL(model, **KW, shard_min_numel=64, bank_config="faithful", compile=False, **_finite_check_kw())
+    opt = ANVIL(model, **KW, shard_min_numel=64, bank_config="faithful", compile=False, **_finite_check_kw(mode))
     _run_dropin(model, opt, STEPS)
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
            "sharded": {n: c for n, c in opt.adam_names.items()} if hasattr(opt, "adam_names") else {}}
@@ -529,18 +534,21 @@ def _rank_main(rank: int, world: int, folder: str) -> None:
     if rank == 1:
         model.fc1.bias.grad[0] = float("nan")
     try:
-        opt.step()
-        out["nonfinite"] = "stepped"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        out["nonfinite"] = "stepped; warned: " + "; ".join(f"{w.category.__name__}: {w.message}" for w in caught)
     except Exception as e:  # noqa: BLE001  (the message is the result)
         out["nonfinite"] = f"{type(e).__name__}: {e}"
+    out["skipped_steps"] = getattr(opt, "skipped_steps", None)
     out["unchanged"] = all(torch.equal(p.detach(), out["params"][n]) for n, p in model.named_parameters())
     torch.save(out, os.path.join(folder, f"result{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def spawn_with_timeout(fn, world: int, timeout_s: float) -> list[dict]:
-    """Run ``fn(rank, world, folder)`` on ``world`` spawned processes; fail (after stopping them) if
+def spawn_with_timeout(fn, world: int, timeout_s: float, *args) -> list[dict]:
+    """Run ``fn(rank, world, folder, *args)`` on ``world`` spawned processes; fail (after stopping them) if
     they have not all finished within ``timeout_s`` or a rank died (a collective that timed out: ranks
     that disagree on whether to step wait for each other)."""
     import os
@@ -550,7 +558,7 @@ def spawn_with_timeout(fn, world: int, timeout_s: float) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="anvil_dropin_") as folder:
-        ctx = mp.start_processes(fn, args=(world, folder), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(fn, args=(world, folder, *args), nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
             try:
@@ -573,7 +581,7 @@ def test_dropin_two_ranks_against_one_process():
     run of the same model and gradients: equal bit for bit, since the rank-independent, bf16-exact
     gradients average exactly and every update is elementwise or per matrix (no reduction spans
     ranks). Then a NaN on rank 1 alone: both ranks refuse the step, nothing written, no hang."""
-    res = spawn_with_timeout(_rank_main, WORLD, SPAWN_TIMEOUT_S)
+    res = spawn_with_timeout(_rank_main, WORLD, SPAWN_TIMEOUT_S, "raise")
     model = make_model()
     opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
     _run_dropin(model, opt, STEPS)
@@ -583,3 +591,46 @@ def test_dropin_two_ranks_against_one_process():
             assert torch.equal(out["params"][n], p.detach()), (r, n)
         assert "non-finite" in out["nonfinite"] and "fc1.bias" in out["nonfinite"], (r, out["nonfinite"])
         assert out["unchanged"], r
+
+
+@REBUILT
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropin_two_ranks_skip_a_step_nan_on_one_rank():
+    """nonfinite="skip" (the default): a NaN on rank 1 alone makes both ranks skip the step, warn
+    naming the parameter and count it; nothing written, no hang."""
+    res = spawn_with_timeout(_rank_main, WORLD, SPAWN_TIMEOUT_S, "skip")
+    for r, out in enumerate(res):
+        assert out["nonfinite"].startswith("stepped; warned: NonFiniteGradientWarning"), (r, out["nonfinite"])
+        assert "fc1.bias" in out["nonfinite"], (r, out["nonfinite"])
+        assert out["unchanged"] and out["skipped_steps"] == 1, (r, out["skipped_steps"])
+
+
+@REBUILT
+def test_describe_and_plan_follow_the_reference_routes():
+    model = make_model(ZooPlus)
+    routes = route_parameters(model, split_rows={"qkv.weight": 3})
+    opt = ANVIL(make_model(ZooPlus), **KW, split_rows={"qkv.weight": 3}, compile=False)
+    text = opt.describe()
+    for r in routes:
+        assert r.name in text and r.reason in text, r
+    assert len(opt.plan) == len(routes)
+
+
+@REBUILT
+def test_group_values_are_validated_and_adam_momentum_is_beta1():
+    model = make_model()
+    opt = ANVIL(model, **KW, compile=False)
+    seq = gradient_sequence(route_parameters(model), 2)
+    anvil_group, adam_group = opt.param_groups
+    for n, p in model.named_parameters():
+        p.grad = seq[0][n].clone()
+    anvil_group["beta2"] = 1.5
+    with pytest.raises(ValueError, match="beta2"):
+        opt.step()
+    anvil_group["beta2"] = KW["beta2"]
+    adam_group["momentum"] = 0.55  # a momentum-cycling scheduler's write: Adam's beta1
+    opt.step()
+    assert tuple(adam_group["betas"]) == (0.55, KW["adam_betas"][1])
+    with pytest.raises(Exception, match="add_param_group|plans"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
