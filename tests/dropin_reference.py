@@ -177,7 +177,7 @@ def _store(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """An Adam parameter as its storage holds it (round to nearest in its dtype)."""
     if dtype == torch.float64:
         return x
-    return torch.from_numpy(x).to(dtype).to(torch.float64).numpy()
+    return torch.from_numpy(np.asarray(x, dtype=np.float64)).to(dtype).to(torch.float64).numpy()
 
 
 class DropinReference:

@@ -127,7 +127,7 @@ class AdamBound:
     def __init__(self, shape):
         self.e_m, self.e_v, self.e_p = np.zeros(shape), np.zeros(shape), np.zeros(shape)
 
-    def step(self, p, g, m, v, *, step, lr, betas, eps, weight_decay):
+    def step(self, p, g, m, v, *, step, lr, betas, eps, weight_decay, bf16=False):
         b1, b2 = betas
         self.e_m = b1 * self.e_m + TOL.ADAM_MOMENT_ULPS * ulp32(np.maximum(np.abs(m), np.abs(g)))
         self.e_v = b2 * self.e_v + TOL.ADAM_MOMENT_ULPS * ulp32(np.maximum(v, g * g))
@@ -141,6 +141,8 @@ class AdamBound:
         terms = C.adam_terms(cfg, p, g, m, v, step)
         self.e_p = self.e_p * (1 + lr * lr * weight_decay) + TOL.ADAM_ULPS * ulp32(terms) + ss * self.e_m / den \
             + from_v
+        if bf16:  # both sides store the step rounded to bf16: 0.5 bf16 ulp each
+            self.e_p = self.e_p + TOL.ADAM_BF16_ULPS * C.ulp(terms, 7)
         return self.e_p
 
 
@@ -162,18 +164,39 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 
 def fast_matrix_state(opt, model, name: str) -> dict[str, np.ndarray]:
-    """A matrix's fast rail, slow rail and lane energy (float64, in its stack shape [n, rows, cols]).
-    The specification's per-parameter view ``opt.state[p]`` where the drop-in has it, else the bank's
-    slice through ``opt.inner``."""
+    """A matrix's fast rail, slow rail, lane energy and exact fp32 master (float64; the rails in its
+    stack shape [n, rows, cols]). The specification's per-parameter view ``opt.state[p]`` where the
+    drop-in has it, else the bank's slice through ``opt.inner``. The master of a bf16 matrix is the
+    parameter joined with its mantissa; an fp32 matrix is its own master."""
+    from anvil_ref.storage import join_fp32
+
     p = _params(model)[name]
     st = opt.state.get(p) if hasattr(opt, "state") else None
     if st and "fast_rail" in st:
-        return {k: st[k].double().cpu().numpy() for k in ("fast_rail", "slow_rail", "lane_energy")}
-    label, i = next((l, ns.index(name)) for l, ns in opt.banks.items() if name in ns)
-    ps = opt.inner.param_states[label]
-    vel = ps["velocity"].double()
-    return dict(fast_rail=vel[0, i:i + 1].numpy(), slow_rail=vel[1, i:i + 1].numpy(),
-                lane_energy=ps["lane_energy"][i:i + 1].double().numpy())
+        out = {k: st[k].double().cpu().numpy() for k in ("fast_rail", "slow_rail", "lane_energy")}
+        mantissa = st.get("mantissa")
+    else:
+        label, i = next((l, ns.index(name)) for l, ns in opt.banks.items() if name in ns)
+        ps = opt.inner.param_states[label]
+        vel = ps["velocity"].double()
+        out = dict(fast_rail=vel[0, i:i + 1].numpy(), slow_rail=vel[1, i:i + 1].numpy(),
+                   lane_energy=ps["lane_energy"][i:i + 1].double().numpy())
+        mantissa = ps.get("mantissa")
+        mantissa = None if mantissa is None else mantissa[i]
+    if p.dtype == torch.bfloat16:
+        out["master"] = join_fp32(p.detach().cpu().reshape(mantissa.shape), mantissa.cpu()).double().numpy()
+    else:
+        out["master"] = p.detach().double().cpu().numpy()
+    return out
+
+
+def _values(opt, model, ref) -> dict[str, np.ndarray]:
+    """Every parameter's value as float64 (a matrix: its exact fp32 master)."""
+    out = {n: p.detach().double().numpy().copy() for n, p in _params(model).items()}
+    for r in ref.routes:
+        if r.kind == "matrix":
+            out[r.name] = fast_matrix_state(opt, model, r.name)["master"].reshape(r.shape)
+    return out
 
 
 def set_group(opt, ref, kind: str, key: str, value) -> None:
@@ -204,8 +227,8 @@ def run_pair(model_cls=Zoo, *, kw=KW, steps=STEPS, change_at=CHANGE_AT, no_grad:
                         next(g for g in twin[1].param_groups if g["kind"] == kind)[k] = v
         skip = (no_grad or {}).get(t, set())
         grads = {n: (None if n in skip else g) for n, g in seq[t].items()}
-        before = {n: p.detach().double().numpy().copy() for n, p in _params(model).items()}
-        twin_before = {n: p.detach().double().numpy().copy() for n, p in _params(twin[0]).items()} if twin else {}
+        before = _values(opt, model, ref)
+        twin_before = _values(twin[1], twin[0], ref) if twin else {}
         for mdl in [model] + ([twin[0]] if twin else []):
             for n, p in _params(mdl).items():
                 p.grad = None if grads.get(n) is None else grads[n].to(p.dtype).clone()
@@ -219,14 +242,15 @@ def run_pair(model_cls=Zoo, *, kw=KW, steps=STEPS, change_at=CHANGE_AT, no_grad:
                    ref_state_before=ref_state_before, twin=twin, twin_before=twin_before)
 
 
-def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, steps=STEPS, eager=True):
+def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, steps=STEPS, eager=True,
+              dtype=torch.float32):
     """All assertions of a run: Adam elementwise within AdamBound; matrices' rails within RailBound,
     lane energies and weight steps within the drop-in rows of tests/tolerances.py, and (with the
     eager twin) the bf16 rule against the eager-bf16 bank update."""
     bounds, rail_bounds = {}, {}
     worst = {}
     for st in run_pair(model_cls, kw=kw, no_grad=no_grad, ref_kw=ref_kw, opt_kw=opt_kw, steps=steps,
-                       eager=eager):
+                       eager=eager, dtype=dtype):
         ref, model, opt, t = st["ref"], st["model"], st["opt"], st["t"]
         params = _params(model)
         for r in ref.routes:
@@ -242,7 +266,7 @@ def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, s
                     hp = ref.groups["adam"]
                     b.step(st["ref_before"][r.name], g.double().numpy(), s0["exp_avg"], s0["exp_avg_sq"],
                            step=ref.state[r.name]["step"], lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                           weight_decay=hp["weight_decay"])
+                           weight_decay=hp["weight_decay"], bf16=params[r.name].dtype == torch.bfloat16)
                 if g is None:  # untouched, bit for bit (and its step count holds: the bound's next steps)
                     assert np.array_equal(fast, st["before"][r.name]), (t, r.name)
                 err = np.abs(fast - want)
@@ -251,6 +275,7 @@ def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, s
                 continue
             # matrices: rails (fp32 EMAs of exact gradients)
             fs = fast_matrix_state(opt, model, r.name)
+            fast = fs["master"].reshape(fast.shape)
             s0, s1 = st["ref_state_before"][r.name], ref.state[r.name]
             gm = np.zeros(r.stack) if g is None else g.double().numpy().reshape(r.stack)
             for key in ("fast_rail", "slow_rail"):
@@ -269,7 +294,8 @@ def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, s
             worst[r.name] = max(worst.get(r.name, 0.0), e)
             assert e <= TOL.DROPIN_STEP_REL, (t, r.name, e)
             if g is not None and st["twin"] is not None:
-                d_eager = _params(st["twin"][0])[r.name].detach().double().numpy() - st["twin_before"][r.name]
+                twin_master = fast_matrix_state(st["twin"][1], st["twin"][0], r.name)["master"]
+                d_eager = twin_master.reshape(r.shape) - st["twin_before"][r.name]
                 e_eager = rel_err(torch.from_numpy(d_eager.reshape(r.stack)), d_ref)
                 worst[("eager", r.name)] = max(worst.get(("eager", r.name), 0.0), e_eager)
                 assert e <= TOL.bf16_bound(e_eager), (t, r.name, e, e_eager)
@@ -328,6 +354,12 @@ def test_steps_match_the_reference_with_every_value_changed_mid_run():
     """Six steps with non-default values for every hyperparameter, all group values changed before
     step 3: every parameter within its bound after every step."""
     check_run()
+
+
+def test_bf16_model_keeps_exact_fp32_masters():
+    """A bf16 model: each matrix's master (bf16 parameter + mantissa) follows the float64 reference
+    as an fp32 model's does; Adam's bf16 parameters are rounded to bf16 on both sides every step."""
+    check_run(dtype=torch.bfloat16, steps=4)
 
 
 def test_adam_through_the_triton_kernel(monkeypatch):
