@@ -44,4 +44,12 @@ MUTANTS = [
          old="u = u + torch.where(u * pf > 0, pf * eff_wd, torch.zeros((), dtype=torch.float32))",
          new="u = u + torch.where(u * pf >= 0, pf * eff_wd, torch.zeros((), dtype=torch.float32))",
          tests=[RUN]),
+    dict(name="routing: tall/wide learning-rate scale swapped", file="anvil_ref/update.py",
+         old="return max(1.0, rows / cols) ** 0.5",
+         new="return max(1.0, cols / rows) ** 0.5",
+         tests=[RUN]),
+    dict(name="routing: a default head name lost", file="anvil_fast/dropin.py",
+         old='HEAD_NAMES = ("lm_head", "head", "classifier", "fc_out", "output_layer")',
+         new='HEAD_NAMES = ("lm_head", "classifier", "fc_out", "output_layer")',
+         tests=[T + "test_drop_in_routes_like_the_reference", T + "test_default_head_names_are_the_specifications"]),
 ]
