@@ -532,10 +532,17 @@ def _finite_check_kw(mode: str) -> dict:
     return dict(nonfinite="raise") if "nonfinite" in params else dict(check_finite=True)
 
 
-def _run_dropin(model, opt, steps: int) -> None:
-    """The gradient sequence of check_run (rank-independent and bf16-exact, so the average over
-    ranks is exact), with every group value changed before CHANGE_AT."""
-    seq = gradient_sequence(route_parameters(model), steps)
+def _run_dropin(model, opt, steps: int, rank: int | None, world: int = WORLD) -> None:
+    """Each rank's own gradient sequence (check_run's kind, seeded by rank), or with ``rank`` None
+    their mean, ``(g_0 + g_1) / 2`` in float32: the bf16-exact gradients of two ranks add exactly in
+    float32, and a sum of two rounded once (gloo, in the bucket's dtype) then halved is that mean
+    rounded once. Every group value changes before CHANGE_AT."""
+    routes = route_parameters(model)
+    per_rank = [gradient_sequence(routes, steps, seed=11 + 1000 * r) for r in range(world)]
+    if rank is None:
+        seq = [{n: sum(s[t][n] for s in per_rank) / world for n in per_rank[0][t]} for t in range(steps)]
+    else:
+        seq = per_rank[rank]
     for t in range(steps):
         if t == CHANGE_AT:
             for kind, vals in CHANGED.items():
@@ -556,7 +563,7 @@ def _rank_main(rank: int, world: int, folder: str, mode: str) -> None:
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     model = make_model()
     opt = ANVIL(model, **KW, shard_min_numel=64, bank_config="faithful", compile=False, **_finite_check_kw(mode))
-    _run_dropin(model, opt, STEPS)
+    _run_dropin(model, opt, STEPS, rank, world)
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
            "sharded": {n: c for n, c in opt.adam_names.items()} if hasattr(opt, "adam_names") else {}}
     # a NaN on rank 1 only: every rank must refuse the step, nothing written, no hang
@@ -609,14 +616,16 @@ def spawn_with_timeout(fn, world: int, timeout_s: float, *args) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dropin_two_ranks_against_one_process():
-    """Two gloo ranks (padded, sharded banks; sharded and replicated Adam) against the single-process
-    run of the same model and gradients: equal bit for bit, since the rank-independent, bf16-exact
-    gradients average exactly and every update is elementwise or per matrix (no reduction spans
-    ranks). Then a NaN on rank 1 alone: both ranks refuse the step, nothing written, no hang."""
+    """Two gloo ranks (padded, sharded banks; sharded and replicated Adam), each with its own
+    gradients, against the single-process run on their mean: equal bit for bit, since the mean is
+    rounded once on both sides (_run_dropin) and every update is elementwise or per matrix (no
+    reduction spans ranks). With more ranks, or gradients whose sums round more than once, the
+    summation order would differ and only the reference's tolerances would hold. Then a NaN on rank
+    1 alone: both ranks refuse the step, nothing written, no hang."""
     res = spawn_with_timeout(_rank_main, WORLD, SPAWN_TIMEOUT_S, "raise")
     model = make_model()
     opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
-    _run_dropin(model, opt, STEPS)
+    _run_dropin(model, opt, STEPS, None)
     assert "sharded" in res[0]["sharded"].values() and "replicated" in res[0]["sharded"].values()
     for r, out in enumerate(res):
         for n, p in model.named_parameters():
