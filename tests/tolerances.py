@@ -88,3 +88,29 @@ def check(component: str, *, fast: float, eager: float, floor: float, ulps: floa
     if ulps is not None and side is not None and not ulps <= side:
         return False
     return fast <= bf16_bound(eager)
+
+
+# ---------------------------------------------------------------------------------------------
+# drop-in: anvil_fast.ANVIL against the float64 reference tests/dropin_reference.py, over a run of
+# fixed, seeded gradients (tests/test_dropin_reference.py). The trajectories are independent, so the
+# bounds are per step, on what each step adds:
+#
+# * Adam (fp32): elementwise, accumulated over the run from ADAM_ULPS and ADAM_MOMENT_ULPS (the
+#   moments' errors carried through their EMAs into the update); the test's AdamBound does the sum.
+#   Measured: <= 9% of that bound. Adam's decay moves a weight by adam_lr**2 * adam_weight_decay of
+#   itself per step (1.2e-4 with the test's values; 3e-7 with the defaults 0.008, 0.005), against a
+#   bound of a few 1e-6 relative: dropping the decay fails.
+# * rails (fp32 EMAs of bf16-exact gradients): elementwise, RAILS_ULPS per step, summed (RailBound).
+# * a matrix's weight step P' - P against the reference's, relative in the Frobenius norm
+#   (anvil_fast.difftest.rel_err). The step is eff_lr * U plus the fp32-exact decay; U's error is the
+#   bf16 cascade and equalizer's. On well-conditioned input (the test's gradients: singular values
+#   within a factor ~13) count worst-case roundings of 2**-8 (one bf16 rounding, relative): each of
+#   the 6 maps rounds its Gram product, its polynomial and its output (3), the equalizer its gain and
+#   output (2), and an earlier map's error passes a later map with gain <= 1 near the maps' fixed
+#   point: 20 * 2**-8 = 0.078. Measured (eager and fast alike): <= 0.006. A wrong rail beta, a
+#   stale gradient or a lost beta2 change moves a step by 0.1 or more.
+# * lane energy (fp32 EMA of the bf16 update's lane powers): a lane power is a mean of squares, so its
+#   relative error is at most twice the update's (plus its square): DROPIN_LANE_ENERGY_REL =
+#   2 * DROPIN_STEP_REL + DROPIN_STEP_REL**2.
+DROPIN_STEP_REL = 20 * 2.0 ** -8
+DROPIN_LANE_ENERGY_REL = 2 * DROPIN_STEP_REL + DROPIN_STEP_REL ** 2
