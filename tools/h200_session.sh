@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One call on the H200 (device tool), from the repository root: the stages named in STAGES run in
+# order, each logged under $OUT with its own time limit, and whatever a stage writes under
+# results/ comes back as one tarball (the device returns at most 8 files).
+#   suite   the whole gpu-marked test suite
+#   bench   python -m anvil_fast.bench dropin (small and medium GPT), with the launch profile
+#   sweep   the training harness's AdamW and Muon learning-rate sweeps (small, seed 0)
+#   small   every contender on the small GPT, seeds 0 1 2, tuned from the sweep
+#   medium  AdamW, Muon and ANVIL on the medium GPT, seeds 0 1 2
+# TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/h200_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+stamp() { echo "== $1 at +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.txt"; }
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
+for stage in ${STAGES:-suite bench}; do
+  stamp "$stage"
+  case $stage in
+    suite) timeout "${T_SUITE:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/ 2>&1 \
+             | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
+    bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
+             | tee "$OUT/bench_dropin.log" ;;
+    sweep) timeout "${T_SWEEP:-240}" python3 -m papers.train --size small --sweep adamw muon \
+             --out results/train/small/sweep ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_sweep.log" ;;
+    small) timeout "${T_SMALL:-560}" python3 -m papers.train --size small --seeds 0 1 2 \
+             --tuned-from results/train/small/sweep --out results/train/small \
+             --time-budget-s $(( ${T_SMALL:-560} - 30 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_small.log" ;;
+    medium) timeout "${T_MEDIUM:-560}" python3 -m papers.train --size medium --seeds 0 1 2 \
+             --contenders adamw muon anvil --tuned-from results/train/small/sweep --out results/train/medium \
+             --time-budget-s $(( ${T_MEDIUM:-560} - 30 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_medium.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+stamp done
+[ -d results/train ] && tar czf "$OUT/results_train.tgz" results/train
+exit 0
