@@ -40,8 +40,11 @@ VAL_MODULUS = 10
 EXCLUDED_DIRS = ("site-packages", "dist-packages")
 #: The seed of the validation windows' generator: one fixed set for every run and every seed.
 VAL_SEED = 20_240_601
-#: Step seeds are data_seed * STEP_SEED_STRIDE + step, unique for every step below the stride.
-STEP_SEED_STRIDE = 1 << 32
+#: Step seeds are data_seed * STEP_SEED_STRIDE + step. torch's CPU generator (mt19937) keeps only
+#: the low 32 bits of a seed, so the pair must fit in 32 bits to stay unique: data seeds below
+#: MAX_DATA_SEED, steps below the stride.
+STEP_SEED_STRIDE = 1 << 20
+MAX_DATA_SEED = 1 << 12
 
 
 def stdlib_root() -> Path:
@@ -124,6 +127,8 @@ def unigram_entropy(tokens: torch.Tensor, vocab: int = 256) -> float:
 def step_seed(data_seed: int, step: int) -> int:
     if not 0 <= step < STEP_SEED_STRIDE:
         raise ValueError(f"step {step} is outside [0, {STEP_SEED_STRIDE})")
+    if not 0 <= data_seed < MAX_DATA_SEED:
+        raise ValueError(f"data seed {data_seed} is outside [0, {MAX_DATA_SEED})")
     return data_seed * STEP_SEED_STRIDE + step
 
 
