@@ -223,16 +223,23 @@ def test_every_contender_builds_on_the_tiny_model(name):
 
 # ------------------------------------------------------------------------ the tiny training
 def test_tiny_model_learns_with_adamw_and_anvil_on_identical_batches(stdlib):
-    """80 steps of 16 x 64 bytes: both optimizers end below the unigram entropy of the train split,
-    which the untrained model (about ln 256) is far above, having trained on the same batches."""
+    """200 steps of 16 x 64 bytes: both optimizers end below the unigram entropy of the train split,
+    which the untrained model (about ln 256) is far above, having trained on the same batches.
+    Fewer steps leave this model near the unigram plateau on some seeds (measured: at 80 steps one
+    of seeds 0-2 ended above it with each optimizer); at 200 steps seeds 0-2 end >= 0.26 below."""
     h = C.unigram_entropy(stdlib.train)
     val = C.val_windows(stdlib.val, n=32, ctx=gpt.SIZES["tiny"].ctx)
-    recs = {n: T.train_run(K.get(n), size="tiny", seed=0, data_seed=0, steps=80, batch=16, warmup=4, eval_every=80,
-                           corpus=stdlib, val=val, device=torch.device("cpu"), timing_steps=0)
-            for n in ("adamw", "anvil_defaults")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same reduction order on every machine, and no spinning on a busy host
+    try:
+        recs = {n: T.train_run(K.get(n), size="tiny", seed=0, data_seed=0, steps=200, batch=16, warmup=10,
+                               eval_every=200, corpus=stdlib, val=val, device=torch.device("cpu"), timing_steps=0)
+                for n in ("adamw", "anvil_defaults")}
+    finally:
+        torch.set_num_threads(threads)
     assert recs["adamw"]["batches_sha256"] == recs["anvil_defaults"]["batches_sha256"]
     for n, r in recs.items():
-        assert [c["step"] for c in r["curve"]] == [0, 80], n
+        assert [c["step"] for c in r["curve"]] == [0, 200], n
         assert r["curve"][0]["val_loss"] > h + 1.0, n           # the bound is not met by chance at init
         assert r["final_val_loss"] < h, (n, r["final_val_loss"], h)
     assert recs["adamw"]["curve"][0] == recs["anvil_defaults"]["curve"][0]  # same initial weights
