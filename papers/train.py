@@ -34,13 +34,16 @@ best learning rate from the sweep JSONs under DIR; ``--lr NAME=VALUE`` sets one 
 
 from __future__ import annotations
 
+import time
+
+T_START = time.perf_counter()  # before torch's import: --time-budget-s counts the whole process
+
 import argparse
 import json
 import math
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,7 +52,6 @@ from anvil_fast import gpt
 from papers import contenders as K
 from papers import corpus as C
 
-T_START = time.perf_counter()
 FORMAT = 1
 
 
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(plan)}] {a.size} {c.name} seed {seed}{' lr ' + format(c.hparams['lr'], 'g') if is_sweep else ''}: "
               f"val loss {rec['curve'][0]['val_loss']:.4f} -> "
               f"{rec['final_val_loss']:.4f}{' DIVERGED' if rec['diverged'] else ''} "
-              f"({wall:.1f} s{tm_s}) -> {path}", flush=True)
+              f"({wall:.1f} s{tm_s}; {time.perf_counter() - T_START:.0f} s since start) -> {path}", flush=True)
     if a.sweep:
         sw = [r for r in done if r.get("sweep")]
         for n, lr in sorted(sweep_best(sw).items()):
