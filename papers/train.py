@@ -256,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", nargs="+", default=None, choices=[n for n, c in K.REGISTRY.items() if c.sweep])
     ap.add_argument("--lr", nargs="+", default=[], metavar="NAME=VALUE")
     ap.add_argument("--tuned-from", type=Path, default=None, help="take swept contenders' best lr from sweep JSONs here")
+    ap.add_argument("--tuned-size", default=None, choices=list(gpt.SIZES),
+                    help="the size whose sweep --tuned-from reads (default: --size)")
     ap.add_argument("--timing-warmup", type=int, default=5)
     ap.add_argument("--timing-steps", type=int, default=20)
     ap.add_argument("--time-budget-s", type=float, default=None)
-    ap.add_argument("--skip-existing", action="store_true", help="skip runs whose JSON exists in --out")
+    ap.add_argument("--skip-existing", nargs="?", type=Path, const=True, default=None, metavar="DIR",
+                    help="skip runs whose JSON exists in --out (or in DIR: runs kept from an earlier command)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -272,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--eval-every and --batch must be >= 1")
     tuned = {}
     if a.tuned_from is not None:
-        sw = load_records(a.tuned_from, size=a.size, sweep=True)
+        tsize = a.tuned_size or a.size
+        sw = load_records(a.tuned_from, size=tsize, sweep=True)
         if not sw:
-            raise SystemExit(f"--tuned-from {a.tuned_from}: no sweep JSON of size {a.size} there")
+            raise SystemExit(f"--tuned-from {a.tuned_from}: no sweep JSON of size {tsize} there")
         tuned = sweep_best(sw)
     a.tuned = {**tuned, **_parse_lr(a.lr)}
 
@@ -306,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, (seed, c, is_sweep) in enumerate(plan, 1):
         tag = f"-lr{c.hparams['lr']:g}" if is_sweep else ""
         path = a.out / f"{a.size}-{c.name}{tag}-seed{seed}.json"
-        if a.skip_existing and path.is_file():
-            print(f"[{i}/{len(plan)}] {path.name} exists: skipped")
-            done.append(json.loads(path.read_text()))
+        kept = (a.out if a.skip_existing is True else a.skip_existing or a.out) / path.name
+        if a.skip_existing is not None and kept.is_file():
+            print(f"[{i}/{len(plan)}] {kept} exists: skipped")
+            done.append(json.loads(kept.read_text()))
             continue
         if a.time_budget_s is not None:
             spent = time.perf_counter() - T_START

@@ -76,6 +76,10 @@ def groups(runs: list[dict], size: str) -> dict[str, list[dict]]:
     for r in runs:
         if r["size"] == size and not r.get("sweep"):
             by.setdefault(r["contender"], []).append(r)
+    setups = {(r["steps"], r["batch"], r["ctx"]) for rs in by.values() for r in rs}
+    if len(setups) > 1:
+        raise ValueError(f"results/train: the size-{size} runs mix step counts / batches {sorted(setups)}; "
+                         f"a comparison needs one setup (keep other runs outside results/train)")
     key = {n: i for i, n in enumerate(ORDER)}
     return {n: sorted(by[n], key=lambda r: r["seed"]) for n in sorted(by, key=lambda n: (key.get(n, 99), n))}
 
