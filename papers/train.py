@@ -104,7 +104,8 @@ def time_steps(contender: K.Contender, *, size: str, seed: int, steps: int, batc
     if timed <= 0:
         return None
     model = gpt.build(size, seed=seed, device=device)
-    opts = contender.make(model, total_steps=steps, device=device)
+    # a run-length schedule (record rails) must cover the window, which may be longer than a short run
+    opts = contender.make(model, total_steps=max(steps, warmup + timed), device=device)
     total, opt_t = [], []
     for i in range(warmup + timed):
         tokens = batches[i % batches.shape[0]]
