@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 20, at least 1)")
-    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=50,
+                    help="steps between evaluations; steps to a target are interpolated between them")
     ap.add_argument("--val-windows", type=int, default=128, help="fixed validation windows of ctx + 1 bytes")
     ap.add_argument("--sweep", nargs="+", default=None, choices=[n for n, c in K.REGISTRY.items() if c.sweep])
     ap.add_argument("--lr", nargs="+", default=[], metavar="NAME=VALUE")

@@ -85,10 +85,9 @@ def groups(runs: list[dict], size: str) -> dict[str, list[dict]]:
 
 
 def target(g: dict[str, list[dict]]) -> float | None:
-    """The target loss: the AdamW runs' mean final validation loss (None without AdamW runs)."""
-    if "adamw" not in g:
-        return None
-    return S.summary([_final(r) for r in g["adamw"]])["mean"]
+    """The target loss: the AdamW runs' mean final validation loss (None without a finished AdamW run)."""
+    finals = [_final(r) for r in g.get("adamw", []) if math.isfinite(_final(r))]
+    return S.summary(finals)["mean"] if finals else None  # a diverged AdamW seed sets no target
 
 
 def _mean_curve(rs: list[dict]) -> tuple[list[float], list[float]]:
