@@ -131,8 +131,11 @@ def table_results(runs: list[dict], size: str) -> str:
     m = metrics(g)
     tgt = target(g)
     base = m.get("adamw", {}).get("to_target_mean_curve")
-    header = ["contender", "hyper-parameters", "seeds"] + [f"val loss at {int(f * 100)}% of steps" for f in BUDGETS] + [
-        "final val loss", "steps to target (per seed)", "steps to target (seed-mean curve)", "ratio to AdamW",
+    r0 = next(iter(g.values()))[0]
+    tok = r0["batch"] * r0["ctx"]
+    header = ["contender", "hyper-parameters", "seeds"] + [
+        f"val loss at {f * r0['steps'] * tok / 1e6:.2f}M tokens (step {f * r0['steps']:g})" for f in BUDGETS] + [
+        f"final val loss ({r0['steps'] * tok / 1e6:.2f}M tokens)", "steps to target (per seed)", "steps to target (seed-mean curve)", "ratio to AdamW",
         "ms / step", "optimizer share"]
     rows = []
     for n, rs in g.items():
@@ -143,7 +146,6 @@ def table_results(runs: list[dict], size: str) -> str:
             _num(x.get("to_target_mean_curve"), ".0f"), _num(ratio, ".2f"),
             _num(None if x["step_s"] is None else x["step_s"] * 1e3, ".1f"),
             _num(None if x["opt_share"] is None else x["opt_share"] * 100, ".0f") + ("%" if x["opt_share"] is not None else "")])
-    r0 = next(iter(g.values()))[0]
     from papers.build import md_table  # papers.build imports this module at call time, not at import
 
     cap = (f"Size `{size}` ({r0['model']['n_params'] / 1e6:.1f}M parameters), {r0['steps']} steps of "
