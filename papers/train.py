@@ -15,13 +15,15 @@ Timing: before each run a separate instance (same model, same contender) takes
 forward/backward and around the optimizer step; the medians are the run's time per step and the
 optimizer's share. The training itself never synchronizes except at evaluations.
 
-Runs are ordered seed-major (every contender of seed 0, then of seed 1, ...), so a run stopped by
-``--time-budget-s`` (no new run starts when the time spent plus the longest finished run of that
-contender would pass the budget) keeps whole seeds; every finished run's JSON is already written.
+Runs are ordered seed-major (every contender of seed 0, then of seed 1, ...), so a command cut by
+``--time-budget-s`` loses its last seeds, not one contender's runs (``--time-budget-s``: (no new run starts when the time spent since the process started plus the
+longest finished run of that contender, or ``UNSEEN_FACTOR`` times the longest finished run of any
+contender, would pass the budget); every finished run's JSON is already written,
+and ``--skip-existing DIR`` resumes where a cut command stopped.
 
 Examples::
 
-    python -m papers.train --size tiny --steps 40 --out /tmp/train        # CPU, a few seconds per run
+    python -m papers.train --size tiny --steps 200 --batch 16 --out /tmp/train   # CPU, seconds per run
     python -m papers.train --size small --sweep adamw muon --out results/train/small/sweep
     python -m papers.train --size small --seeds 0 1 2 --tuned-from results/train/small/sweep \\
         --out results/train/small --time-budget-s 500
@@ -30,6 +32,7 @@ Examples::
 ``ADAMW_SWEEP``, muon: ``MUON_SWEEP`` in papers/contenders.py; first seed only unless ``--seeds``
 is given) and prints the best (lowest mean final validation loss). ``--tuned-from DIR`` takes that
 best learning rate from the sweep JSONs under DIR; ``--lr NAME=VALUE`` sets one by hand.
+tools/train_gpu.sh runs the paper's stages on one H200.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ from papers import contenders as K
 from papers import corpus as C
 
 FORMAT = 1
+#: --time-budget-s: a contender with no finished run yet is expected to take this many times the
+#: longest finished run (torch's Muon steps several times slower than fused AdamW on a GPU).
+UNSEEN_FACTOR = 3.0
 
 
 def lr_shape(step: int, *, steps: int, warmup: int) -> float:
@@ -319,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if a.time_budget_s is not None:
             spent = time.perf_counter() - T_START
-            est = longest.get(c.name, max(longest.values(), default=0.0))
+            # a contender not yet run here may be several times slower than those that were (and
+            # its first run carries its warm-up), hence the factor
+            est = longest.get(c.name, UNSEEN_FACTOR * max(longest.values(), default=0.0))
             if spent + est > a.time_budget_s:
                 skipped.append(path.name)
                 print(f"[{i}/{len(plan)}] not started: {spent:.0f} s spent + ~{est:.0f} s > budget {a.time_budget_s:.0f} s")
