@@ -24,7 +24,6 @@ validation windows from one seeded with :data:`VAL_SEED`, the same for every run
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import sysconfig
 import zlib
@@ -155,7 +154,3 @@ def val_windows(data: torch.Tensor, *, n: int, ctx: int) -> torch.Tensor:
 def batches_sha256(batches: torch.Tensor) -> str:
     """SHA-256 of every token of every batch, in step order."""
     return hashlib.sha256(batches.contiguous().numpy().tobytes()).hexdigest()
-
-
-def bits(nats: float) -> float:
-    return nats / math.log(2)

@@ -149,7 +149,8 @@ def table_results(runs: list[dict], size: str) -> str:
     from papers.build import md_table  # papers.build imports this module at call time, not at import
 
     cap = (f"Size `{size}` ({r0['model']['n_params'] / 1e6:.1f}M parameters), {r0['steps']} steps of "
-           f"{r0['batch']} x {r0['ctx']} bytes, {r0['environment']['device']}, torch {r0['environment']['torch']}; "
+           f"{r0['batch']} x {r0['ctx']} bytes, validation every {r0.get('eval_every', '?')} steps on "
+           f"{r0.get('val_windows', '?')} fixed windows, {r0['environment']['device']}, torch {r0['environment']['torch']}; "
            f"corpus sha256 `{r0['corpus']['sha256'][:16]}` ({r0['corpus']['train_bytes']:,} train bytes). "
            f"Mean ± sample std [min, max] over seeds. Target: AdamW's mean final validation loss"
            + (f" ({tgt:.4f})." if tgt is not None else " (no AdamW run)."))
