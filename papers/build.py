@@ -144,9 +144,12 @@ def extra_tables() -> dict[str, Callable[[], str]]:
 
 def build() -> dict[Path, str]:
     """Every output file and its content."""
+    from papers import training
+
     template = TEMPLATE.read_text()
-    vals = VALUE_PRODUCERS()
-    tables = {**TABLES, **extra_tables()}
+    vals = {**VALUE_PRODUCERS(), **training.values()}
+    tables = {**TABLES, **extra_tables(), **training.tables()}
+    figures = {**FIGURE_PRODUCERS, **training.figures()}
     outputs: dict[Path, str] = {}
 
     def sub(m: re.Match) -> str:
@@ -159,9 +162,12 @@ def build() -> dict[Path, str]:
             if name not in tables:
                 raise KeyError(f"template asks for unknown table {name!r}")
             return tables[name]()
-        if name not in FIGURE_PRODUCERS:
+        if name not in figures:
             raise KeyError(f"template asks for unknown figure {name!r}")
-        outputs[FIGURES / f"{name}.svg"] = SVG_HEADER + FIGURE_PRODUCERS[name]()
+        svg = figures[name]()
+        if svg is None:  # a figure of measurements not made yet: the text says so instead
+            return f"*(figure {name}: no data yet)*"
+        outputs[FIGURES / f"{name}.svg"] = SVG_HEADER + svg
         return f"![{name}](figures/{name}.svg)"
 
     text = re.sub(r"\{\{(value|table|figure):([a-z0-9_]+)\}\}", sub, template)

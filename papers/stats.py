@@ -1,0 +1,113 @@
+"""Statistics of the training runs (``python -m papers.train``'s JSON), as the paper cites them.
+
+* A curve is the validation loss at the evaluated steps ``(steps, losses)``, step 0 included.
+* :func:`loss_at`: the loss at a step budget, by linear interpolation between evaluations (all
+  contenders of a comparison use the same batch, so a token budget is a step budget).
+* :func:`steps_to_target`: the first step at which the curve reaches ``target`` (loss <= target), by
+  linear interpolation between the two evaluations that bracket the crossing; ``inf`` if never.
+* :func:`summary`: mean, sample standard deviation (ddof = 1), min and max over seeds.
+* :func:`verdict`, the rule for ranking two contenders on one metric: with ``d = mean_a - mean_b``
+  and ``spread = max(std_a, std_b)`` (the larger of the two sample standard deviations over seeds),
+  ``|d| <= spread`` is "no measurable difference"; otherwise the one with the lower mean is lower.
+  Fewer than 2 seeds on either side is "not enough seeds" (no spread, so no claim). Metrics that
+  are ``inf`` for some seed (target not reached) are compared only when both sides are finite for
+  every seed, or one side reached it on every seed and the other on none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+NO_DIFFERENCE = "no measurable difference"
+NOT_ENOUGH = "not enough seeds"
+
+
+def _check_curve(steps: Sequence[float], losses: Sequence[float]) -> None:
+    if len(steps) != len(losses) or not steps:
+        raise ValueError(f"a curve needs equally many steps and losses (>= 1), got {len(steps)} and {len(losses)}")
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"a curve's steps must increase strictly, got {list(steps)}")
+
+
+def loss_at(steps: Sequence[float], losses: Sequence[float], step: float) -> float:
+    """The curve's loss at ``step`` (linear between evaluations); outside the evaluated range it is
+    an error, not an extrapolation."""
+    _check_curve(steps, losses)
+    if not steps[0] <= step <= steps[-1]:
+        raise ValueError(f"step {step} is outside the evaluated range [{steps[0]}, {steps[-1]}]")
+    for i in range(1, len(steps)):
+        if step <= steps[i]:
+            w = (step - steps[i - 1]) / (steps[i] - steps[i - 1])
+            return losses[i - 1] + w * (losses[i] - losses[i - 1])
+    return losses[0]  # a one-point curve evaluated at its only step
+
+
+def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: float) -> float:
+    """First step at which the curve reaches ``target`` (module docstring); ``math.inf`` if never."""
+    _check_curve(steps, losses)
+    if losses[0] <= target:
+        return float(steps[0])
+    for i in range(1, len(steps)):
+        if losses[i] <= target:
+            hi, lo = losses[i - 1], losses[i]
+            return steps[i - 1] + (hi - target) / (hi - lo) * (steps[i] - steps[i - 1])
+    return math.inf
+
+
+def mean_curve(curves: Sequence[tuple[Sequence[float], Sequence[float]]]) -> tuple[list[float], list[float]]:
+    """The seed-mean curve of curves evaluated at the same steps."""
+    if not curves:
+        raise ValueError("mean_curve needs at least one curve")
+    steps = list(curves[0][0])
+    for s, _ in curves:
+        if list(s) != steps:
+            raise ValueError("mean_curve: the curves were evaluated at different steps")
+    n = len(curves)
+    return steps, [sum(c[1][i] for c in curves) / n for i in range(len(steps))]
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """``n``, ``mean``, ``std`` (sample, ddof = 1; nan for one value), ``min``, ``max``."""
+    if not values:
+        raise ValueError("summary needs at least one value")
+    n = len(values)
+    if any(math.isinf(v) for v in values):
+        mean = math.inf
+        std = math.nan
+    else:
+        mean = sum(values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    return {"n": n, "mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+def verdict(a: Sequence[float], b: Sequence[float], names: tuple[str, str] = ("a", "b")) -> str:
+    """Which of two contenders is lower on a metric (lower is better), by the rule of the module
+    docstring: ``"<name> lower"``, :data:`NO_DIFFERENCE` or :data:`NOT_ENOUGH`."""
+    if len(a) < 2 or len(b) < 2:
+        return NOT_ENOUGH
+    ia, ib = [math.isinf(v) for v in a], [math.isinf(v) for v in b]
+    if any(ia) or any(ib):
+        if all(ia) and all(ib):
+            return NO_DIFFERENCE
+        if not any(ia) and all(ib):
+            return f"{names[0]} lower"
+        if all(ia) and not any(ib):
+            return f"{names[1]} lower"
+        return NO_DIFFERENCE  # some seeds reached the target and some did not: within the spread
+    sa, sb = summary(a), summary(b)
+    d = sa["mean"] - sb["mean"]
+    if abs(d) <= max(sa["std"], sb["std"]):
+        return NO_DIFFERENCE
+    return f"{names[0] if d < 0 else names[1]} lower"
+
+
+def fmt_spread(values: Sequence[float], digits: int = 3) -> str:
+    """``mean ± std [min, max]`` (``n = 1``: the value alone; ``inf``: "not reached (k/n)")."""
+    s = summary(values)
+    if math.isinf(s["mean"]):
+        k = sum(not math.isinf(v) for v in values)
+        return f"not reached ({k}/{s['n']} seeds)"
+    if s["n"] == 1:
+        return f"{s['mean']:.{digits}f}"
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
