@@ -167,14 +167,15 @@ def test_cascade_bad_normalization():
 # the configuration's margin. Near-rank-1 behaviour: tests/test_near_rank1.py; the Triton kernels:
 # tests/test_gram.py; full harness: anvil_fast.difftest.
 
+@pytest.mark.parametrize("family", ["gaussian", "well_conditioned"])
 @pytest.mark.parametrize("config", ["safe", "faithful"])
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
-def test_fast_cascade_matches_reference(config, shape):
+def test_fast_cascade_matches_reference(config, shape, family):
     from anvil_fast import difftest as D
-    from tests.tolerances import check
+    from tests.tolerances import check_row
 
-    row, _ = D.cascade_row(shape, "gaussian", config, compile=False)
-    assert check("cascade", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
+    row, _ = D.cascade_row(shape, family, config, compile=False)
+    assert check_row(row, same_backend=True), D.format_table([row])
 
 
 def test_eager_bf16_cascade_with_a_cubic_map():

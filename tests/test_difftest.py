@@ -111,7 +111,6 @@ def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
     import anvil_fast.difftest as mod
 
     if component == "momentum":
-        monkeypatch.setattr(mod, "FAST_WEIGHT", mod.FAST_WEIGHT)
         rails, eager = mod.rails_lookahead, mod.eager_rails
         monkeypatch.setattr(mod, "rails_lookahead", lambda g, v, mu, fb, w, **kw: rails(g, v, mu, fb, w * 1.01, **kw))
         monkeypatch.setattr(mod, "eager_rails", lambda *a, fast_weight, **kw: eager(*a, fast_weight=fast_weight * 1.01, **kw))
@@ -120,8 +119,8 @@ def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
         eq, eager = mod.rail_equalizer, mod.eager_equalizer
         monkeypatch.setattr(mod, "rail_equalizer", lambda v, e, b2, *a, **kw: eq(v, e, 1 - (1 - b2) * 1.01, *a, **kw))
         monkeypatch.setattr(mod, "eager_equalizer", lambda v, e, *, beta2: eager(v, e, beta2=1 - (1 - beta2) * 1.01))
-        ref = D.make_matrix("gaussian", (3, 40, 24))
-        row, _ = D.equalizer_row(ref, (3, 40, 24), "gaussian", SAFE, compile=False)
+        _, ref_y = D.cascade_row((3, 40, 24), "gaussian", SAFE, compile=False)
+        row, _ = D.equalizer_row(ref_y, (3, 40, 24), "gaussian", SAFE, compile=False)
     assert check(row.component, fast=row.fast, eager=row.eager, floor=row.floor), "the factor rule alone"
     assert not check_row(row), D.format_table([row])
 
