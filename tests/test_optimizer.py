@@ -347,7 +347,12 @@ def test_fast_step_matches_reference_at_every_step(config):
         if do_adam and tied_now:
             assert torch.equal(fast.params["embed"].data, fast.params["lm_head"].data.T)
     assert fast.split_embed and fast.param_states["embed"]["step"] == ref.state["embed"]["step"] == 3
-    assert all(v < 0.05 for v in worst.values()), worst  # a bf16 cascade, not noise
+    # and eager's own size, from the table: the bank delta carries the cascade's roundings plus the
+    # equalizer's two; on these gaussian gradients (not the well-conditioned family) the small singular
+    # values widen eager's error up to ~1.7x the well-conditioned count (measured, anvil_fast.difftest:
+    # 0.0055-0.0082 against 0.0037-0.0048), so 2x that count: 0.0216; measured worst here 0.0103
+    bound = 2 * (TOL.CASCADE_ROUNDINGS + 2) ** 0.5 * TOL.RHO
+    assert all(v <= bound for v in worst.values()), (worst, bound)
 
 
 def _expected_schedule(opt, do_adam, tied):
