@@ -178,8 +178,9 @@ def test_state_dict_round_trip_continues_identically():
 
 def test_from_named_parameters_reads_seed_attributes():
     params = []
+    gen = torch.Generator().manual_seed(101)
     for name, shape in SHAPES.items():
-        p = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16))
+        p = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16, generator=gen))
         p.label = name
         if name in RESHAPES:
             p.reshape = RESHAPES[name]
@@ -468,7 +469,7 @@ def test_fast_reset_and_fp32_bank_truncation():
             assert torch.count_nonzero(st.view(torch.int16) if st.dtype == torch.uint16 else st) == 0
     assert torch.equal(opt.params["qk_bank"].data, bf16_before)
     assert torch.equal(opt.param_states["scalars"]["exp_avg"], adam_state)  # Adam state is not reset
-    p = torch.nn.Parameter(torch.randn(16, 8))
+    p = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(102)))
     p.label, p.reshape = "qk_bank", (2, 8, 8)
     o32 = FastAnvilAndAdam([("w", p)], {"qk_bank": C.TABLE["qk_bank"]}, allow_fp32_banks=True)
     o32.reset()
