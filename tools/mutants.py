@@ -131,7 +131,8 @@ MUTANTS: list[Mutant] = [
       "lane = inner % cols if LANE_IS_ROW else inner // cols", "tests/test_equalizer.py"),
     # ---- a Gram kernel
     M("gram kernel: alpha and beta swapped in b*A + c*A@A", "anvil_fast/gram_kernels.py",
-      "val = alpha * acc + beta * aij.to(tl.float32)", "val = beta * acc + alpha * aij.to(tl.float32)",
+      "        val = alpha * acc + beta * aij.to(tl.float32)\n        _store_symmetric(C, val,",
+      "        val = beta * acc + alpha * aij.to(tl.float32)\n        _store_symmetric(C, val,",
       "tests/test_gram.py"),
     # ---- Adam
     M("fast adam kernel: gate > turned into >=", "anvil_fast/adam.py",
