@@ -147,12 +147,12 @@ MUTANTS: list[Mutant] = [
     M("optimizer: the replicated tied lm_head loses embed's gradient", "anvil_fast/optimizer.py",
       "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            transpose_add(embed.grad, lm.grad)",
       "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            pass",
-      "tests/test_optimizer.py"),
+      "tests/test_optimizer_api.py"),
     M("optimizer: the sharded tied lm_head loses embed's gradient", "anvil_fast/optimizer.py",
       "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:\n"
       "                transpose_add(embed.grad, p.grad)",
       "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:\n"
-      "                pass", "tests/test_optimizer.py"),
+      "                pass", "tests/test_optimizer.py", "tests/test_optimizer_api.py"),
     M("optimizer: per-matrix lr multiplier dropped", "anvil_fast/optimizer.py",
       "lrs.append([cfg.lr_mul * m * cfg.lr for m in cfg.per_matrix_lr_mul])",
       "lrs.append([cfg.lr_mul * cfg.lr for m in cfg.per_matrix_lr_mul])", "tests/test_optimizer.py"),
@@ -160,6 +160,14 @@ MUTANTS: list[Mutant] = [
       "row = adam_row(lr=cfg.lr * cfg.lr_mul, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,",
       "row = adam_row(lr=cfg.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,",
       "tests/test_optimizer.py"),
+    M("optimizer: maps= not passed to the banks", "anvil_fast/optimizer.py", "                extra[\"maps\"] = maps",
+      "                pass", "tests/test_optimizer_api.py"),
+    # ---- the benchmark's baseline
+    M("plain: the slow rail's beta for the fast rail", "anvil_fast/plain.py",
+      "velocity[0].lerp_(grad_chunk, 1 - fast_beta_t.to(grad_chunk.dtype))",
+      "velocity[0].lerp_(grad_chunk, 1 - RAIL_SLOW_BETA)", "tests/test_plain.py"),
+    M("plain: the first Gram not rescaled", "anvil_fast/plain.py", "    A = (A.float() / d.square()).bfloat16()",
+      "    A = (A.float() / d).bfloat16()", "tests/test_plain.py"),
     # ---- comms
     M("comms: gloo average not divided", "anvil_fast/comms.py", "        return lambda: t.div_(n)",
       "        return lambda: None", "tests/test_distributed.py::test_two_gloo_ranks"),
