@@ -148,3 +148,21 @@ def test_gpu_within_tolerance(config):
     for shape in [(4, 96, 96), (2, 256, 768), (2, 2816, 768)]:
         for fam in fams:
             _assert_rows(D.run(shape, fam, config, device="cuda"), same_backend=False)
+
+
+def test_the_eager_side_counts_roundings_by_path_and_size():
+    # the split ``a*X + X@B`` (FAITHFUL above SPLIT_BADDBMM_MIN_ROWS rows) makes 27 roundings, the fused
+    # one 21; the mean singular-value bound applies up to CASCADE_SV_MAX_DIM rows/cols, and where it
+    # applies a missing measurement fails
+    from tests import tolerances as TOL
+
+    def row(shape, config, eager, sv):
+        return D.Row("cascade", shape, "well_conditioned", config, fast=eager, floor=0.0017, eager=eager,
+                     same_bits=1.0, eager_sv=sv, well_conditioned=True)
+
+    mid = (27 ** 0.5 * TOL.RHO + 21 ** 0.5 * TOL.RHO) / 2
+    assert check_row(row((2, 2816, 768), "faithful", mid, None))
+    assert not check_row(row((2, 2816, 768), "safe", mid, None))
+    assert not check_row(row((2, 40, 24), "faithful", 0.004, None))
+    assert check_row(row((2, 40, 24), "faithful", 0.004, 0.5 * TOL.cascade_sv_bound()))
+    assert not check_row(row((2, 40, 24), "faithful", 0.004, 1.5 * TOL.cascade_sv_bound()))
