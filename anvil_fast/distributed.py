@@ -14,6 +14,7 @@ replicas bit for bit by exchanging 64 hex characters instead of the tensors.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import tempfile
@@ -25,10 +26,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 #: NVLink multicast stays off on the lent machines (device README): set in every child too.
+#: Seconds a rank waits in a collective before failing (spawn's default): far above any step of the
+#: tests and the CPU scaling run (well under a second), far below gloo's 30-minute default.
+SPAWN_TIMEOUT_S = 120.0
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _worker(rank: int, fn: Callable, world_size: int, backend: str, folder: str, threads: int, args: tuple) -> None:
+def _worker(rank: int, fn: Callable, world_size: int, backend: str, folder: str, threads: int, timeout: float,
+            args: tuple) -> None:
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     if threads:
@@ -38,7 +44,7 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, folder: str,
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
-                            world_size=world_size, **kwargs)
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout), **kwargs)
     # No barrier on failure: the other ranks may be blocked in a collective, and a barrier here would
     # hang this rank too and hide its traceback; raising lets the launcher stop them all.
     result = fn(rank, world_size, *args)
@@ -48,14 +54,19 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, folder: str,
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-          threads: int = 1) -> list[Any]:
+          threads: int = 1, timeout: float = SPAWN_TIMEOUT_S) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one process
     group; return the ranks' return values, in rank order. ``fn`` must be importable (a
-    module-level function). ``threads``: torch CPU threads per process (0: leave the default)."""
+    module-level function). ``threads``: torch CPU threads per process (0: leave the default).
+    ``timeout``: seconds a collective (and the rendezvous) may wait for the other ranks before the
+    rank fails -- a deadlock then ends the run with an error instead of waiting out the backend's
+    default (30 minutes for gloo)."""
+    if not timeout > 0:
+        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"NCCL with {world_size} ranks needs {world_size} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="anvil_spawn_") as folder:
-        mp.start_processes(_worker, args=(fn, world_size, backend, folder, threads, args), nprocs=world_size,
+        mp.start_processes(_worker, args=(fn, world_size, backend, folder, threads, float(timeout), args), nprocs=world_size,
                            join=True, start_method="spawn")
         return [torch.load(os.path.join(folder, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
 

@@ -139,16 +139,21 @@ def test_fast_adam_matches_reference(device, force_triton, dtype):
     assert torch.equal(p[off], p0[off]) and torch.equal(m[off], m0[off]) and torch.equal(v[off], v0[off])
 
 
-def test_fast_adam_single_row_equals_fused_and_cautious_decay_is_strict():
+@pytest.mark.parametrize("device,force_triton", [
+    ("cpu", False),  # the plain-torch fallback
+    pytest.param("cpu", True, marks=pytest.mark.skipif(not _INTERP, reason="CPU kernel: interpreter only")),
+    pytest.param("cuda", False, marks=pytest.mark.gpu)])
+def test_fast_adam_single_row_equals_fused_and_cautious_decay_is_strict(device, force_triton):
     h = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.2, wd_mul=3.0, step=1)
-    table = torch.tensor([adam_row(**h)], dtype=torch.float32)
-    p = torch.tensor([1.0, 1.0, -1.0, 0.5])
-    g = torch.tensor([2.0, -2.0, 0.0, 1.0])
-    m, v = torch.zeros(4), torch.zeros(4)
+    table = torch.tensor([adam_row(**h)], dtype=torch.float32, device=device)
+    p = torch.tensor([1.0, 1.0, -1.0, 0.5], device=device)
+    g = torch.tensor([2.0, -2.0, 0.0, 1.0], device=device)
+    m, v = torch.zeros(4, device=device), torch.zeros(4, device=device)
     p2, m2, v2 = p.clone(), m.clone(), v.clone()
-    adam_update_(p, g, m, v, table, 0)
-    fused_adam_(p2, g, m2, v2, torch.zeros(4, dtype=torch.int32), table)
+    adam_update_(p, g, m, v, table, 0, force_triton=force_triton)
+    fused_adam_(p2, g, m2, v2, torch.zeros(4, dtype=torch.int32, device=device), table, force_triton=force_triton)
     assert torch.equal(p, p2) and torch.equal(m, m2) and torch.equal(v, v2)
+    p = p.cpu()
     assert p[2] == -1.0  # g = 0: u = 0, u * p = 0 is not > 0, no decay
     r = adam_update(np.array([1.0, 1.0, -1.0, 0.5]), g.double().numpy(), np.zeros(4), np.zeros(4), **h)
     np.testing.assert_allclose(p.double().numpy(), r.p, rtol=1e-6)

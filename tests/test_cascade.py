@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,shape,rank", CASES, ids=[c[0] for c in CASES])
 def test_cascade_equals_exact_composite_on_singular_values(name, shape, rank):
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # stable across runs, unlike hash()
     batch, m, n = shape
     r = rank or min(m, n)
     xs, exps = [], []
@@ -121,7 +122,7 @@ def test_cascade_catches_wrong_margin():
 
 
 def test_torch_in_torch_out():
-    x = torch.randn(2, 6, 4, dtype=torch.bfloat16)
+    x = torch.randn(2, 6, 4, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(101))
     out = cascade(x)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.shape == x.shape
     np.testing.assert_allclose(out.numpy(), cascade(x.double().numpy()), rtol=0, atol=0)
@@ -167,14 +168,15 @@ def test_cascade_bad_normalization():
 # the configuration's margin. Near-rank-1 behaviour: tests/test_near_rank1.py; the Triton kernels:
 # tests/test_gram.py; full harness: anvil_fast.difftest.
 
+@pytest.mark.parametrize("family", ["gaussian", "well_conditioned"])
 @pytest.mark.parametrize("config", ["safe", "faithful"])
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
-def test_fast_cascade_matches_reference(config, shape):
+def test_fast_cascade_matches_reference(config, shape, family):
     from anvil_fast import difftest as D
-    from tests.tolerances import check
+    from tests.tolerances import check_row
 
-    row, _ = D.cascade_row(shape, "gaussian", config, compile=False)
-    assert check("cascade", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
+    row, _ = D.cascade_row(shape, family, config, compile=False)
+    assert check_row(row, same_backend=True), D.format_table([row])
 
 
 def test_eager_bf16_cascade_with_a_cubic_map():
@@ -182,7 +184,7 @@ def test_eager_bf16_cascade_with_a_cubic_map():
     CPU build gets wrong for matrices 32 or more wide."""
     from anvil_fast.eager import eager_bf16_cascade
 
-    x = torch.randn(2, 64, 48, dtype=torch.float64)
+    x = torch.randn(2, 64, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(102))
     maps = [(1.5, -0.5, 0.0)] * 8  # Newton-Schulz cubic
     out = eager_bf16_cascade(x, maps=maps).double()
     ref = torch.as_tensor(cascade(x, maps=maps))

@@ -305,3 +305,32 @@ def test_two_nccl_ranks():
     if torch.cuda.device_count() < WORLD:
         pytest.skip("needs two GPUs")
     _check(spawn(_session, WORLD, "cuda", False, backend="nccl"), bitwise=True)
+
+
+def _one_rank_stays_away(rank, world_size, away_s):
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.barrier()  # rank 1 reaches the launcher's closing barrier only after away_s
+    else:
+        time.sleep(away_s)
+    return rank
+
+
+@pytest.mark.distributed
+def test_a_stuck_collective_fails_within_the_timeout():
+    # without spawn's timeout rank 0 would wait for rank 1 (away_s) and the run would pass; with it,
+    # rank 0's barrier fails after 3 s and the launcher raises
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="Timed out"):
+        spawn(_one_rank_stays_away, WORLD, 60.0, backend="gloo", timeout=3.0)
+    assert time.monotonic() - t0 < 45.0
+
+
+def test_spawn_rejects_a_non_positive_timeout():
+    with pytest.raises(ValueError, match="timeout"):
+        spawn(_one_rank_stays_away, WORLD, 0.0, timeout=0)

@@ -148,7 +148,7 @@ def test_every_kernel_path_is_exact_and_symmetric(monkeypatch, shape, kernel, pe
 
 def test_bad_kernel_name_is_refused():
     with pytest.raises(G.GramInputError, match="config.kernel"):
-        G.XXT(torch.randn(4, 6).bfloat16(), backend="triton" if DEV == "cuda" or interpreting() else "auto",
+        G.XXT(torch.randn(4, 6, generator=torch.Generator().manual_seed(101)).bfloat16(), backend="triton" if DEV == "cuda" or interpreting() else "auto",
               config=G.TileConfig(32, 32, 32, 4, 1, kernel="cublas"))
 
 
@@ -158,7 +158,7 @@ def test_tuner_drops_failures_and_disagreements_and_keeps_the_fastest():
     T = G.TileConfig
     ref, slow, fast, ulp, wrong, boom = (T(32, 32, 32, 4, 1, kernel="v1"), T(64, 64, 64, 4, 3), T(64, 64, 64, 4, 3, kernel="tma"),
                                          T(128, 128, 64, 8, 4), T(128, 128, 64, 4, 3), T(64, 64, 128, 4, 3))
-    truth = torch.randn(8, 8)
+    truth = torch.randn(8, 8, generator=torch.Generator().manual_seed(102))
     out = torch.zeros(8, 8)
     last = []
 
@@ -226,7 +226,7 @@ def test_tuner_candidates_fit_the_problem(monkeypatch):
 
 
 def test_torch_fallback_has_the_kernel_semantics():
-    X = torch.randn(2, 50, 30).bfloat16()
+    X = torch.randn(2, 50, 30, generator=torch.Generator().manual_seed(103)).bfloat16()
     A = G.XXT(X, backend="torch")
     assert_rounded_exact(A, X.double() @ X.double().mT, "XXT torch")
     assert torch.equal(A, A.mT)
@@ -252,7 +252,7 @@ def test_batches_beyond_the_launch_limit_are_sliced(monkeypatch, kernel):
             return real[grid]
 
     monkeypatch.setattr(K, name, Count())
-    X = torch.randn(5, 20, 12).bfloat16().to(DEV)
+    X = torch.randn(5, 20, 12, generator=torch.Generator().manual_seed(104)).bfloat16().to(DEV)
     out = poisoned((5, 20, 20))
     cfg = G.TileConfig(32, 32, 16, 4, 1, kernel=kernel)
     G.XXT(X, out=out, backend="triton", config=cfg)
@@ -269,7 +269,7 @@ def test_interpreter_probes_are_consistent():
         return
     # The probes ran real kernels; the work-arounds they switch on give exact results (above), and
     # without them the kernel is wrong exactly when the probe says the interpreter is broken.
-    X = torch.randn(1, 32, 32).bfloat16()
+    X = torch.randn(1, 32, 32, generator=torch.Generator().manual_seed(105)).bfloat16()
     exact = X.double() @ X.double().mT
     out = torch.empty(1, 32, 32, dtype=torch.bfloat16)
     K._gram_kernel[(1,)](X, out, 32, 32, X.stride(0), X.stride(1), X.stride(2), out.stride(0), out.stride(1),
@@ -287,17 +287,17 @@ def test_empty_and_zero_sized():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: G.XXT(torch.randn(4, 4)), "bfloat16"),
-    (lambda: G.XXT(torch.randn(4).bfloat16()), "at least 2 dims"),
-    (lambda: G.XXT(torch.randn(4, 6).bfloat16().mT), "contiguous"),
+    (lambda: G.XXT(torch.randn(4, 4, generator=torch.Generator().manual_seed(106))), "bfloat16"),
+    (lambda: G.XXT(torch.randn(4, generator=torch.Generator().manual_seed(107)).bfloat16()), "at least 2 dims"),
+    (lambda: G.XXT(torch.randn(4, 6, generator=torch.Generator().manual_seed(108)).bfloat16().mT), "contiguous"),
     (lambda: G.XXT([[1.0]]), "torch.Tensor"),
-    (lambda: G.XXT(torch.randn(4, 6).bfloat16(), out=torch.empty(6, 6, dtype=torch.bfloat16)), r"shape \(4, 4\)"),
-    (lambda: G.XXT(torch.randn(4, 6).bfloat16(), out=torch.empty(4, 4)), "bfloat16"),
-    (lambda: G.ba_plus_cAA(torch.randn(4, 5).bfloat16(), alpha=1.0, beta=1.0), "square"),
-    (lambda: G.ba_plus_cAA(torch.randn(4, 4).bfloat16(), alpha=math.nan, beta=1.0), "finite"),
-    (lambda: G.aX_plus_mm(torch.randn(3, 5).bfloat16(), torch.randn(3, 4).bfloat16(), torch.randn(3, 5).bfloat16(),
+    (lambda: G.XXT(torch.randn(4, 6, generator=torch.Generator().manual_seed(109)).bfloat16(), out=torch.empty(6, 6, dtype=torch.bfloat16)), r"shape \(4, 4\)"),
+    (lambda: G.XXT(torch.randn(4, 6, generator=torch.Generator().manual_seed(110)).bfloat16(), out=torch.empty(4, 4)), "bfloat16"),
+    (lambda: G.ba_plus_cAA(torch.randn(4, 5, generator=torch.Generator().manual_seed(111)).bfloat16(), alpha=1.0, beta=1.0), "square"),
+    (lambda: G.ba_plus_cAA(torch.randn(4, 4, generator=torch.Generator().manual_seed(112)).bfloat16(), alpha=math.nan, beta=1.0), "finite"),
+    (lambda: G.aX_plus_mm(torch.randn(3, 5, generator=torch.Generator().manual_seed(113)).bfloat16(), torch.randn(3, 4, generator=torch.Generator().manual_seed(114)).bfloat16(), torch.randn(3, 5, generator=torch.Generator().manual_seed(115)).bfloat16(),
                           a=1.0), "do not chain"),
-    (lambda: G.XXT(torch.randn(4, 6).bfloat16(), backend="cuda"), "backend"),
+    (lambda: G.XXT(torch.randn(4, 6, generator=torch.Generator().manual_seed(116)).bfloat16(), backend="cuda"), "backend"),
 ])
 def test_bad_input_is_refused_clearly(call, match):
     with pytest.raises(G.GramInputError, match=match):
@@ -305,7 +305,7 @@ def test_bad_input_is_refused_clearly(call, match):
 
 
 def test_out_overlapping_the_input_is_refused():
-    A = torch.randn(2, 8, 8).bfloat16()
+    A = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(117)).bfloat16()
     with pytest.raises(G.GramInputError, match="overlap"):
         G.ba_plus_cAA(A, alpha=1.0, beta=1.0, out=A)
 
@@ -313,7 +313,7 @@ def test_out_overlapping_the_input_is_refused():
 @pytest.mark.gpu
 def test_gpu_production_tiles_and_sizes():
     for shape in [(3, 256, 768), (2, 768, 768), (2, 2816, 768), (5, 300, 200), (1, 1000, 130)]:
-        X = torch.randn(shape, device="cuda").bfloat16()
+        X = torch.randn(shape, generator=torch.Generator().manual_seed(118)).to("cuda").bfloat16()
         x64 = X.double()
         tall = shape[1] > shape[2]
         A = (G.XTX if tall else G.XXT)(X)
@@ -340,7 +340,7 @@ def test_gpu_every_tuner_candidate_is_exact(shape):
     # persistent grids, cuBLAS for aX_plus_mm) must be exact and symmetric, here compiled for the GPU.
     from anvil_fast import gram_tune as GT
 
-    X = torch.randn(shape, device="cuda").bfloat16()
+    X = torch.randn(shape, generator=torch.Generator().manual_seed(119)).to("cuda").bfloat16()
     # A ragged shape never gets TMA candidates (gram_tune.candidates): there, the pointer ones.
     usable = (lambda c: True) if shape[1] % 128 == 0 else (lambda c: c.kernel != "tma")
     default_mm = G.TileConfig(64, 128, 64, 4, 4, kernel="v1")
@@ -356,7 +356,7 @@ def test_gpu_tuner_records_and_reuses_its_choice():
     from anvil_fast import gram_tune as GT
 
     GT.reset()
-    X = torch.randn(8, 768, 768, device="cuda").bfloat16()
+    X = torch.randn(8, 768, 768, generator=torch.Generator().manual_seed(120)).to("cuda").bfloat16()
     A = G.XXT(X)
     x64 = X.double()
     assert_rounded_exact(A, x64 @ x64.mT, "tuned XXT", scale=x64.abs() @ x64.abs().mT)
@@ -377,7 +377,7 @@ def test_gpu_64bit_offsets(kernel):
     rows, cols = 1024, 1024
     batch = 2 ** 31 // (rows * cols) + 2
     X = torch.empty(batch, rows, cols, dtype=torch.bfloat16, device="cuda")
-    X[-2:].normal_()
+    X[-2:].normal_(generator=torch.Generator(device="cuda").manual_seed(1))
     X[:-2].zero_()
     out = torch.empty(batch, rows, rows, dtype=torch.bfloat16, device="cuda")
     out[-2:].fill_(float("nan"))

@@ -57,17 +57,21 @@ def test_box_enclosures_contain_high_precision_values(maps):
     lo = np.sort(rng.uniform(1 / 300, 0.95, 200))
     hi = np.minimum(lo + 10.0 ** rng.uniform(-9, -1.5, 200), 0.9523)
     e = enclose(lo, hi, maps)
+    # an enclosure may be the whole line only for a wide box at the steep top of the interval (there
+    # the interval dependency of six composed quintics exceeds BIG); every other one is finite
+    blown = ~np.all([np.isfinite(a) for pair in (e.value, e.d1) for a in pair], axis=0)
+    assert not np.any(blown & ~((hi - lo > 1e-2) & (hi > 0.9))), (lo[blown], hi[blown])
     th = [[mpmath.mpf(v) for v in t] for t in maps]
     with mpmath.workdps(40):
-        for i in range(0, 200, 3):
+        for i in [i for i in range(0, 200, 3) if not blown[i]]:
             for t in (0, 0.37, 1):
                 x = mpmath.mpf(float(lo[i])) + (mpmath.mpf(float(hi[i])) - mpmath.mpf(float(lo[i]))) * t
                 F = Fraction(mpmath.nstr(composite(x, maps=th), 35))
                 dF = Fraction(mpmath.nstr(mpmath.diff(lambda s: composite(s, maps=th), x), 35))
                 tol = Fraction(1, 10 ** 25)
                 for (lo_, hi_), exact in ((e.value, F), (e.d1, dF)):
-                    assert not np.isfinite(lo_[i]) or _fr(lo_[i]) <= exact + tol
-                    assert not np.isfinite(hi_[i]) or exact - tol <= _fr(hi_[i])
+                    assert _fr(lo_[i]) <= exact + tol
+                    assert exact - tol <= _fr(hi_[i])
 
 
 def test_point_jets_are_tight():

@@ -178,8 +178,9 @@ def test_state_dict_round_trip_continues_identically():
 
 def test_from_named_parameters_reads_seed_attributes():
     params = []
+    gen = torch.Generator().manual_seed(101)
     for name, shape in SHAPES.items():
-        p = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16))
+        p = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16, generator=gen))
         p.label = name
         if name in RESHAPES:
             p.reshape = RESHAPES[name]
@@ -347,7 +348,12 @@ def test_fast_step_matches_reference_at_every_step(config):
         if do_adam and tied_now:
             assert torch.equal(fast.params["embed"].data, fast.params["lm_head"].data.T)
     assert fast.split_embed and fast.param_states["embed"]["step"] == ref.state["embed"]["step"] == 3
-    assert all(v < 0.05 for v in worst.values()), worst  # a bf16 cascade, not noise
+    # and eager's own size, from the table: the bank delta carries the cascade's roundings plus the
+    # equalizer's two; on these gaussian gradients (not the well-conditioned family) the small singular
+    # values widen eager's error up to ~1.7x the well-conditioned count (measured, anvil_fast.difftest:
+    # 0.0055-0.0082 against 0.0037-0.0048), so 2x that count: 0.0216; measured worst here 0.0103
+    bound = 2 * (TOL.CASCADE_ROUNDINGS + 2) ** 0.5 * TOL.RHO
+    assert all(v <= bound for v in worst.values()), (worst, bound)
 
 
 def _expected_schedule(opt, do_adam, tied):
@@ -463,7 +469,7 @@ def test_fast_reset_and_fp32_bank_truncation():
             assert torch.count_nonzero(st.view(torch.int16) if st.dtype == torch.uint16 else st) == 0
     assert torch.equal(opt.params["qk_bank"].data, bf16_before)
     assert torch.equal(opt.param_states["scalars"]["exp_avg"], adam_state)  # Adam state is not reset
-    p = torch.nn.Parameter(torch.randn(16, 8))
+    p = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(102)))
     p.label, p.reshape = "qk_bank", (2, 8, 8)
     o32 = FastAnvilAndAdam([("w", p)], {"qk_bank": C.TABLE["qk_bank"]}, allow_fp32_banks=True)
     o32.reset()

@@ -58,8 +58,8 @@ def test_twin_rail_matches_closed_form_over_many_steps():
 
 
 def test_inputs_not_modified_and_torch_roundtrip():
-    g = torch.randn(2, 3)
-    v0, v1 = torch.randn(2, 3), torch.randn(2, 3)
+    g = torch.randn(2, 3, generator=torch.Generator().manual_seed(101))
+    v0, v1 = torch.randn(2, 3, generator=torch.Generator().manual_seed(102)), torch.randn(2, 3, generator=torch.Generator().manual_seed(103))
     copies = [t.clone() for t in (g, v0, v1)]
     r = twin_rail(g, v0, v1, momentum=0.9, fast_beta=0.8, fast_weight=0.5)
     assert all(torch.equal(a, b) for a, b in zip((g, v0, v1), copies))
@@ -121,10 +121,10 @@ def test_rails_bad_input():
 def test_fast_rails_match_reference(family):
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
-    from tests.tolerances import check
+    from tests.tolerances import check_row
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False)
-    assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
+    assert check_row(row, same_backend=True), D.format_table([row])
 
 
 # The fused Triton rails (anvil_fast.rails, SAFE on CUDA), on CPU in Triton's interpreter and on CUDA
@@ -134,10 +134,10 @@ def test_fast_rails_match_reference(family):
 def test_fused_rails_match_reference(family, triton_dev):
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
-    from tests.tolerances import check
+    from tests.tolerances import check_row
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False, backend="triton", device=triton_dev)
-    assert check("momentum", fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps), D.format_table([row])
+    assert check_row(row, same_backend=triton_dev == "cpu"), D.format_table([row])
 
 
 def _rails_inputs(shape, dev, seed=0):

@@ -69,18 +69,19 @@ def test_inactive_member_of_a_group_is_masked():
     both, and the inactive row must leave the other's value and moments exactly as they were."""
     table = {n: {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.99]} for n in ("a", "b")}
     ps = []
+    gen = torch.Generator().manual_seed(101)
     for n, shape in (("a", (5,)), ("b", (3,))):
-        p = torch.nn.Parameter(torch.randn(shape))
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen))
         p.label = n
         ps.append((n, p))
     opt = AnvilAndAdam(ps, table)
     assert len(opt.replicated.groups) == 1
     for p in opt.params.values():
-        p.grad = torch.randn(p.shape)
+        p.grad = torch.randn(p.shape, generator=gen)
     opt.step(do_adam=True)
     b = opt.params["b"]
     before = [b.data.clone(), opt.param_states["b"]["exp_avg"].clone(), opt.param_states["b"]["exp_avg_sq"].clone()]
-    opt.params["a"].grad = torch.randn(5)
+    opt.params["a"].grad = torch.randn(5, generator=gen)
     opt.step(do_adam=True)
     after = [b.data, opt.param_states["b"]["exp_avg"], opt.param_states["b"]["exp_avg_sq"]]
     assert all(torch.equal(x, y) for x, y in zip(before, after))

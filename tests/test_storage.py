@@ -55,7 +55,7 @@ def test_truncation_not_rounding():
 
 
 def test_torch_tensors_and_bf16_parameter():
-    w = torch.randn(4, 5, dtype=torch.float32)
+    w = torch.randn(4, 5, dtype=torch.float32, generator=torch.Generator().manual_seed(101))
     hi, lo = split_fp32(w)
     assert hi.dtype == torch.uint16 and lo.dtype == torch.uint16
     p_bf16 = hi.view(torch.bfloat16)  # the model reads the high half as its bf16 weight

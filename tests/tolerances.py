@@ -7,7 +7,8 @@ Every bf16 component is judged against two floors measured on the same input (an
 * ``eager`` -- a plain eager-torch bf16 implementation of the same math (anvil_fast.eager): what the
   seed's roundings lose with library matmuls.
 
-Rule for bf16 components: ``fast <= FACTOR * eager + ATOL``.
+Rule for bf16 components: ``fast <= FACTOR * eager + ATOL`` (fast against eager, any backend), plus the
+two checks below that can fail when fast and eager share a bug (``check_row``).
 
 * FACTOR = 2: the fast path makes the same roundings as the eager one, in a different summation
   order (tiles, split-K order, fp32 accumulation of tensor cores), so its error is a draw from the
@@ -54,6 +55,59 @@ of the largest term that entered an element, ``max(|p|, |p| * eff_wd, T)`` with
   elements at steps 1-50: <= 3.2).
 * bf16 parameters: the fp32 result above (<= 10 fp32 ulps = 0.0002 bf16 ulps) rounded once to
   bf16 (0.5 bf16 ulp): within ADAM_BF16_ULPS = 1 bf16 ulp of the largest term, against the exact value.
+
+The rule has two sides. ``fast <= FACTOR * eager + ATOL`` alone cannot see a bug that the fast path and
+the eager one share (both import anvil_ref.constants), so every bf16 component is also judged
+**fast against eager** by shared bits where both run the same backend, and **eager against the float64
+reference** by a bound counted from its bf16 roundings:
+
+* Same backend (CPU: plain torch or Triton's interpreter, and the eager torch functions): the fast
+  output's share of elements bit-identical to eager's is at least SAME_BITS[component]. The
+  momentum lookahead and the equalizer are element-wise with the same fp32 operations in the same
+  order: SAME_BITS = 1 (measured 1.0 on every family and shape). The cascade's symmetric Gram and
+  fused ``a*X + X@B`` sum in another order than the library matmul, and a different last bit in one
+  map moves many elements of the next: SAME_BITS = 0.5 (measured, CPU, 8 families x 3 shapes x 2
+  configurations: 0.63-1.0, 1.0 on most rows). A fast-only slip (a wrong
+  coefficient, a dropped tile) leaves well under half the bits the same.
+  Across backends (GPU fast against CPU or cuBLAS eager) only the factor rule above applies.
+* Eager against float64. One bf16 rounding of a value with a log-uniform mantissa has relative RMS
+  error ``2**-8/sqrt(3) * sqrt(3/(8 ln 2)) ~ 1.66e-3`` (the measured ``floor``, 1.6-1.9e-3) and at most
+  ``RHO = 2**-8/sqrt(3) ~ 2.26e-3`` (mantissa near 1); its worst case is ``2**-8``. Roundings are
+  zero-mean and independent, so n of them add in quadrature.
+
+  - momentum: the lookahead is computed in fp32 (<= ~6 fp32 ulps of the largest term; the rails row)
+    and rounded once to bf16, so eager's rounding differs from the floor's only where the fp32 value
+    lies within those ulps of a bf16 rounding boundary (a share ~2**-14 of the elements), each by one
+    bf16 ulp: ``eager <= floor + MOMENTUM_FP32_SLACK`` with MOMENTUM_FP32_SLACK = 2**-12 (~1/7 of
+    the floor; measured: eager == floor to 3 digits on every family). A coefficient off by 0.1%
+    adds ~1e-3 and fails.
+  - equalizer: the input V is exact bf16; eager rounds the per-lane scale (<= 2**-8 relative,
+    taken at its worst case since a matrix has only a few dozen lanes) and the product (one
+    rounding, like the floor's): ``eager <= sqrt(floor**2 + 2**-16)`` (= 4.3e-3 at floor 1.7e-3;
+    measured 2.2-3.4e-3, every family). A wrong EMA weight or gain floor moves every lane and fails.
+  - cascade, on the WELL_CONDITIONED family only (singular values of X/d away from 0, where the
+    composite's slope F'(0) ~ 643 amplifies roundings): the output path carries
+    ``n = CASCADE_ROUNDINGS`` roundings -- the bf16 cast of X, the normalized X, FAITHFUL's rescaled
+    first Gram, and per map the Gram A, the polynomial B and the new X (21; 27 with the split
+    ``a*X + X@B``, one more per map), each reaching the output with gain <= 1 (the maps contract
+    toward the fixed point), so ``eager <= sqrt(n) * RHO`` (= 0.0104; measured 0.0037-0.0048 on
+    24x40 .. 96x64). That Frobenius bound is loose against a systematic slip (+1% on every map's c
+    raises eager's error only from ~2.8x to ~3.8x the floor), so the cascade also bounds the *mean
+    singular-value error* (anvil_fast.difftest.mean_singular_value_error): in units of its standard
+    deviation for one rounding of the output (the floor measures as N(0, 1) there: |t| <= 2.1 over 30
+    matrices), n roundings of gain <= 1 give a standard deviation <= sqrt(n); the bound is four of
+    them, ``eager_sv <= 4 * sqrt(n)`` (18.3 for n = 21). Measured eager: <= 6.5 on 40x24, 24x40,
+    32x32 (CPU tests), <= 10.4 on 96x64 and 96x96; with +1% on every map's c: 27-36 on those
+    three shapes, 64-146 on the larger ones; a dropped map: far beyond.
+    The unit shrinks like ``1/sqrt(rows*cols)`` while a rounding of the Gram's diagonal moves ``t`` by
+    ~``RHO/sqrt(k)``, so on larger matrices the Gram roundings dominate and the unit no longer counts
+    them (measured eager, CPU: 47 / 38 on 256x768 SAFE / FAITHFUL; 241 / 2020 on 2816x768, where
+    FAITHFUL's split ``a*X + X@B`` shifts the mean singular value by 0.55%, a bias of the seed's
+    arithmetic the size of +1% on c). The singular-value bound therefore applies to matrices of at
+    most CASCADE_SV_MAX_DIM rows and columns (the CPU tests' shapes); larger ones keep the Frobenius
+    bound (measured 0.0044-0.0050; FAITHFUL 2816x768, split: 0.0107 against sqrt(27) * RHO = 0.0117). (A wrong margin does not show
+    on well-conditioned input, by design: F ~ 1 over the whole interval whatever d is; it shows at the
+    interval's top end, tests/test_near_rank1.py.)
 """
 
 from __future__ import annotations
@@ -69,9 +123,76 @@ ADAM_BF16_ULPS = 1
 
 BF16_COMPONENTS = ("momentum", "cascade", "equalizer")
 
+#: Share of fast-path output elements bit-identical to the eager path's on the same backend.
+SAME_BITS = {"momentum": 1.0, "cascade": 0.5, "equalizer": 1.0}
+#: Worst relative RMS error of one bf16 rounding (mantissa near 1): 2**-8 / sqrt(3).
+RHO = 2.0 ** -8 / 3.0 ** 0.5
+MOMENTUM_FP32_SLACK = 2.0 ** -12
+#: bf16 roundings on the cascade's output path (fused ``a*X + X@B``; the split form adds one per map).
+CASCADE_ROUNDINGS = 21
+CASCADE_ROUNDINGS_SPLIT = 27
+#: Standard deviations allowed to the cascade's mean singular-value error.
+CASCADE_SV_SIGMAS = 4.0
+#: Largest rows / cols for which that error is judged (see above: beyond, Gram roundings dominate it).
+CASCADE_SV_MAX_DIM = 128
+
 
 def bf16_bound(eager: float) -> float:
     return FACTOR * eager + ATOL
+
+
+def eager_bound(component: str, *, floor: float, roundings: int = CASCADE_ROUNDINGS) -> float:
+    """The largest relative error of the eager bf16 path against float64 (second side of the rule;
+    the cascade's holds on WELL_CONDITIONED input only)."""
+    if component == "momentum":
+        return floor + MOMENTUM_FP32_SLACK
+    if component == "equalizer":
+        return (floor ** 2 + 2.0 ** -16) ** 0.5
+    if component == "cascade":
+        return roundings ** 0.5 * RHO
+    raise ValueError(f"eager_bound: unknown bf16 component {component!r}; expected one of {BF16_COMPONENTS}")
+
+
+def cascade_sv_bound(roundings: int = CASCADE_ROUNDINGS) -> float:
+    """Bound on anvil_fast.difftest.mean_singular_value_error of the eager cascade (WELL_CONDITIONED)."""
+    return CASCADE_SV_SIGMAS * roundings ** 0.5
+
+
+def check_eager(component: str, *, eager: float, floor: float, eager_sv: float | None = None,
+                well_conditioned: bool = False, shape: tuple[int, ...] | None = None, split: bool = False) -> bool:
+    """Eager against float64: momentum and equalizer on every input, the cascade on WELL_CONDITIONED
+    input (its Frobenius error with ``split``'s rounding count, and its mean singular-value error for
+    matrices of ``shape`` no larger than CASCADE_SV_MAX_DIM; ``shape`` None: judged)."""
+    if eager != eager or eager == float("inf"):
+        return False
+    if component == "cascade":
+        if not well_conditioned:
+            return True
+        if shape is None or max(shape[-2:]) <= CASCADE_SV_MAX_DIM:
+            if eager_sv is None or not eager_sv <= cascade_sv_bound():
+                return False
+        n = CASCADE_ROUNDINGS_SPLIT if split else CASCADE_ROUNDINGS
+        return eager <= eager_bound(component, floor=floor, roundings=n)
+    return eager <= eager_bound(component, floor=floor)
+
+
+def check_row(row, *, same_backend: bool = True) -> bool:
+    """Both sides of the rule for one anvil_fast.difftest row: ``check`` (fast against eager by the
+    factor rule, and the fp32 side results), the share of identical bits where fast and eager run on
+    the same backend (``same_backend``: CPU), and eager against float64 (bf16 components)."""
+    if not check(row.component, fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps):
+        return False
+    if row.component == "update":
+        return True
+    if same_backend and row.same_bits is not None and not row.same_bits >= SAME_BITS[row.component]:
+        return False
+    # the eager cascade of anvil_fast.difftest splits ``a*X + X@B`` where the seed does (FAITHFUL, more
+    # than SPLIT_BADDBMM_MIN_ROWS rows); SAFE fuses it
+    from anvil_ref.constants import SPLIT_BADDBMM_MIN_ROWS
+
+    split = row.config == "faithful" and row.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
+    return check_eager(row.component, eager=row.eager, floor=row.floor, eager_sv=row.eager_sv,
+                       well_conditioned=row.well_conditioned, shape=tuple(row.shape), split=split)
 
 
 def check(component: str, *, fast: float, eager: float, floor: float, ulps: float | None = None) -> bool:

@@ -1,70 +1,333 @@
-"""Mutation check of the tests: apply one deliberate bug at a time to anvil_ref, or to one of the
-fast path's element-wise Triton kernels (run by the tests in Triton's CPU interpreter), and show
-that the tests catch it (a test must be able to fail).
+"""Mutation check of the tests: apply one deliberate bug at a time and show that the tests meant to
+catch it fail by an assertion (a test must be able to fail).
 
-    python tools/mutants.py        # prints CAUGHT/MISSED per mutant; exit status 1 if any is missed
+    python tools/mutants.py              # baseline, then every mutant; a table; exit 1 unless all caught
+    python tools/mutants.py -k adam      # only mutants whose name contains "adam"
+    python tools/mutants.py --list       # the mutants and their tests, nothing run
 
-Each mutant is an exact one-line replacement, applied in a scratch copy of the tree (never in the
-working tree, which others may be testing at the same time).
+How it works:
+
+* The tree is copied once into a scratch folder (never the working tree, which others may be
+  testing at the same time); each mutant's edits are applied there and undone afterwards.
+* **Baseline first**: every test named by the selected mutants runs on the unmutated copy. If any
+  fails, errors or does not import the copy's own packages, the tool stops (exit 2): a broken
+  environment would otherwise mark every mutant caught.
+* Each mutant runs **only its own tests**. It counts as **CAUGHT** only when one of them fails by an
+  assertion: an ``AssertionError`` (a failed ``assert``, ``pytest.raises``' ``match``) or pytest's
+  ``Failed`` (``pytest.raises`` that did not raise, ``pytest.fail``). A collection error, an import
+  error, any other exception, or a timeout is **ERROR** (reported with what happened); no failure at
+  all is **SURVIVED**.
+
+Adding a mutant: append a :class:`Mutant` to ``MUTANTS`` -- a name, the file, the exact old text
+(found exactly once in that file), the new text, and the pytest node ids (files or
+``file::test``) that must catch it; ``also`` holds further ``(file, old, new)`` edits of the same
+mutant when one bug spans files.
 """
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_rails.py", "tests/test_cascade.py", "tests/test_equalizer.py", "tests/test_update.py",
-         "tests/test_storage.py", "tests/test_adam.py", "tests/test_optimizer.py", "tests/test_normalize.py",
-         "tests/test_bank.py"]
-MUTANTS = [
-    ("anvil_ref/rails.py", "return like(beta * v_ + (1.0 - beta) * g_, g)", "return like(beta * v_ - (1.0 - beta) * g_, g)", "wrong sign in EMA"),
-    ("anvil_ref/rails.py", "return beta_min + (step / warmup_steps)", "return beta_min + ((step + 1) / warmup_steps)", "schedule off-by-one (warmup)"),
-    ("anvil_ref/rails.py", "((step - cooldown_start) / cooldown_steps)", "((step - cooldown_start + 1) / cooldown_steps)", "schedule off-by-one (cooldown)"),
-    ("anvil_ref/rails.py", "if step < engage_step:", "if step <= engage_step:", "engage off-by-one"),
-    ("anvil_ref/cascade.py", "return shape[-2] > shape[-1]", "return shape[-2] < shape[-1]", "swapped orientation"),
-    ("anvil_ref/cascade.py", "return shape[-2] > shape[-1]", "return shape[-2] >= shape[-1]", "square takes tall branch"),
-    ("anvil_ref/cascade.py", "poly = b * a_ + c * (a_ @ a_)", "poly = b * a_ - c * (a_ @ a_)", "wrong sign in map"),
-    ("anvil_ref/equalizer.py", "return -1 if shape[-2] >= shape[-1] else -2", "return -2 if shape[-2] >= shape[-1] else -1", "equalizer axis swapped"),
-    ("anvil_ref/update.py", "return like((g * p_ >= 0).astype(np.float64), p)", "return like((g * p_ > 0).astype(np.float64), p)", "strict decay gate"),
-    ("anvil_ref/update.py", "return like(p_ - p_ * aligned * wd * lr - u * lr, p)", "return like(p_ - p_ * aligned * wd * lr + u * lr, p)", "wrong update sign"),
-    ("anvil_ref/adam.py", "return lr * (math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step))", "return lr * (math.sqrt(1.0 - beta2 ** (step + 1)) / (1.0 - beta1 ** (step + 1)))", "bias-correction off-by-one"),
-    ("anvil_ref/adam.py", "u = u + p_ * (u * p_ > 0) * eff_wd", "u = u + p_ * (u * p_ >= 0) * eff_wd", "Adam gate non-strict"),
-    ("anvil_ref/storage.py", "return Halves(_out((bits >> 16).astype(np.uint16), master),", "return Halves(_out((bits >> 15).astype(np.uint16), master),", "split shift"),
-    ("anvil_ref/optimizer.py", "pending[LM_HEAD_LABEL] = pending[LM_HEAD_LABEL] + pending[EMBED_LABEL].T", "pending[LM_HEAD_LABEL] = pending[LM_HEAD_LABEL]", "tied grad not added"),
-    ("anvil_ref/optimizer.py", "            self.pending_grads = pending\n            return", "            self.pending_grads = {}\n            return", "adam grads dropped"),
-    ("anvil_ref/optimizer.py", "p_new = sign_aligned_update(p, u, rails.v_slow,", "p_new = sign_aligned_update(p, u, rails.v_fast,", "gate on fast rail"),
-    ("anvil_ref/config.py", "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1]) * lr_mul", "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2]) * lr_mul", "shape multiplier transposed"),
-    # the fast path's element-wise kernels
-    ("anvil_fast/rails.py", "tl.fma(-(1.0 - w), d, b))", "tl.fma(-(1.0 - w), d, a))", "fast lerp: wrong base of the large-weight branch"),
-    ("anvil_fast/rails.py", "CLAMP=bool(prescale),", "CLAMP=False,", "fast rails: SAFE clamp dropped"),
-    ("anvil_fast/normalize.py", "f = _exp2i(_floor_log2(pa, LIMIT) - e)", "f = _exp2i(e - _floor_log2(pa, LIMIT))", "fast norm: block factor inverted"),
-    ("anvil_fast/normalize.py", "e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127", "e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126", "fast norm: exponent off by one"),
-    ("anvil_fast/equalizer.py", "ok = pre <= bound  #", "ok = pre <= 10 * bound  #", "fast equalizer: guard bound"),
-    ("anvil_fast/equalizer.py", "GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2),", "GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), float(beta2),", "fast equalizer: EMA weight"),
-    ("anvil_fast/equalizer.py", "lane = inner // cols if LANE_IS_ROW else inner % cols", "lane = inner % cols if LANE_IS_ROW else inner // cols", "fast equalizer: lane index"),
+
+#: Seconds one pytest run (a mutant's tests, or the baseline) may take before it counts as ERROR.
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    also: tuple[tuple[str, str, str], ...] = field(default=())
+
+    def edits(self) -> list[tuple[str, str, str]]:
+        return [(self.path, self.old, self.new), *self.also]
+
+
+def M(name, path, old, new, *tests, also=()) -> Mutant:
+    return Mutant(name, path, old, new, tuple(tests), tuple(also))
+
+
+_C_PLUS_1PCT = "ANVIL_MAPS = tuple((a, b, 1.01 * c) for a, b, c in ANVIL_MAPS)  # mutant\n"
+
+MUTANTS: list[Mutant] = [
+    # ---- anvil_ref, the specification
+    M("ref rails: wrong sign in EMA", "anvil_ref/rails.py", "return like(beta * v_ + (1.0 - beta) * g_, g)",
+      "return like(beta * v_ - (1.0 - beta) * g_, g)", "tests/test_rails.py"),
+    M("ref rails: schedule off-by-one (warmup)", "anvil_ref/rails.py", "return beta_min + (step / warmup_steps)",
+      "return beta_min + ((step + 1) / warmup_steps)", "tests/test_rails.py"),
+    M("ref rails: schedule off-by-one (cooldown)", "anvil_ref/rails.py", "((step - cooldown_start) / cooldown_steps)",
+      "((step - cooldown_start + 1) / cooldown_steps)", "tests/test_rails.py"),
+    M("ref rails: engage off-by-one", "anvil_ref/rails.py", "if step < engage_step:", "if step <= engage_step:",
+      "tests/test_rails.py"),
+    M("ref cascade: swapped orientation", "anvil_ref/cascade.py", "return shape[-2] > shape[-1]",
+      "return shape[-2] < shape[-1]", "tests/test_cascade.py"),
+    M("ref cascade: square takes tall branch", "anvil_ref/cascade.py", "return shape[-2] > shape[-1]",
+      "return shape[-2] >= shape[-1]", "tests/test_cascade.py"),
+    M("ref cascade: wrong sign in map", "anvil_ref/cascade.py", "poly = b * a_ + c * (a_ @ a_)",
+      "poly = b * a_ - c * (a_ @ a_)", "tests/test_cascade.py"),
+    M("ref equalizer: axis swapped", "anvil_ref/equalizer.py", "return -1 if shape[-2] >= shape[-1] else -2",
+      "return -2 if shape[-2] >= shape[-1] else -1", "tests/test_equalizer.py"),
+    M("ref update: strict decay gate", "anvil_ref/update.py", "return like((g * p_ >= 0).astype(np.float64), p)",
+      "return like((g * p_ > 0).astype(np.float64), p)", "tests/test_update.py"),
+    M("ref update: wrong update sign", "anvil_ref/update.py", "return like(p_ - p_ * aligned * wd * lr - u * lr, p)",
+      "return like(p_ - p_ * aligned * wd * lr + u * lr, p)", "tests/test_update.py"),
+    M("ref adam: bias-correction off-by-one", "anvil_ref/adam.py",
+      "return lr * (math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step))",
+      "return lr * (math.sqrt(1.0 - beta2 ** (step + 1)) / (1.0 - beta1 ** (step + 1)))", "tests/test_adam.py"),
+    M("ref adam: gate non-strict", "anvil_ref/adam.py", "u = u + p_ * (u * p_ > 0) * eff_wd",
+      "u = u + p_ * (u * p_ >= 0) * eff_wd", "tests/test_adam.py"),
+    M("ref storage: split shift", "anvil_ref/storage.py", "return Halves(_out((bits >> 16).astype(np.uint16), master),",
+      "return Halves(_out((bits >> 15).astype(np.uint16), master),", "tests/test_storage.py"),
+    M("ref optimizer: tied grad not added", "anvil_ref/optimizer.py",
+      "pending[LM_HEAD_LABEL] = pending[LM_HEAD_LABEL] + pending[EMBED_LABEL].T",
+      "pending[LM_HEAD_LABEL] = pending[LM_HEAD_LABEL]", "tests/test_optimizer.py"),
+    M("ref optimizer: adam grads dropped", "anvil_ref/optimizer.py", "            self.pending_grads = pending\n            return",
+      "            self.pending_grads = {}\n            return", "tests/test_optimizer.py"),
+    M("ref optimizer: gate on fast rail", "anvil_ref/optimizer.py", "p_new = sign_aligned_update(p, u, rails.v_slow,",
+      "p_new = sign_aligned_update(p, u, rails.v_fast,", "tests/test_optimizer.py"),
+    M("ref config: shape multiplier transposed", "anvil_ref/config.py",
+      "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1]) * lr_mul",
+      "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2]) * lr_mul", "tests/test_update.py", "tests/test_optimizer.py"),
+    # ---- the map coefficients: +1% on every c where the fast and the eager cascade read them (a bug
+    # both share, the reference not), and in the constants themselves (everything shares it)
+    M("+1% on every map's c (fast and eager)", "anvil_fast/eager.py", "_BF16_MAX = torch.finfo(torch.bfloat16).max\n",
+      _C_PLUS_1PCT + "_BF16_MAX = torch.finfo(torch.bfloat16).max\n",
+      "tests/test_cascade.py::test_fast_cascade_matches_reference", "tests/test_difftest.py",
+      also=(("anvil_fast/cascade.py", "#: Relative widening of the Frobenius margin",
+             _C_PLUS_1PCT + "#: Relative widening of the Frobenius margin"),)),
+    M("+1% on every map's c (anvil_ref.constants)", "anvil_ref/constants.py",
+      "    (2.256537145403, -2.166840097229, 0.929501253245),\n)",
+      "    (2.256537145403, -2.166840097229, 0.929501253245),\n)\n" + _C_PLUS_1PCT,
+      "tests/test_cascade.py", "tests/test_maps.py", "tests/test_gram.py", "tests/test_certify.py"),
+    # ---- the fast path's element-wise kernels (Triton's CPU interpreter)
+    M("fast lerp: wrong base of the large-weight branch", "anvil_fast/rails.py", "tl.fma(-(1.0 - w), d, b))",
+      "tl.fma(-(1.0 - w), d, a))", "tests/test_rails.py"),
+    M("fast rails: SAFE clamp dropped", "anvil_fast/rails.py", "CLAMP=bool(prescale),", "CLAMP=False,",
+      "tests/test_rails.py"),
+    M("fast norm: block factor inverted", "anvil_fast/normalize.py", "f = _exp2i(_floor_log2(pa, LIMIT) - e)",
+      "f = _exp2i(e - _floor_log2(pa, LIMIT))", "tests/test_normalize.py"),
+    M("fast norm: exponent off by one", "anvil_fast/normalize.py",
+      "e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127",
+      "e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126", "tests/test_normalize.py"),
+    M("fast equalizer: guard bound", "anvil_fast/equalizer.py", "ok = pre <= bound  #", "ok = pre <= 10 * bound  #",
+      "tests/test_equalizer.py"),
+    M("fast equalizer: EMA weight", "anvil_fast/equalizer.py",
+      "GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2),",
+      "GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), float(beta2),", "tests/test_equalizer.py"),
+    M("fast equalizer: lane index", "anvil_fast/equalizer.py", "lane = inner // cols if LANE_IS_ROW else inner % cols",
+      "lane = inner % cols if LANE_IS_ROW else inner // cols", "tests/test_equalizer.py"),
+    # ---- a Gram kernel
+    M("gram kernel: alpha and beta swapped in b*A + c*A@A", "anvil_fast/gram_kernels.py",
+      "        val = alpha * acc + beta * aij.to(tl.float32)\n        _store_symmetric(C, val,",
+      "        val = beta * acc + alpha * aij.to(tl.float32)\n        _store_symmetric(C, val,",
+      "tests/test_gram.py"),
+    # ---- Adam
+    M("fast adam kernel: gate > turned into >=", "anvil_fast/adam.py",
+      "u = u + tl.where(u * p > 0, p * eff_wd, 0.0)", "u = u + tl.where(u * p >= 0, p * eff_wd, 0.0)",
+      "tests/test_adam.py"),
+    M("fast adam torch path: gate > turned into >=", "anvil_fast/adam.py",
+      "u = u + torch.where(u * pf > 0, pf * eff_wd,", "u = u + torch.where(u * pf >= 0, pf * eff_wd,",
+      "tests/test_adam.py"),
+    M("fast adam: bias correction off-by-one", "anvil_fast/adam.py", "bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step",
+      "bias1, bias2 = 1 - beta1 ** (step + 1), 1 - beta2 ** (step + 1)", "tests/test_adam.py"),
+    # ---- the optimizer
+    M("optimizer: the replicated tied lm_head loses embed's gradient", "anvil_fast/optimizer.py",
+      "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            transpose_add(embed.grad, lm.grad)",
+      "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            pass",
+      "tests/test_optimizer_api.py"),
+    M("optimizer: the sharded tied lm_head loses embed's gradient", "anvil_fast/optimizer.py",
+      "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:\n"
+      "                transpose_add(embed.grad, p.grad)",
+      "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:\n"
+      "                pass", "tests/test_optimizer.py", "tests/test_optimizer_api.py"),
+    M("optimizer: per-matrix lr multiplier dropped", "anvil_fast/optimizer.py",
+      "lrs.append([cfg.lr_mul * m * cfg.lr for m in cfg.per_matrix_lr_mul])",
+      "lrs.append([cfg.lr_mul * cfg.lr for m in cfg.per_matrix_lr_mul])", "tests/test_optimizer.py"),
+    M("optimizer: Adam lr without its multiplier", "anvil_fast/optimizer.py",
+      "row = adam_row(lr=cfg.lr * cfg.lr_mul, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,",
+      "row = adam_row(lr=cfg.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,",
+      "tests/test_optimizer.py"),
+    M("optimizer: maps= not passed to the banks", "anvil_fast/optimizer.py", "                extra[\"maps\"] = maps",
+      "                pass", "tests/test_optimizer_api.py"),
+    # ---- the benchmark's baseline
+    M("plain: the slow rail's beta for the fast rail", "anvil_fast/plain.py",
+      "velocity[0].lerp_(grad_chunk, 1 - fast_beta_t.to(grad_chunk.dtype))",
+      "velocity[0].lerp_(grad_chunk, 1 - RAIL_SLOW_BETA)", "tests/test_plain.py"),
+    M("plain: the first Gram not rescaled", "anvil_fast/plain.py", "    A = (A.float() / d.square()).bfloat16()",
+      "    A = (A.float() / d).bfloat16()", "tests/test_plain.py"),
+    # ---- comms
+    M("comms: gloo average not divided", "anvil_fast/comms.py", "        return lambda: t.div_(n)",
+      "        return lambda: None", "tests/test_distributed.py::test_two_gloo_ranks"),
+    M("comms: local reduce-scatter skips the copy", "anvil_fast/comms.py",
+      "        _check_rs(out, inp, 1)\n        if out.data_ptr() != inp.data_ptr():\n            out.copy_(inp.view(out.shape))",
+      "        _check_rs(out, inp, 1)\n        if False:\n            out.copy_(inp.view(out.shape))",
+      "tests/test_comms.py"),
+    # ---- derive_maps: interval arithmetic and certification
+    M("intervals: addition not rounded outward", "derive_maps/intervals.py",
+      "return _down(a[0] + b[0]), _up(a[1] + b[1])", "return a[0] + b[0], a[1] + b[1]",
+      "tests/test_intervals.py"),
+    M("certify: a box counts as done with 100x the tolerance", "derive_maps/certify.py",
+      "done = (ub <= amax + DTYPE(tol)) & (lb >= amin - DTYPE(tol))",
+      "done = (ub <= amax + DTYPE(100 * tol)) & (lb >= amin - DTYPE(100 * tol))", "tests/test_certify.py"),
 ]
 
 
-def main() -> int:
-    missed = 0
-    with tempfile.TemporaryDirectory() as tmp:
+_PROBE = r'''
+"""pytest plugin of tools/mutants.py: how each test failed, and where the packages were imported from."""
+import json, os
+
+import pytest
+
+_out = {"failures": [], "errors": [], "modules": {}}
+
+
+def pytest_sessionstart(session):
+    for name in ("anvil_ref", "anvil_fast", "derive_maps"):
+        try:
+            mod = __import__(name)
+            _out["modules"][name] = os.path.abspath(mod.__file__)
+        except Exception as exc:  # an import error is the environment's failure, recorded
+            _out["modules"][name] = f"import failed: {exc!r}"
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _out["errors"].append({"test": report.nodeid, "what": "collection error"})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed:
+        return
+    exc = call.excinfo
+    if call.when == "call" and exc is not None and (exc.errisinstance(AssertionError)
+                                                    or exc.errisinstance(pytest.fail.Exception)):
+        _out["failures"].append({"test": item.nodeid, "what": exc.typename})
+        item.session.shouldstop = "an assertion caught the mutant"
+    else:
+        what = f"{call.when}: {exc.typename}: {str(exc.value)[:160]}" if exc is not None else call.when
+        _out["errors"].append({"test": item.nodeid, "what": what})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _out["exitstatus"] = int(exitstatus)
+    with open(os.environ["ANVIL_MUTANT_REPORT"], "w") as f:
+        json.dump(_out, f)
+'''
+
+
+def _pytest(work: pathlib.Path, tests, timeout: float) -> tuple[dict | None, str, float]:
+    report = work / "_mutant_report.json"
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "ANVIL_MUTANT_REPORT": str(report), "PYTHONPATH": str(work)}
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_mutant_probe",
+                            *tests], cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+        tail = (r.stdout + r.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout:.0f} s", time.monotonic() - t0
+    dt = time.monotonic() - t0
+    if not report.exists():
+        return None, tail, dt
+    return json.loads(report.read_text()), tail, dt
+
+
+def classify(res: dict | None, tail: str) -> tuple[str, str]:
+    """(verdict, detail) of one mutant's run: CAUGHT by an assertion, ERROR, or SURVIVED."""
+    if res is None:
+        return "ERROR", tail.strip().splitlines()[-1] if tail.strip() else "no report"
+    if res["failures"]:
+        f = res["failures"][0]
+        return "CAUGHT", f"{f['test']} ({f['what']})"
+    if res["errors"]:
+        e = res["errors"][0]
+        return "ERROR", f"{e['test']}: {e['what']}"
+    if res.get("exitstatus", 0) not in (0, 5):
+        return "ERROR", f"pytest exit status {res['exitstatus']}"
+    return "SURVIVED", ""
+
+
+def _apply(work: pathlib.Path, m: Mutant) -> dict[pathlib.Path, str]:
+    saved = {}
+    for path, old, new in m.edits():
+        p = work / path
+        src = saved.get(p, p.read_text())
+        cur = p.read_text()
+        if cur.count(old) != 1:
+            raise SystemExit(f"mutant {m.name!r}: the old text is not found exactly once in {path}")
+        saved.setdefault(p, src)
+        p.write_text(cur.replace(old, new))
+    return saved
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/mutants.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-k", default="", help="only mutants whose name contains this (case-insensitive)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and their tests; run nothing")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per pytest run (default %(default)s)")
+    a = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if a.k.lower() in m.name.lower()]
+    if not chosen:
+        print(f"no mutant matches {a.k!r}")
+        return 2
+    if a.list:
+        for m in chosen:
+            print(f"{m.name}\n    {' '.join(m.tests)}")
+        return 0
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="anvil_mutants_") as tmp:
         work = pathlib.Path(tmp) / "tree"
-        shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info"))
-        for path, old, new, name in MUTANTS:
-            p = work / path
-            src = p.read_text()
-            if src.count(old) != 1:
-                raise SystemExit(f"mutant {name!r}: the original line is not found exactly once in {path}")
+        shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".pytest_cache"))
+        (work / "_mutant_probe.py").write_text(_PROBE)
+        for m in chosen:  # every edit applies to the unmutated tree
+            for path, old, _ in m.edits():
+                if (work / path).read_text().count(old) != 1:
+                    raise SystemExit(f"mutant {m.name!r}: the old text is not found exactly once in {path}")
+        tests = sorted({t for m in chosen for t in m.tests})
+        res, tail, dt = _pytest(work, tests, a.timeout)
+        where = (res or {}).get("modules", {})
+        wrong = {k: v for k, v in where.items() if not str(v).startswith(str(work))}
+        if res is None or res["failures"] or res["errors"] or res.get("exitstatus") != 0 or wrong:
+            print(f"BASELINE FAILED ({dt:.0f} s): the unmutated tree does not pass its mutants' tests, so no "
+                  "mutant can be judged.")
+            if wrong:
+                print(f"packages imported from outside the scratch copy {work}: {wrong}")
+            print(tail)
+            return 2
+        print(f"baseline: {len(tests)} test targets pass unmutated ({dt:.0f} s)\n", flush=True)
+        width = max(len(m.name) for m in chosen)
+        print(f"{'mutant':<{width}}  {'result':<8}  {'s':>5}  caught by / what happened")
+        print("-" * (width + 60))
+        counts = {"CAUGHT": 0, "SURVIVED": 0, "ERROR": 0}
+        for m in chosen:
+            saved = _apply(work, m)
             try:
-                p.write_text(src.replace(old, new))
-                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
-                                   cwd=work, capture_output=True, text=True)
+                res, tail, dt = _pytest(work, m.tests, a.timeout)
             finally:
-                p.write_text(src)
-            missed += r.returncode == 0
-            print(f"{'CAUGHT' if r.returncode else 'MISSED'}  {name}", flush=True)
-    return 1 if missed else 0
+                for p, src in saved.items():
+                    p.write_text(src)
+            verdict, detail = classify(res, tail)
+            counts[verdict] += 1
+            print(f"{m.name:<{width}}  {verdict:<8}  {dt:>5.0f}  {detail}", flush=True)
+    print(f"\n{len(chosen)} mutants: {counts['CAUGHT']} caught, {counts['SURVIVED']} survived, "
+          f"{counts['ERROR']} errors; {time.monotonic() - t_start:.0f} s in all")
+    return 0 if counts["CAUGHT"] == len(chosen) else 1
 
 
 if __name__ == "__main__":

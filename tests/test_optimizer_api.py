@@ -1,0 +1,114 @@
+"""AnvilAndAdam's less travelled public API: ``maps=``, the replicated tied lm_head, and the errors
+for parameters on several devices, non-float parameters and a label used twice."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import anvil_ref as A
+from anvil_fast.bank import anvil_bank_update
+from anvil_fast.optimizer import AnvilAndAdam
+from anvil_ref.config import ConfigError
+from anvil_ref.maps import load_maps
+from tests import optimizer_cases as C
+from tests import tolerances as TOL
+
+BANK_SHAPE, BANK_RESHAPE = (32, 12), (4, 8, 12)
+
+
+def _bank_params(seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter((0.1 * torch.randn(BANK_SHAPE, generator=g)).bfloat16())
+    p.label, p.reshape = "qk_bank", BANK_RESHAPE
+    return [("w", p)], torch.randn(BANK_SHAPE, generator=g).bfloat16()
+
+
+def _bank_opt(maps=None, seed=3):
+    params, grad = _bank_params(seed)
+    table = {"qk_bank": {"optim": "anvil", "comms": "sharded"}}
+    kw = {} if maps is None else {"maps": maps}
+    opt = AnvilAndAdam(params, table, bank_update=functools.partial(anvil_bank_update, compile=False),
+                       bank_config="faithful", **kw)
+    opt.set_rail_scalars(A.rail_scalars(0, 40, engage_step=3))
+    params[0][1].grad = grad
+    return opt, params[0][1]
+
+
+def test_maps_reach_the_banks_and_only_them():
+    # a step with maps=M equals, bit for bit, a default optimizer whose bank was handed M directly,
+    # and differs from the default maps' step
+    other = "muon_jordan5"
+    opt_m, p_m = _bank_opt(maps=other)
+    assert opt_m.banks["qk_bank"].maps == load_maps(other)
+    opt_d, p_d = _bank_opt()
+    opt_x, p_x = _bank_opt()
+    opt_x.banks["qk_bank"].maps = load_maps(other)
+    for opt in (opt_m, opt_d, opt_x):
+        opt.step(do_adam=False)
+    assert torch.equal(p_m.data, p_x.data)
+    assert not torch.equal(p_m.data, p_d.data)
+
+
+def _tied(comms):
+    g = torch.Generator().manual_seed(11)
+    embed = torch.nn.Parameter(0.1 * torch.randn(40, 8, generator=g))
+    lm = torch.nn.Parameter(embed.detach().T.contiguous().clone())
+    embed.label, lm.label = "embed", "lm_head"
+    row = {"optim": "adam", "comms": comms, "adam_betas": [0.5, 0.95], "wd_mul": 150.0}
+    table = {"embed": dict(row), "lm_head": dict(row)}
+    return AnvilAndAdam([("embed", embed), ("lm_head", lm)], table), embed, lm, g
+
+
+@pytest.mark.parametrize("comms", ["replicated", "sharded"])
+def test_tied_lm_head_adds_embeds_gradient(comms):
+    # the tied pair: lm_head takes Adam on lm_head.grad + embed.grad^T, embed follows as its transpose;
+    # checked against anvil_ref.adam in float64, within the table's ADAM_ULPS, over three steps
+    opt, embed, lm, g = _tied(comms)
+    assert opt.tied and opt.param_cfgs["lm_head"].comms == comms
+    cfg = opt.param_cfgs["lm_head"]
+    b1, b2 = cfg.adam_betas
+    p = lm.detach().double().numpy().copy()
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    for step in (1, 2, 3):
+        g_lm, g_embed = torch.randn(8, 40, generator=g), torch.randn(40, 8, generator=g)
+        lm.grad, embed.grad = g_lm.clone(), g_embed.clone()
+        g_eff = g_lm.double().numpy() + g_embed.double().numpy().T
+        terms = C.adam_terms(cfg, p, g_eff, m, v, step)
+        ref = A.adam_update(p, g_eff, m, v, step=step, lr=cfg.lr * cfg.lr_mul, beta1=b1, beta2=b2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, wd_mul=cfg.wd_mul)
+        opt.step(do_adam=True)
+        err = np.abs(lm.detach().double().numpy() - ref.p)
+        assert np.all(err <= TOL.ADAM_ULPS * C.ulp(terms, 23)), (step, float((err / C.ulp(terms, 23)).max()))
+        # without embed's gradient the step would move by a visibly different amount
+        alone = A.adam_update(p, g_lm.double().numpy(), m, v, step=step, lr=cfg.lr * cfg.lr_mul, beta1=b1,
+                              beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay, wd_mul=cfg.wd_mul)
+        assert np.abs(alone.p - ref.p).max() > 100 * TOL.ADAM_ULPS * C.ulp(terms, 23).max()
+        assert torch.equal(embed.data, lm.data.T)
+        p, m, v = ref.p, ref.exp_avg, ref.exp_avg_sq
+
+
+def test_parameters_on_two_devices_are_refused():
+    a = torch.nn.Parameter(torch.zeros(4, 4))
+    b = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))
+    a.label, b.label = "x", "y"
+    table = {k: {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.95]} for k in ("x", "y")}
+    with pytest.raises(ConfigError, match="one device"):
+        AnvilAndAdam([("a", a), ("b", b)], table)
+
+
+def test_non_float_parameters_are_refused():
+    a = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.int32), requires_grad=False)
+    a.label = "x"
+    with pytest.raises(ConfigError, match="floating point"):
+        AnvilAndAdam([("a", a)], {"x": {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.95]}})
+
+
+def test_a_label_used_twice_is_refused():
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    a.label = b.label = "x"
+    with pytest.raises(ConfigError, match="more than one parameter"):
+        AnvilAndAdam([("a", a), ("b", b)], {"x": {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.95]}})
