@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-#: AdamW's learning rates swept by ``--sweep adamw`` (a factor 2 apart around nanoGPT-scale rates).
-ADAMW_SWEEP = (1e-3, 2e-3, 4e-3, 8e-3)
+#: AdamW's learning rates swept by ``--sweep adamw``: a factor 2 apart around nanoGPT-scale rates,
+#: reaching down to 2.5e-4 so that the best rate on the small GPT lies inside the sweep, not at its end.
+ADAMW_SWEEP = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
 #: Muon's learning rates swept by ``--sweep muon`` (around torch.optim.Muon's examples and the
 #: record's 0.02-0.05).
 MUON_SWEEP = (0.01, 0.02, 0.04, 0.08)

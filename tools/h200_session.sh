@@ -24,10 +24,10 @@ for stage in ${STAGES:-suite bench}; do
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
     sweep) timeout "${T_SWEEP:-240}" python3 -m papers.train --size small --sweep adamw muon \
-             --out results/train/small/sweep \
+             --out results/train/small/sweep --skip-existing \
              --time-budget-s $(( ${T_SWEEP:-240} - 20 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_sweep.log" ;;
     small) timeout "${T_SMALL:-560}" python3 -m papers.train --size small --seeds 0 1 2 \
-             --tuned-from results/train/small/sweep --out results/train/small \
+             --tuned-from results/train/small/sweep --out results/train/small --skip-existing \
              --time-budget-s $(( ${T_SMALL:-560} - 30 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_small.log" ;;
     medium) timeout "${T_MEDIUM:-560}" python3 -m papers.train --size medium --seeds 0 1 2 \
              --contenders adamw muon anvil --tuned-from results/train/small/sweep --tuned-size small --out results/train/medium \
