@@ -34,7 +34,7 @@ MUTANTS = [
     ("anvil_ref/optimizer.py", "pending[LM_HEAD_LABEL] = pending[LM_HEAD_LABEL] + pending[EMBED_LABEL].T", "pending[LM_HEAD_LABEL] = pending[LM_HEAD_LABEL]", "tied grad not added"),
     ("anvil_ref/optimizer.py", "            self.pending_grads = pending\n            return", "            self.pending_grads = {}\n            return", "adam grads dropped"),
     ("anvil_ref/optimizer.py", "p_new = sign_aligned_update(p, u, rails.v_slow,", "p_new = sign_aligned_update(p, u, rails.v_fast,", "gate on fast rail"),
-    ("anvil_ref/config.py", "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1]) * lr_mul", "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2]) * lr_mul", "shape multiplier transposed"),
+    ("anvil_ref/config.py", "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1], convention=convention) * lr_mul", "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2], convention=convention) * lr_mul", "shape multiplier transposed"),
     # the fast path's element-wise kernels
     ("anvil_fast/rails.py", "tl.fma(-(1.0 - w), d, b))", "tl.fma(-(1.0 - w), d, a))", "fast lerp: wrong base of the large-weight branch"),
     ("anvil_fast/rails.py", "CLAMP=bool(prescale),", "CLAMP=False,", "fast rails: SAFE clamp dropped"),
