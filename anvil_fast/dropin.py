@@ -665,13 +665,17 @@ class ANVIL(torch.optim.Optimizer):
         return loss
 
     def _check_storage(self) -> None:
-        for name, p, ptr, dtype, device in self._storage:
-            if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
-                raise StaleParameterError(
-                    f"{name}: the parameter's storage changed since the optimizer was built (was {dtype} on "
-                    f"{device}, is {p.dtype} on {p.device}{', new memory' if p.dtype == dtype else ''}; e.g. "
-                    "model.to(dtype), model.double(), p.data = ...); the optimizer would update memory the model "
-                    "no longer reads: build a new ANVIL after changing the model")
+        stale = [(name, p, dtype, device) for name, p, ptr, dtype, device in self._storage
+                 if p.data_ptr() != ptr or p.dtype != dtype or p.device != device]
+        if stale:
+            name, p, dtype, device = stale[0]
+            more = f" (and {len(stale) - 1} more: {', '.join(n for n, *_ in stale[1:4])}" + \
+                (", ...)" if len(stale) > 4 else ")") if len(stale) > 1 else ""
+            raise StaleParameterError(
+                f"{name}{more}: the parameter's storage changed since the optimizer was built (was {dtype} on "
+                f"{device}, is {p.dtype} on {p.device}{', new memory' if p.dtype == dtype else ''}; e.g. "
+                "model.to(dtype), model.double(), p.data = ...): the optimizer would update memory the model no "
+                "longer reads. Build a new ANVIL after changing the model")
 
     def _collect_gradients(self) -> list[tuple[Bank, int]]:
         """Copy the bank members' gradients into their banks' gradient buffers (checked first);
