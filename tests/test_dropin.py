@@ -702,6 +702,50 @@ def test_bad_input():
     assert plain.banks == {"bank_5x3_float32": ["param0"]} and plain.adam_names == {"param1": "replicated"}
 
 
+def _two_rank_session(rank, world_size):
+    """On each rank: its own data; step 2 has a NaN on rank 1 only; step 3 leaves blocks.1.q.weight
+    (a member of a bank split over both ranks) without a gradient."""
+    from anvil_fast.distributed import all_digests
+
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, lr=0.02, adam_lr=0.01, shard_min_numel=512, compile=False)
+    idle = m.blocks[1].q.weight
+    out = {"warnings": []}
+    for i in range(4):
+        x = _data(40 + 10 * i + rank)
+        nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        if i == 2 and rank == 1:
+            m.blocks[0].fc1.weight.grad[1, 1] = float("nan")
+        if i == 3:
+            idle.grad = None
+            before = idle.detach().clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        out["warnings"] += [str(w.message) for w in caught if issubclass(w.category, D.NonFiniteGradientWarning)]
+        opt.zero_grad()
+    out["idle_unchanged"] = torch.equal(_bits(before), _bits(idle))
+    out["skipped"], out["taken"] = opt.skipped_steps, opt.taken_steps
+    out["digests"] = all_digests([p.data for p in m.parameters()])
+    out["chunk"] = opt.inner.param_cfgs["bank_16x16_float32"].chunk_size
+    return out
+
+
+@pytest.mark.distributed
+def test_two_ranks_skip_together_and_leave_gradless_members_alone():
+    from anvil_fast.distributed import spawn
+
+    res = spawn(_two_rank_session, 2)
+    for out in res:
+        assert out["chunk"] == 2  # blocks.1.q.weight (matrix 2) lives on rank 1
+        assert out["skipped"] == 1 and out["taken"] == 3
+        assert len(out["warnings"]) == 1 and "blocks.0.fc1.weight" in out["warnings"][0]
+        assert "on at least one rank" in out["warnings"][0]
+        assert out["idle_unchanged"]
+    assert len(set(res[0]["digests"])) == 1
+
+
 # ---------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_one_gpu_default_graphs_match_eager():
@@ -743,3 +787,24 @@ def test_inductor_compiled_model_on_cuda():
     assert "_orig_mod" not in opt.describe()
     losses = [_gpt_step(compiled, opt, _gpt_batch(i).cuda()) for i in range(10)]
     assert losses[-1] < losses[0]
+
+
+def _examples():
+    """The training loops of ANVIL's docstring and of the README's "Use it" section."""
+    from pathlib import Path
+
+    doc = D.ANVIL.__doc__.split("Example (a complete training loop)::", 1)[1].split("**Routing**", 1)[0]
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    use = readme.split("## Use it", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    import textwrap
+
+    return {"docstring": textwrap.dedent(doc), "readme": use}
+
+
+@pytest.mark.parametrize("where", ["docstring", "readme"])
+def test_documented_training_loop_runs(where, capsys):
+    code = _examples()[where]
+    assert "opt.step()" in code and "describe()" in code
+    code = code.replace("range(1000)", "range(2)").replace("range(100)", "range(2)")
+    exec(compile(code, f"<{where} example>", "exec"), {})
+    assert "bank_192x64_float32" in capsys.readouterr().out
