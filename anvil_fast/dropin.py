@@ -370,6 +370,7 @@ class ANVIL(torch.optim.Optimizer):
     8. ndim == 3 -> a stack: each ``[i]`` is a matrix ``[d1, d2]`` (e.g. per-expert weights).
     9. anything else -> ConfigError naming the parameter (pass ``adam=[name]`` or ``anvil=[name]``).
 
+    Parameters with ``requires_grad=False`` at construction are left out (frozen layers).
     Only what the module tells is used: given ``named_parameters()`` or plain parameters (named
     ``param0, param1, ...``) rules 4 and 6 cannot apply and rule 5 reads the parameter's name.
     An ``nn.Sequential``'s last ``nn.Linear`` is named by its index, so it is a matrix by rule 7:

@@ -385,11 +385,16 @@ def test_split_rows_banks_each_row_block():
 def test_lr_scale_conventions(convention, expected):
     """seed: max(1, rows/cols)**0.5 (256x64: 2); match_rms_adamw: 0.2 * sqrt(max(rows, cols))
     (256: 3.2, 64: 1.6): values worked by hand."""
+    from anvil_ref.update import shape_lr_multiplier
+
     opt = ANVIL(anvil_fast.gpt.build("tiny"), lr_scale=convention)
+    assert shape_lr_multiplier(256, 64, convention=convention) == expected["bank_256x64_float32"]
     for label, want in expected.items():
         assert opt.inner.param_cfgs[label].lr_mul == pytest.approx(want, rel=1e-15), label
     with pytest.raises(ValueError, match="lr_scale"):
         ANVIL(anvil_fast.gpt.build("tiny"), lr_scale="muon")
+    with pytest.raises(ValueError, match="convention"):
+        shape_lr_multiplier(4, 4, convention="muon")
 
 
 # ---------------------------------------------------------------------------------------- step semantics
