@@ -118,7 +118,7 @@ def classify(named: Sequence[tuple[str, Tensor]], owners: Mapping[int, list[tupl
     """Each parameter's route, by the first rule that matches (class docstring, "Routing")."""
     names = [n for n, _ in named]
     is_adam, is_anvil = _rule(adam, "adam", names), _rule(anvil, "anvil", names)
-    heads = set(head_names)
+    heads = {head_names} if isinstance(head_names, str) else set(head_names)
     routes = []
     for name, p in named:
         mods = owners.get(id(p), [])

@@ -125,7 +125,8 @@ def test_step_is_the_reference_step():
         nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
     inner = opt.inner
     opt._apply_hyperparameters()
-    grads = {b.label: torch.cat([p.grad.reshape(-1, b.plan.cols) for _, p, _, _ in b.plan.members]).double() for b in opt._banks}
+    grads = {b.label: torch.cat([p.grad.reshape(-1, b.plan.cols) for _, p, _, _ in b.plan.members]).double()
+             for b in opt._banks}
     ref = C.to_reference(inner, extra_pending={n: p.grad for n, p in opt._adam_named})
     before = {l: C.master64(inner, l) for l in inner.labels}
     opt.step()
@@ -590,7 +591,8 @@ def test_add_param_group_is_refused():
 
 @pytest.mark.parametrize("key, value, match", [("lr", -0.1, "Invalid lr"), ("momentum", 1.0, "Invalid momentum"),
                                                ("beta2", 1.5, "Invalid beta2"), ("weight_decay", -1, "weight_decay"),
-                                               ("adam_eps", -1e-8, "Invalid eps"), ("adam_lr", float("nan"), "Invalid lr"),
+                                               ("adam_eps", -1e-8, "Invalid eps"),
+                                               ("adam_lr", float("nan"), "Invalid lr"),
                                                ("adam_betas", (0.9, 1.0), "beta parameter at index 1"),
                                                ("fast_beta", 1.2, "fast_beta")])
 def test_hyperparameters_validated_at_construction(key, value, match):
