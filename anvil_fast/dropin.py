@@ -761,12 +761,17 @@ class ANVIL(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["kind"] == "anvil":
                 fast_beta = g["momentum"] if g["fast_beta"] is None else g["fast_beta"]
+                beta2_changed = False
                 for b in self._banks:
                     cfg = self.inner.param_cfgs[b.label]
                     cfg.lr, cfg.momentum = float(g["lr"]), float(g["momentum"])
+                    beta2_changed |= cfg.beta2 != float(g["beta2"])
                     cfg.weight_decay, cfg.beta2 = float(g["weight_decay"]), float(g["beta2"])
                     self.inner.banks[b.label].beta2 = cfg.beta2
                 self.inner.set_rails(float(fast_beta), float(g["fast_weight"]))
+                if beta2_changed and hasattr(self.inner.bank_update, "check_all"):
+                    # a captured graph bakes beta2 (a Python float in the update): capture again
+                    self.inner.use_cuda_graphs()
             else:
                 for name, _ in self._adam_named:
                     cfg = self.inner.param_cfgs[name]
