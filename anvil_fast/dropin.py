@@ -1,81 +1,86 @@
-"""``anvil_fast.ANVIL``: ANVIL + Adam for any model, as a ``torch.optim.Optimizer``.
+"""``anvil_fast.ANVIL``: ANVIL for the hidden matrices + Adam for the rest, as a ``torch.optim.Optimizer``.
 
-Give it a model (or its named parameters) and it sorts the parameters the way the record does by
-hand:
+Building one runs three steps, each a function of this module that can be called and read alone:
 
-* **banks (ANVIL)**: 2-D hidden matrices. Matrices of equal shape and dtype are stacked into one
-  bank ``[n, rows, cols]``; each model parameter becomes a view of its bank (so the model reads the
-  bank, zero-copy, and ``state_dict`` still holds the parameter under its own name). In
-  torch.distributed the bank is padded with frozen zero matrices to a multiple of the world size
-  (as the record pads its qk and vo banks) and sharded by matrix.
-* **Adam**: everything else -- 0-D and 1-D parameters (scalars, norms, biases), embedding tables
-  (the weights of ``nn.Embedding``/``nn.EmbeddingBag``), and output heads (a 2-D parameter of a
-  module named ``lm_head``, ``head``, ``classifier``, ``fc_out`` or ``output_layer``, or with a
-  dimension equal to an embedding's vocabulary size). Large ones (``numel >= shard_min_numel`` and a
-  first dimension the world size divides) are sharded, the rest replicated on flat buffers.
-* A parameter no rule covers (3-D and higher, or a dtype other than float32/bfloat16 for a bank) is
-  refused with an error naming it; ``adam=[names]`` or ``anvil=[names]`` decide explicitly.
+* :func:`classify`: every parameter gets a route (a matrix for ANVIL, or Adam) and the reason;
+* :func:`plan_routes`: matrices of equal ``(rows, cols, dtype)`` are put into banks
+  ``[n, rows, cols]``, Adam parameters are marked sharded or replicated; the result is the plan
+  :meth:`ANVIL.describe` prints;
+* :func:`build_banks`: each bank's storage is allocated and every member parameter becomes a view
+  of it (zero-copy: the model reads the bank, and ``model.state_dict()`` still holds each parameter
+  under its own name).
 
-bf16 matrices get the seed's storage (bf16 parameter + uint16 mantissa = an exact fp32 master).
-float32 matrices stay float32: the parameter itself is the master, split exactly into those halves
-around every update (``allow_fp32_banks`` of :class:`~anvil_fast.optimizer.AnvilAndAdam`).
-
-It behaves like a ``torch.optim.Optimizer``: two ``param_groups`` (``kind`` "anvil" and "adam")
-whose ``lr`` (and ``momentum``, ``weight_decay``, ``betas``, ...) LR schedulers and you may change
-between steps, ``zero_grad``, ``step(closure)``, ``state_dict``/``load_state_dict``. It runs on CPU
-(plain torch, no Triton needed), on one GPU, and under torch.distributed (initialize the process
-group first and do **not** wrap the model in DDP: the optimizer averages the gradients itself,
-with reduce-scatters and all-gathers; start every rank from the same weights). ``step()`` leaves
-``.grad`` as it found it; Adam runs every step.
-
-Example (a ten-line training loop)::
-
-    import torch, anvil_fast
-    model = MyTransformer().cuda()
-    opt = anvil_fast.ANVIL(model, lr=0.02, adam_lr=0.008)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 1000)
-    for step, (x, y) in zip(range(1000), loader):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+The class docstring states the rules, the update and the torch.optim behaviour.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Sequence
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.conv import _ConvNd
 
 from anvil_ref.config import ConfigError
 from anvil_ref.constants import ADAM_DEFAULTS, ANVIL_DEFAULTS
+from anvil_ref.rails import rail_scalars
+from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .optimizer import AnvilAndAdam, NonFiniteGradientError
 
-#: Module names (last component) whose 2-D weights are output heads, hence Adam.
+#: Module names (last component) whose parameters of ndim >= 2 are output heads, hence Adam.
 HEAD_NAMES = ("lm_head", "head", "classifier", "fc_out", "output_layer")
-BANK_DTYPES = (torch.bfloat16, torch.float32)
+#: The dtypes a bank holds (bf16: the seed's storage; float32: the parameter is the fp32 master).
+MATRIX_DTYPES = (torch.bfloat16, torch.float32)
+RAILS = ("nesterov", "record")
+NONFINITE_POLICIES = ("skip", "raise")
+STATE_FORMAT = "anvil_fast.ANVIL/1"
+#: Components torch.compile inserts into parameter and module names.
+_COMPILE_PREFIX = "_orig_mod"
 
 
-def _named(params) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
-    """(name, param) pairs, deduplicated by identity, and name -> kind of the owning module."""
-    kinds: dict[str, str] = {}
+class StaleParameterError(RuntimeError):
+    """A parameter's storage, dtype or device changed after the optimizer was built."""
+
+
+class NonFiniteGradientWarning(RuntimeWarning):
+    """A step was skipped because a gradient held NaN or infinity (``nonfinite="skip"``)."""
+
+
+# ====================================================================================== classify
+@dataclass
+class Route:
+    """One parameter's route. A matrix route carries the banked view: ``count`` matrices of
+    ``rows x cols`` (a 2-D weight: 1; a stack ``[E, r, c]``: E; after ``split_rows=k``: k times more)."""
+
+    name: str
+    param: Tensor
+    kind: str  #: "matrix" or "adam"
+    reason: str
+    count: int = 0
+    rows: int = 0
+    cols: int = 0
+
+
+def named_parameters_of(params) -> tuple[list[tuple[str, Tensor]], dict[int, list[tuple[str, nn.Module]]]]:
+    """``(name, parameter)`` pairs (deduplicated by identity, trainable only, torch.compile's
+    ``_orig_mod.`` components removed) and, for a module, id(parameter) -> every ``(module name,
+    module)`` owning it (a tied weight has several owners)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = defaultdict(list)
     if isinstance(params, nn.Module):
-        for mname, mod in params.named_modules():
-            for pname, _ in mod.named_parameters(recurse=False):
-                full = f"{mname}.{pname}" if mname else pname
-                if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
-                    kinds[full] = "embedding"
+        for mname, mod in params.named_modules(remove_duplicate=False):
+            for _, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+                owners[id(p)].append((_strip_compile(mname), mod))
         pairs = list(params.named_parameters())
     else:
         items = list(params)
-        if items and isinstance(items[0], dict):
-            raise TypeError("ANVIL takes a model, named parameters or parameters, not param groups "
+        if any(isinstance(it, dict) for it in items):
+            raise TypeError("ANVIL takes a model, its named_parameters() or parameters, not param-group dicts "
                             "(it builds its own 'anvil' and 'adam' groups)")
         pairs = [it if isinstance(it, tuple) else (f"param{i}", it) for i, it in enumerate(items)]
     seen, out = set(), []
@@ -85,43 +90,380 @@ def _named(params) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        out.append((name, p))
-    return out, kinds
+        out.append((_strip_compile(name), p))
+    return out, dict(owners)
 
 
-def _matches(name: str, rule) -> bool:
+def _strip_compile(name: str) -> str:
+    return ".".join(c for c in name.split(".") if c != _COMPILE_PREFIX)
+
+
+def _rule(rule, what: str, names: Sequence[str]) -> Callable[[str], bool]:
+    """A names list or a predicate, as a predicate (unknown names refused)."""
     if rule is None:
-        return False
+        return lambda name: False
     if callable(rule):
-        return bool(rule(name))
-    return name in set(rule)
+        return lambda name: bool(rule(name))
+    if isinstance(rule, str):
+        rule = [rule]
+    wanted = set(rule)
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise ValueError(f"{what}=: unknown parameter names {unknown} (known: the names describe() prints)")
+    return wanted.__contains__
 
 
+def classify(named: Sequence[tuple[str, Tensor]], owners: Mapping[int, list[tuple[str, nn.Module]]], *,
+             adam=None, anvil=None, head_names: Sequence[str] = HEAD_NAMES) -> list[Route]:
+    """Each parameter's route, by the first rule that matches (class docstring, "Routing")."""
+    names = [n for n, _ in named]
+    is_adam, is_anvil = _rule(adam, "adam", names), _rule(anvil, "anvil", names)
+    heads = {head_names} if isinstance(head_names, str) else set(head_names)
+    routes = []
+    for name, p in named:
+        mods = owners.get(id(p), [])
+        is_conv = any(isinstance(m, _ConvNd) and m.weight is p for _, m in mods)
+        if is_anvil(name):
+            if p.ndim < 2:
+                raise ConfigError(f"{name}: anvil= needs a parameter with ndim >= 2, got shape {tuple(p.shape)}")
+            routes.append(_matrix_route(name, p, "anvil=", flatten=is_conv or p.ndim > 3))
+        elif is_adam(name):
+            routes.append(Route(name, p, "adam", "adam="))
+        elif p.ndim < 2:
+            routes.append(Route(name, p, "adam", "scalar/vector"))
+        elif any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight is p for _, m in mods):
+            routes.append(Route(name, p, "adam", "embedding"))
+        elif _is_head(name, mods, heads):
+            routes.append(Route(name, p, "adam", "output head"))
+        elif is_conv:
+            routes.append(_matrix_route(name, p, "conv (flattened)", flatten=True))
+        elif p.ndim == 2:
+            routes.append(_matrix_route(name, p, "matrix", flatten=False))
+        elif p.ndim == 3:
+            routes.append(_matrix_route(name, p, "stack", flatten=False))
+        else:
+            raise ConfigError(f"{name}: no rule covers a parameter of shape {tuple(p.shape)} (matrices are 2-D, "
+                              f"stacks 3-D, convolution weights any ndim); pass adam=[{name!r}] to use Adam for it, "
+                              f"or anvil=[{name!r}] to bank it as [{p.shape[0]}, {math.prod(p.shape[1:])}]")
+    for r in routes:
+        if not r.param.dtype.is_floating_point:
+            raise ConfigError(f"{r.name}: a {r.param.dtype} parameter cannot be optimized (floating point only)")
+    return routes
+
+
+def _is_head(name: str, mods: Sequence[tuple[str, nn.Module]], heads: set[str]) -> bool:
+    """Whether an owning module's name ends in a head name (without modules: the parameter name's
+    module part)."""
+    module_names = [m for m, _ in mods] or [name.rsplit(".", 1)[0] if "." in name else ""]
+    return any(m.rsplit(".", 1)[-1] in heads for m in module_names)
+
+
+def _matrix_route(name: str, p: Tensor, reason: str, *, flatten: bool) -> Route:
+    if p.dtype not in MATRIX_DTYPES:
+        raise ConfigError(f"{name}: a {p.dtype} matrix cannot be banked (banks are bfloat16 or float32); convert "
+                          f"the model or pass adam=[{name!r}]")
+    if p.numel() == 0:
+        raise ConfigError(f"{name}: an empty parameter {tuple(p.shape)} cannot be banked; pass adam=[{name!r}]")
+    if flatten or p.ndim == 2:
+        return Route(name, p, "matrix", reason, 1, p.shape[0], math.prod(p.shape[1:]))
+    return Route(name, p, "matrix", reason, p.shape[0], p.shape[1], p.shape[2])
+
+
+# ====================================================================================== plan
+@dataclass(frozen=True)
+class PlanEntry:
+    """One parameter of the plan (``opt.plan``; ``opt.describe()`` prints them)."""
+
+    name: str
+    shape: tuple[int, ...]
+    route: str  #: a bank label, or "adam"
+    reason: str
+    bank_shape: tuple[int, int, int] | None = None  #: the bank's [n, rows, cols] (n includes padding)
+    slots: tuple[int, int] | None = None  #: the parameter's matrices [first, end) in its bank
+    comms: str = "sharded"  #: Adam: "sharded" or "replicated"; banks are always sharded by matrix
+
+
+@dataclass
+class BankPlan:
+    label: str
+    rows: int
+    cols: int
+    dtype: torch.dtype
+    members: list[tuple[str, Tensor, int, int]] = field(default_factory=list)  #: (name, param, first, count)
+    n: int = 0  #: matrices of the members
+    n_pad: int = 0  #: n rounded up to a multiple of the world size (frozen zero matrices)
+
+
+@dataclass
+class Plan:
+    banks: list[BankPlan]
+    adam: list[tuple[str, Tensor, str]]  #: (name, param, "sharded" | "replicated")
+    entries: list[PlanEntry]
+
+
+def plan_routes(routes: Sequence[Route], *, split_rows: Mapping[str, int] | None = None, world_size: int = 1,
+                shard_min_numel: int = 1 << 16) -> Plan:
+    """Banks for the matrix routes (equal rows, cols, dtype share one; ``split_rows`` applied) and
+    sharded/replicated for the Adam routes. Nothing is allocated or re-pointed here."""
+    split_rows = dict(split_rows or {})
+    by_name = {r.name: r for r in routes}
+    for name, k in split_rows.items():
+        if name not in by_name:
+            raise ValueError(f"split_rows=: unknown parameter name {name!r}")
+        if by_name[name].kind != "matrix":
+            raise ConfigError(f"split_rows=: {name} goes to Adam ({by_name[name].reason}); only matrices split")
+        if not isinstance(k, int) or k < 1 or by_name[name].rows % k:
+            raise ConfigError(f"split_rows=: {name} has {by_name[name].rows} rows per matrix, which {k!r} blocks "
+                              "do not divide (expected a positive int dividing the rows)")
+    banks: dict[tuple, BankPlan] = {}
+    adam: list[tuple[str, Tensor, str]] = []
+    placed: dict[str, tuple[BankPlan, int, int]] = {}
+    for r in routes:
+        if r.kind == "adam":
+            p = r.param
+            big = p.ndim >= 1 and p.numel() >= shard_min_numel
+            sharded = big and (world_size == 1 or p.shape[0] % world_size == 0)
+            adam.append((r.name, p, "sharded" if sharded else "replicated"))
+            continue
+        k = split_rows.get(r.name, 1)
+        rows, count = r.rows // k, r.count * k
+        key = (rows, r.cols, r.param.dtype)
+        if key not in banks:
+            banks[key] = BankPlan(f"bank_{rows}x{r.cols}_{str(r.param.dtype).split('.')[-1]}", rows, r.cols,
+                                  r.param.dtype)
+        b = banks[key]
+        b.members.append((r.name, r.param, b.n, count))
+        placed[r.name] = (b, b.n, count)
+        b.n += count
+    for b in banks.values():
+        b.n_pad = -(-b.n // world_size) * world_size
+    clash = sorted({b.label for b in banks.values()} & {n for n, _, _ in adam})
+    if clash:
+        raise ConfigError(f"parameter names {clash} collide with generated bank labels; rename them")
+    adam_comms = {n: c for n, _, c in adam}
+    entries = []
+    for r in routes:
+        if r.kind == "adam":
+            entries.append(PlanEntry(r.name, tuple(r.param.shape), "adam", r.reason, comms=adam_comms[r.name]))
+        else:
+            b, first, count = placed[r.name]
+            reason = r.reason + (f", split_rows={split_rows[r.name]}" if r.name in split_rows else "")
+            entries.append(PlanEntry(r.name, tuple(r.param.shape), b.label, reason, (b.n_pad, b.rows, b.cols),
+                                     (first, first + count)))
+    return Plan(list(banks.values()), adam, entries)
+
+
+# ====================================================================================== build
+@dataclass
+class Bank:
+    """A built bank: its parameter ``[n_pad * rows, cols]`` (what AnvilAndAdam updates; the members
+    are views of it). The members' gradients go into the inner optimizer's persistent gradient
+    buffer of the bank (:meth:`ANVIL._grad_slots`)."""
+
+    plan: BankPlan
+    param: nn.Parameter
+
+    @property
+    def label(self) -> str:
+        return self.plan.label
+
+
+@torch.no_grad()
+def build_banks(plan: Plan, device: torch.device) -> list[Bank]:
+    """Allocate each bank, copy its members in and re-point each member's ``.data`` to its slice
+    (a contiguous run of matrices, viewed in the parameter's own shape)."""
+    out = []
+    for b in plan.banks:
+        storage = torch.zeros((b.n_pad, b.rows, b.cols), dtype=b.dtype, device=device)
+        for _, p, first, count in b.members:
+            storage[first:first + count].view(p.shape).copy_(p.data)
+        for _, p, first, count in b.members:
+            p.data = storage[first:first + count].view(p.shape)
+        bank = nn.Parameter(storage.view(b.n_pad * b.rows, b.cols), requires_grad=True)
+        bank.label = b.label
+        out.append(Bank(b, bank))
+    return out
+
+
+def _check_hyperparameters(kind: str, g: Mapping[str, Any]) -> None:
+    """torch's optimizers' rules: ValueError naming the value."""
+    def real(key):
+        v = g[key]
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{kind} group: {key} must be a number, got {v!r}") from None
+
+    def check(key, v, ok, want):
+        if not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"Invalid {key} in the {kind} group: {v} (expected {want})")
+
+    check("lr", real("lr"), lambda v: v >= 0, "a finite value >= 0")
+    check("weight_decay", real("weight_decay"), lambda v: v >= 0, "a finite value >= 0")
+    if kind == "anvil":
+        check("momentum", real("momentum"), lambda v: 0 <= v < 1, "a value in [0, 1)")
+        if g["fast_beta"] is not None:
+            check("fast_beta", real("fast_beta"), lambda v: 0 <= v <= 1, "None or a value in [0, 1]")
+        check("fast_weight", real("fast_weight"), lambda v: True, "a finite value")
+        check("beta2", real("beta2"), lambda v: 0 <= v <= 1, "a value in [0, 1]")
+    else:
+        betas = g["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Invalid betas in the adam group: {betas!r} (expected two values)")
+        for i, b in enumerate(betas):
+            check(f"beta parameter at index {i}", float(b), lambda v: 0 <= v < 1, "a value in [0, 1)")
+        check("eps", real("eps"), lambda v: v >= 0, "a finite value >= 0")
+
+
+class _StateView(Mapping):
+    """``opt.state[p]``: live views of the optimizer's state for one parameter."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]):
+        self._read = read
+
+    def __getitem__(self, key):
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return f"StateView({ {k: (tuple(v.shape) if isinstance(v, Tensor) else v) for k, v in self._read().items()} })"
+
+
+# ====================================================================================== the optimizer
 class ANVIL(torch.optim.Optimizer):
-    """ANVIL for hidden matrices + Adam for the rest (module docstring).
+    """ANVIL for the hidden matrices + Adam for everything else, for any model.
+
+    Example (a complete training loop)::
+
+        import torch, anvil_fast
+        model = anvil_fast.gpt.build("tiny")                 # any nn.Module
+        opt = anvil_fast.ANVIL(model, lr=0.02, adam_lr=0.008)
+        print(opt.describe())                                 # the plan: each parameter's route, and why
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 1000)
+        for step in range(1000):
+            x = torch.randint(0, 256, (8, 65))
+            loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+
+    **Routing** (the first matching rule wins; never by a coincidence of sizes):
+
+    1. ``anvil=`` (names, or a predicate on names) -> a matrix (refused for ndim < 2; ndim >= 4
+       is flattened as a convolution weight is).
+    2. ``adam=`` (names or predicate) -> Adam.
+    3. ndim < 2 (scalars, norms, biases) -> Adam.
+    4. the weight of an ``nn.Embedding``/``nn.EmbeddingBag``, by identity (so an output head tied to
+       an embedding is caught here too) -> Adam.
+    5. a parameter (ndim >= 2) of a module whose name's last component is in ``head_names``
+       (default ``HEAD_NAMES``: lm_head, head, classifier, fc_out, output_layer) -> Adam.
+    6. a convolution weight (any ``_ConvNd``) ``[d0, d1, d2, ...]`` -> the matrix ``[d0, d1*d2*...]``.
+    7. ndim == 2 -> the matrix ``[d0, d1]``.
+    8. ndim == 3 -> a stack: each ``[i]`` is a matrix ``[d1, d2]`` (e.g. per-expert weights).
+    9. anything else -> ConfigError naming the parameter (pass ``adam=[name]`` or ``anvil=[name]``).
+
+    Parameters with ``requires_grad=False`` at construction are left out (frozen layers).
+    Only what the module tells is used: given ``named_parameters()`` or plain parameters (named
+    ``param0, param1, ...``) rules 4 and 6 cannot apply and rule 5 reads the parameter's name.
+    An ``nn.Sequential``'s last ``nn.Linear`` is named by its index, so it is a matrix by rule 7:
+    check ``describe()`` and pass ``adam=["N.weight"]`` for an output layer.
+    A matrix needs dtype float32 or bfloat16. ``split_rows={name: k}`` splits that parameter's
+    matrices into k equal row blocks, each its own matrix (e.g. a fused qkv projection ``[3d, d]``
+    with k=3, or per-head splitting). Matrices of equal ``(rows, cols, dtype)`` share one bank
+    ``[n, rows, cols]``; each member parameter is a view of its bank. Under torch.distributed a
+    bank is padded with frozen zero matrices to a multiple of the world size and sharded by
+    matrix; Adam parameters with ``numel >= shard_min_numel`` (and a first dimension the world size
+    divides) are sharded, the others replicated. A model with parameters of ndim >= 2 but no bank
+    gets a UserWarning. bf16 matrices keep the seed's exact fp32 master (bf16 parameter + uint16
+    mantissa); float32 matrices are their own master.
+
+    **The update.** For a matrix ``P`` of ``rows x cols`` (as banked) with gradient ``G``, the
+    rails and lane-energy equalizer of :mod:`anvil_ref` give the update ``U`` and the slow rail
+    ``S``; then (:func:`anvil_ref.update.sign_aligned_update`)::
+
+        eff_lr = lr * scale(rows, cols)
+        eff_wd = weight_decay * lr
+        P'     = P - P * [S * P >= 0] * eff_wd * eff_lr - U * eff_lr
+
+    with ``lr_scale`` choosing ``scale`` (:func:`anvil_ref.update.shape_lr_multiplier`)::
+
+        "seed" (default):  scale = max(1, rows / cols) ** 0.5      (the record's)
+        "match_rms_adamw": scale = 0.2 * max(rows, cols) ** 0.5    (torch.optim.Muon's rule, so an
+                                                                     AdamW learning rate transfers)
+
+    Adam is :mod:`anvil_ref.adam`'s (the seed's) with ``adam_betas``, ``adam_eps``,
+    ``adam_weight_decay`` and ``lr = adam_lr``.
+
+    **Rails.** ``rails="nesterov"`` (default): every step uses the anvil group's ``momentum``,
+    ``fast_beta`` (None: = momentum) and ``fast_weight`` (1.0: plain Nesterov momentum). It is the
+    default because the record's schedule is tied to a run length and to an engage step tuned for the
+    record's run. ``rails="record"`` (needs ``total_steps``, an int >= 1): before the t-th taken step
+    (t = 0, 1, ...; skipped steps do not count) the anvil group's momentum, fast_beta and fast_weight
+    are set to :func:`anvil_ref.rails.rail_scalars` ``(t, total_steps)`` (visible in
+    ``param_groups``); a step after ``total_steps`` taken steps raises ValueError.
+
+    **param_groups**: ``[anvil, adam]`` (a group without parameters is left out): anvil has
+    ``kind="anvil", lr, momentum, fast_beta, fast_weight, beta2, weight_decay``; adam has
+    ``kind="adam", lr, betas, eps, weight_decay``. Every value may change between steps (LR
+    schedulers, you) and takes effect at the next step; values are validated at construction and
+    at every step as torch's optimizers do (ValueError naming the value). ``defaults`` holds lr and
+    momentum, so momentum-cycling schedulers (OneCycleLR, CyclicLR) work: they cycle the anvil
+    group's momentum, and a ``momentum`` they write into the adam group is Adam's beta1. Groups are
+    planned once: ``add_param_group`` raises.
+
+    **step(closure=None)** returns the closure's loss. Per step:
+
+    * a parameter whose ``.grad`` is None is not touched (its weights and all its state, also inside
+      a bank whose other members have gradients; Adam's step count does not advance for it);
+    * non-finite gradients never reach the state: with ``nonfinite="skip"`` (default) a step whose
+      gradients hold NaN/inf (on any rank) is skipped for every parameter (nothing written, no step
+      counted), a :class:`NonFiniteGradientWarning` names the parameters and ``skipped_steps``
+      counts; ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` instead. The check is one
+      fused pass over the gradients and one host sync;
+    * a parameter whose storage, dtype or device changed since construction (``model.to(dtype)``,
+      ``model.double()``, ``p.data = ...``) raises :class:`StaleParameterError`: build a new optimizer;
+    * ``.grad`` is left as the caller gave it.
+
+    Several ranks: initialize the process group first, start every rank from the same weights, do
+    not wrap the model in DDP (the optimizer averages gradients itself), and let the ranks agree on
+    which parameters have gradients.
+
+    **torch.optim behaviour.** ``zero_grad``, LR schedulers, ``torch.amp.GradScaler``
+    (``scaler.step(opt)``) and ``torch.compile(model)`` (before or after building; the
+    ``_orig_mod.`` prefix is dropped from names) work. ``opt.state[p]`` is a live view of p's state:
+    matrices ``fast_rail, slow_rail, lane_energy, mantissa`` in the banked shape (``[count, rows,
+    cols]``, or ``[rows, cols]`` for one matrix; on several ranks only this rank's matrices), Adam
+    ``step, exp_avg, exp_avg_sq`` (this rank's shard when sharded). ``state_dict()`` holds only
+    tensors and plain containers (``torch.load(f)`` with ``weights_only=True`` loads it);
+    ``load_state_dict`` restores it bit for bit.
 
     Args:
-        params: an ``nn.Module``, its ``named_parameters()``, or plain parameters.
-        lr: ANVIL's learning rate (default 0.023, the record's).
-        adam_lr: Adam's learning rate (default 0.008).
-        momentum: the Nesterov lookahead (and, unless ``fast_beta`` is given, the fast rail's beta).
-        fast_beta, fast_weight: the twin rails (default: fast_beta = momentum, fast_weight = 1, i.e.
-            plain Nesterov momentum; the record engages fast_beta 0.85, fast_weight 0.4385).
+        params: an ``nn.Module`` (preferred: module types and names are known), its
+            ``named_parameters()``, or plain parameters. Param-group dicts are refused.
+        lr, adam_lr: ANVIL's and Adam's learning rates (0.023, 0.008: the record's).
+        momentum, fast_beta, fast_weight: the rails (above).
         beta2: the lane-energy equalizer's decay (0.9).
-        weight_decay: ANVIL's sign-aligned decay (2.25, scaled by lr twice as in the seed).
-        adam_betas, adam_eps, adam_weight_decay: Adam's (0.9, 0.95), 1e-10, 0.005 (cautious decay
-            scaled by lr^2 as in the seed).
-        adam, anvil: names (or a predicate on names) forced onto Adam / into banks.
-        head_names: module names whose 2-D weights count as output heads.
-        shard_min_numel: Adam parameters at least this large are sharded (when divisible).
-        comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (default group if
+        weight_decay: ANVIL's sign-aligned decay (2.25; scaled by lr twice, above).
+        adam_betas, adam_eps, adam_weight_decay: Adam's ((0.9, 0.95), 1e-10, 0.005).
+        rails, total_steps: "nesterov" or "record" (above).
+        lr_scale: "seed" or "match_rms_adamw" (above).
+        adam, anvil: names (or a predicate on names) forced onto Adam / onto the matrix route.
+        head_names: module names whose parameters of ndim >= 2 are output heads.
+        split_rows: ``{name: k}`` (above).
+        nonfinite: "skip" or "raise" (above).
+        shard_min_numel: Adam parameters at least this large are sharded.
+        comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group if
             torch.distributed is initialized, else one process).
-        check_finite: refuse a step whose gradients hold NaN/inf (naming the parameter) before
-            anything is written.
         bank_config, maps: the bank update's cascade configuration and map set.
-        cuda_graphs: replay each step's device part as one CUDA graph (one capture per set of
-            parameters with gradients). None: on CUDA wherever capture is valid (else off, with the
-            reason in a warning); True: required (raises the reason); False: off.
+        cuda_graphs: None (default): on CUDA, capture the bank updates in CUDA graphs where capture
+            is valid (off with a warning giving the reason where it is not; off on the CPU); True:
+            capture or raise; False: off.
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
@@ -130,273 +472,369 @@ class ANVIL(torch.optim.Optimizer):
                  fast_weight: float = 1.0, beta2: float = ANVIL_DEFAULTS["beta2"],
                  weight_decay: float = ANVIL_DEFAULTS["weight_decay"], adam_betas: Sequence[float] = (0.9, 0.95),
                  adam_eps: float = ADAM_DEFAULTS["eps"], adam_weight_decay: float = ADAM_DEFAULTS["weight_decay"],
-                 adam: Iterable[str] | Any = None, anvil: Iterable[str] | Any = None,
-                 head_names: Sequence[str] = HEAD_NAMES, shard_min_numel: int = 1 << 16, comms: Any = None,
-                 check_finite: bool = False, bank_config: Any = None, maps: Any = None, cuda_graphs: bool | None = None,
+                 rails: str = "nesterov", total_steps: int | None = None, lr_scale: str = "seed",
+                 adam: Iterable[str] | Callable[[str], bool] | None = None,
+                 anvil: Iterable[str] | Callable[[str], bool] | None = None,
+                 head_names: Sequence[str] = HEAD_NAMES, split_rows: Mapping[str, int] | None = None,
+                 nonfinite: str = "skip", shard_min_numel: int = 1 << 16, comms: Any = None,
+                 bank_config: Any = None, maps: Any = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None):
-        named, kinds = _named(params)
+        anvil_group = dict(kind="anvil", lr=lr, momentum=momentum, fast_beta=fast_beta, fast_weight=fast_weight,
+                           beta2=beta2, weight_decay=weight_decay)
+        adam_group = dict(kind="adam", lr=adam_lr, betas=tuple(float(b) for b in adam_betas), eps=adam_eps,
+                          weight_decay=adam_weight_decay)
+        _check_hyperparameters("anvil", anvil_group)
+        _check_hyperparameters("adam", adam_group)
+        if rails not in RAILS:
+            raise ValueError(f"rails must be one of {RAILS}, got {rails!r}")
+        if rails == "record" and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                  or total_steps < 1):
+            raise ValueError(f"rails='record' needs total_steps, an int >= 1 (the run's length), got {total_steps!r}")
+        if lr_scale not in LR_SCALE_CONVENTIONS:
+            raise ValueError(f"lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {lr_scale!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+
+        named, owners = named_parameters_of(params)
         if not named:
             raise ValueError("ANVIL got no parameters that require gradients")
-        adam_rule = list(adam) if adam is not None and not callable(adam) else adam
-        anvil_rule = list(anvil) if anvil is not None and not callable(anvil) else anvil
-        names = [n for n, _ in named]
-        for rule, what in ((adam_rule, "adam"), (anvil_rule, "anvil")):
-            if rule is not None and not callable(rule):
-                unknown = [n for n in rule if n not in names]
-                if unknown:
-                    raise ValueError(f"{what}=: unknown parameter names {unknown}")
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        vocab = {p.shape[0] for n, p in named if kinds.get(n) == "embedding" and p.ndim == 2}
+        device = devices.pop()
+        routes = classify(named, owners, adam=adam, anvil=anvil, head_names=head_names)
 
-        # ---- classify (no parameter is touched until every one is classified)
-        bank_members: dict[tuple, list[tuple[str, Tensor]]] = {}
-        adam_params: list[tuple[str, Tensor]] = []
-        for name, p in named:
-            module = name.rsplit(".", 1)[0] if "." in name else ""
-            last = module.rsplit(".", 1)[-1]
-            is_head = p.ndim == 2 and (last in head_names or bool(vocab & set(p.shape)))
-            if _matches(name, anvil_rule):
-                if p.ndim != 2:
-                    raise ConfigError(f"{name}: anvil= needs a 2-D matrix, got shape {tuple(p.shape)}")
-                kind = "bank"
-            elif _matches(name, adam_rule) or p.ndim < 2 or kinds.get(name) == "embedding" or is_head:
-                kind = "adam"
-            elif p.ndim == 2:
-                kind = "bank"
-            else:
-                raise ConfigError(f"{name}: no rule covers a parameter of shape {tuple(p.shape)} (ANVIL banks "
-                                  "2-D matrices; Adam takes scalars, vectors, embeddings and heads); pass "
-                                  f"adam=[{name!r}] to use Adam for it")
-            if kind == "bank":
-                if p.dtype not in BANK_DTYPES:
-                    raise ConfigError(f"{name}: no rule covers a {p.dtype} matrix (banks are bfloat16 or float32); "
-                                      f"convert it or pass adam=[{name!r}]")
-                if 0 in p.shape:
-                    raise ConfigError(f"{name}: an empty matrix {tuple(p.shape)} cannot be banked")
-                bank_members.setdefault((tuple(p.shape), p.dtype), []).append((name, p))
-            else:
-                if not p.dtype.is_floating_point:
-                    raise ConfigError(f"{name}: Adam needs a floating-point parameter, got {p.dtype}")
-                adam_params.append((name, p))
-
-        # ---- the table (the world size decides padding and sharding)
         from .comms import resolve_comms
 
         self.comms = resolve_comms(comms)
-        ws = self.comms.world_size
-        betas = [float(b) for b in adam_betas]
-        table: dict[str, dict] = {}
-        inner_named: list[tuple[str, Tensor]] = []
-        self._banks: list[dict] = []
-        plan = []
-        for (shape, dtype), members in bank_members.items():
-            n = len(members)
-            n_pad = -(-n // ws) * ws
-            label = f"bank_{shape[0]}x{shape[1]}_{str(dtype).split('.')[-1]}"
-            plan.append((label, shape, dtype, members, n, n_pad))
-            table[label] = {"optim": "anvil", "comms": "sharded", "reshape": (n_pad, *shape),
-                            "frozen_matrices": tuple(range(n, n_pad))}
-        for name, p in adam_params:
-            sharded = ws > 1 and p.ndim >= 1 and p.shape[0] % ws == 0 and p.numel() >= shard_min_numel
-            if ws == 1 and p.numel() >= shard_min_numel and p.ndim >= 1:
-                sharded = True  # one process: a big tensor updates in place, without the flat-buffer copy
-            table[name] = {"optim": "adam", "comms": "sharded" if sharded else "replicated", "adam_betas": betas}
-        clash = sorted({l for l, *_ in plan} & {n for n, _ in adam_params})
-        if clash:
-            raise ConfigError(f"parameter names {clash} collide with generated bank labels; rename them")
+        plan = plan_routes(routes, split_rows=split_rows, world_size=self.comms.world_size,
+                           shard_min_numel=shard_min_numel)
+        self._banks = build_banks(plan, device)
+        self._adam_named = [(n, p) for n, p, _ in plan.adam]
+        self.inner = self._build_inner(plan, anvil_group, adam_group, lr_scale=lr_scale, bank_config=bank_config,
+                                       maps=maps, compile=compile)
+        self.plan: list[PlanEntry] = plan.entries
+        self.rails, self.total_steps, self.nonfinite = rails, total_steps, nonfinite
+        self._slots = None
+        self.taken_steps = 0  #: steps taken (the rails' t)
+        self.skipped_steps = 0  #: steps skipped for non-finite gradients
 
-        # ---- build the banks (from here on parameters are re-pointed)
-        device = devices.pop()
-        with torch.no_grad():
-            for label, shape, dtype, members, n, n_pad in plan:
-                storage = torch.zeros((n_pad, *shape), dtype=dtype, device=device)
-                for i, (_, p) in enumerate(members):
-                    storage[i].copy_(p.data)
-                for i, (_, p) in enumerate(members):
-                    p.data = storage[i]
-                bank = nn.Parameter(storage.view(n_pad * shape[0], shape[1]), requires_grad=True)
-                bank.label = label
-                self._banks.append(dict(label=label, param=bank, members=members))
-                inner_named.append((label, bank))
-        for name, p in adam_params:
+        groups = []
+        bank_params = [p for b in self._banks for _, p, _, _ in b.plan.members]
+        if bank_params:
+            groups.append(dict(params=bank_params, **anvil_group))
+        if self._adam_named:
+            groups.append(dict(params=[p for _, p in self._adam_named], **adam_group))
+        self._planned = False
+        super().__init__(groups, dict(lr=lr))
+        # set after the groups exist: torch would otherwise copy momentum into the adam group
+        self.defaults["momentum"] = momentum
+        self._planned = True
+        self._make_state_views()
+        self._record_storage()
+        if not self._banks and any(p.ndim >= 2 for _, p in named):
+            warnings.warn("ANVIL: no parameter was banked, so every parameter trains with Adam and lr= changes "
+                          "nothing; see opt.describe() for each parameter's route and pass anvil=[names] to bank "
+                          "matrices", UserWarning, stacklevel=2)
+        self._use_cuda_graphs(cuda_graphs, device)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _build_inner(self, plan: Plan, anvil_group: dict, adam_group: dict, *, lr_scale: str, bank_config,
+                     maps, compile) -> AnvilAndAdam:
+        table: dict[str, dict] = {}
+        for b in plan.banks:
+            table[b.label] = {"optim": "anvil", "comms": "sharded", "reshape": (b.n_pad, b.rows, b.cols),
+                              "frozen_matrices": tuple(range(b.n, b.n_pad)), "lr_scale": lr_scale}
+        for name, p, comms in plan.adam:
             p.label = name
-            inner_named.append((name, p))
-        size = {l: math.prod(t["reshape"]) if "reshape" in t else 0 for l, t in table.items()}
-        order = sorted((l for l in table if table[l]["optim"] == "anvil"), key=lambda l: -size[l]) + \
-            [n for n, _ in adam_params if table[n]["comms"] == "sharded"] + \
-            [n for n, _ in adam_params if table[n]["comms"] == "replicated"]
-        anvil_defaults = dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay)
-        adam_defaults = dict(lr=adam_lr, eps=adam_eps, weight_decay=adam_weight_decay)
+            table[name] = {"optim": "adam", "comms": comms, "adam_betas": list(adam_group["betas"])}
+        size = {b.label: b.n_pad * b.rows * b.cols for b in plan.banks}
+        order = sorted(size, key=lambda l: -size[l]) + \
+            [n for n, _, c in plan.adam if c == "sharded"] + [n for n, _, c in plan.adam if c == "replicated"]
         bank_update = None
-        if compile is not None and plan:
+        if compile is not None and plan.banks:
             import functools
 
             from .bank import anvil_bank_update
 
             bank_update = functools.partial(anvil_bank_update, compile=compile)
-        self.inner = AnvilAndAdam(inner_named, table, order, order, adam_defaults, anvil_defaults, bank_update,
-                                  comms=self.comms, check_finite=False, tie_embeddings=False,
-                                  allow_fp32_banks=True, bank_config=bank_config, maps=maps)
-        self._adam_named = adam_params
-        self.check_finite = bool(check_finite)
+        named = [(b.label, b.param) for b in self._banks] + [(n, p) for n, p, _ in plan.adam]
+        anvil_defaults = {k: anvil_group[k] for k in ("lr", "momentum", "beta2", "weight_decay")}
+        adam_defaults = {k: adam_group[k] for k in ("lr", "eps", "weight_decay")}
+        return AnvilAndAdam(named, table, order, order, adam_defaults, anvil_defaults, bank_update,
+                            comms=self.comms, check_finite=False, tie_embeddings=False, allow_fp32_banks=True,
+                            bank_config=bank_config, maps=maps)
 
-        groups = []
-        bank_params = [p for b in self._banks for _, p in b["members"]]
-        if bank_params:
-            groups.append(dict(params=bank_params, kind="anvil", lr=lr, momentum=momentum, fast_beta=fast_beta,
-                               fast_weight=fast_weight, beta2=beta2, weight_decay=weight_decay))
-        if adam_params:
-            groups.append(dict(params=[p for _, p in adam_params], kind="adam", lr=adam_lr, betas=tuple(betas),
-                               eps=adam_eps, weight_decay=adam_weight_decay))
-        super().__init__(groups, dict(lr=lr))
-        self._slots = None
-        if cuda_graphs is None:
-            from .graphs import capture_unsupported_reason
+    def _local_slots(self, bank: Bank, first: int, count: int) -> slice:
+        """A member's matrices within this rank's chunk of the bank's state."""
+        chunk = self.inner.param_cfgs[bank.label].chunk_size
+        lo = self.comms.rank * chunk
+        a, b = max(first, lo), min(first + count, lo + chunk)
+        return slice(a - lo, max(a, b) - lo)
 
-            reason = capture_unsupported_reason(self.inner)
-            if reason is None:
-                self.inner.capture_step(strict=False)
-            elif self.inner.device.type == "cuda":
-                import warnings
+    def _make_state_views(self) -> None:
+        self.state = defaultdict(dict)
+        for bank in self._banks:
+            st = self.inner.param_states[bank.label]
+            for _, p, first, count in bank.plan.members:
+                s = self._local_slots(bank, first, count)
+                views = dict(fast_rail=st["velocity"][0, s], slow_rail=st["velocity"][1, s],
+                             lane_energy=st["lane_energy"][s], mantissa=st["mantissa"][s])
+                if count == 1:
+                    views = {k: v.squeeze(0) if v.shape[0] == 1 else v for k, v in views.items()}
+                self.state[p] = _StateView(lambda views=views: dict(views))
+        for name, p in self._adam_named:
+            st = self.inner.param_states[name]
+            self.state[p] = _StateView(lambda st=st: dict(step=st["step"], exp_avg=st["exp_avg"],
+                                                          exp_avg_sq=st["exp_avg_sq"]))
 
-                warnings.warn(f"ANVIL: CUDA graphs are off ({reason}); the step runs eagerly", stacklevel=2)
-        elif cuda_graphs:
-            self.inner.capture_step()
+    def _record_storage(self) -> None:
+        self._storage = [(n, p, p.data_ptr(), p.dtype, p.device) for b in self._banks for n, p, _, _ in b.plan.members]
+        self._storage += [(n, p, p.data_ptr(), p.dtype, p.device) for n, p in self._adam_named]
+
+    def _use_cuda_graphs(self, flag: bool | None, device: torch.device) -> None:
+        """Replay each step's device part as one CUDA graph (:class:`~anvil_fast.graphs.StepGraph`,
+        one capture per set of parameters with gradients) where capture is valid."""
+        from .graphs import capture_unsupported_reason
+
+        if flag is False or (flag is None and device.type != "cuda"):
+            return
+        reason = capture_unsupported_reason(self.inner)
+        if reason is None:
+            self.inner.capture_step(strict=bool(flag))
+        elif flag:
+            raise ValueError(f"cuda_graphs=True: {reason}")
+        else:
+            warnings.warn(f"ANVIL: CUDA graphs are off ({reason}); the step runs eagerly", UserWarning, stacklevel=3)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_planned", True):
+            raise ValueError("ANVIL plans its parameter groups once, at construction (banks are views of the "
+                             "parameters); build a new ANVIL over every parameter instead of add_param_group")
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ introspection
     @property
     def banks(self) -> dict[str, list[str]]:
-        """Bank label -> the names of its member matrices, in bank order."""
-        return {b["label"]: [n for n, _ in b["members"]] for b in self._banks}
+        """Bank label -> the names of its member parameters, in bank order."""
+        return {b.label: [n for n, _, _, _ in b.plan.members] for b in self._banks}
 
     @property
     def adam_names(self) -> dict[str, str]:
         """Adam parameter name -> "sharded" or "replicated"."""
         return {n: self.inner.param_cfgs[n].comms for n, _ in self._adam_named}
 
-    # ------------------------------------------------------------------ step
-    def _sync_hyperparameters(self) -> None:
-        for group in self.param_groups:
-            if group["kind"] == "anvil":
-                vals = dict(lr=group["lr"], momentum=group["momentum"], beta2=group["beta2"],
-                            weight_decay=group["weight_decay"], fast_weight=group["fast_weight"],
-                            fast_beta=group["momentum"] if group["fast_beta"] is None else group["fast_beta"])
-                bad = {k: v for k, v in vals.items() if not math.isfinite(float(v))}
-                if bad or not 0 <= vals["momentum"] <= 1 or not 0 <= vals["beta2"] <= 1:
-                    raise ValueError(f"anvil param_group: bad hyper-parameters {vals}")
-                for b in self._banks:
-                    cfg = self.inner.param_cfgs[b["label"]]
-                    cfg.lr, cfg.momentum, cfg.weight_decay = float(vals["lr"]), float(vals["momentum"]), \
-                        float(vals["weight_decay"])
-                    cfg.beta2 = float(vals["beta2"])
-                    self.inner.banks[b["label"]].beta2 = cfg.beta2
-                self.inner.set_rails(vals["fast_beta"], vals["fast_weight"])
+    def describe(self) -> str:
+        """The plan as text: one line per parameter (name, shape, route, reason)."""
+        rows = [("parameter", "shape", "route", "reason")]
+        for e in self.plan:
+            if e.route == "adam":
+                route = f"adam ({e.comms})"
             else:
-                b1, b2 = (float(x) for x in group["betas"])
-                if not (0 <= b1 < 1 and 0 <= b2 < 1) or not group["eps"] > 0 or not math.isfinite(group["lr"]):
-                    raise ValueError(f"adam param_group: bad hyper-parameters lr={group['lr']} betas={group['betas']} "
-                                     f"eps={group['eps']}")
-                for name, _ in self._adam_named:
-                    cfg = self.inner.param_cfgs[name]
-                    cfg.lr, cfg.adam_betas = float(group["lr"]), (b1, b2)
-                    cfg.eps, cfg.weight_decay = float(group["eps"]), float(group["weight_decay"])
+                first, end = e.slots
+                where = f"matrix {first}" if end - first == 1 else f"matrices {first}-{end - 1}"
+                route = f"{e.route} [{', '.join(map(str, e.bank_shape))}] {where}"
+            rows.append((e.name, str(list(e.shape)), route, e.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
+        n_bank = sum(e.route != "adam" for e in self.plan)
+        lines.append(f"{len(self._banks)} bank(s) holding {n_bank} parameter(s); "
+                     f"{len(self.plan) - n_bank} parameter(s) on Adam; world size {self.comms.world_size}")
+        return "\n".join(lines)
 
-    def _check_finite(self) -> None:
-        names = [n for b in self._banks for n, p in b["members"] if p.grad is not None] + \
-                [n for n, p in self._adam_named if p.grad is not None]
-        params = dict((n, p) for b in self._banks for n, p in b["members"]) | dict(self._adam_named)
-        dev = self.inner.device
-        flags = torch.stack([(~torch.isfinite(params[n].grad)).any() for n in names]).float() if names else \
-            torch.zeros(0, device=dev)
-        self.comms.all_reduce_sum_now(flags)
-        bad = [names[i] for i in flags.nonzero().flatten().tolist()]
-        if bad:
-            raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(bad)}; nothing was updated")
-
+    # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One ANVIL + Adam step from the parameters' ``.grad`` (left as they are)."""
+        """One ANVIL + Adam step from the parameters' ``.grad`` (class docstring); returns the
+        closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for b in self._banks:
-            for name, p in b["members"]:
-                if p.grad is not None and (p.grad.shape != p.shape or p.grad.dtype != p.dtype):
-                    raise ValueError(f"{name}: gradient {p.grad.dtype} {tuple(p.grad.shape)} does not match the "
-                                     f"parameter's {p.dtype} {tuple(p.shape)}")
-        if self.check_finite:
-            self._check_finite()
-        self._sync_hyperparameters()
-        self._copy_grads_and_step()
+        self._check_storage()
+        read, without_grad = self._collect_gradients()
+        if not self._gradients_finite(read):
+            return loss
+        self._apply_hyperparameters()
+        saved = self._save_members(without_grad)
+        self._inner_step(read)
+        self._restore_members(saved)
+        self.taken_steps += 1
         return loss
 
-    def _grad_slots(self) -> list:
-        """(name, parameter, its slot in the inner optimizer's persistent gradient buffer, label), once."""
+    def _check_storage(self) -> None:
+        stale = [(name, p, dtype, device) for name, p, ptr, dtype, device in self._storage
+                 if p.data_ptr() != ptr or p.dtype != dtype or p.device != device]
+        if stale:
+            name, p, dtype, device = stale[0]
+            more = f" (and {len(stale) - 1} more: {', '.join(n for n, *_ in stale[1:4])}" + \
+                (", ...)" if len(stale) > 4 else ")") if len(stale) > 1 else ""
+            raise StaleParameterError(
+                f"{name}{more}: the parameter's storage changed since the optimizer was built (was {dtype} on "
+                f"{device}, is {p.dtype} on {p.device}{', new memory' if p.dtype == dtype else ''}; e.g. "
+                "model.to(dtype), model.double(), p.data = ...): the optimizer would update memory the model no "
+                "longer reads. Build a new ANVIL after changing the model")
+
+    def _grad_slots(self) -> list[tuple[str, Tensor, Tensor, str, Bank | None, int]]:
+        """Per parameter: (name, parameter, its slot in the inner optimizer's persistent gradient
+        buffer shaped like the parameter, inner label, bank or None, member index); built once,
+        since the buffers live as long as the optimizer."""
         if self._slots is None:
             bufs = self.inner.grad_buffers()
             slots = []
             for b in self._banks:
-                view = bufs[b["label"]].view(self.inner.param_cfgs[b["label"]].reshape)
-                slots += [(name, p, view[i], b["label"]) for i, (name, p) in enumerate(b["members"])]
-            slots += [(n, p, bufs[n], n) for n, p in self._adam_named]
+                whole = bufs[b.label].view(b.plan.n_pad, b.plan.rows, b.plan.cols)
+                slots += [(name, p, whole[first:first + count].view(p.shape), b.label, b, i)
+                          for i, (name, p, first, count) in enumerate(b.plan.members)]
+            slots += [(n, p, bufs[n], n, None, 0) for n, p in self._adam_named]
             self._slots = slots
         return self._slots
 
-    def _copy_grads(self) -> list[str]:
-        """Every ``.grad`` into the persistent buffers (one ``_foreach_copy_`` per dtype pair; a
-        bank's copy is also the cast to bf16); returns the inner labels with a gradient. A bank
-        member without a gradient counts as a zero gradient."""
-        groups: dict[tuple, tuple[list, list]] = {}
+    def _collect_gradients(self) -> tuple[list[str], list[tuple[Bank, int]]]:
+        """Copy every ``.grad`` into its slot of the persistent gradient buffers (checked first):
+        one ``_foreach_copy_`` per (buffer dtype, gradient dtype) pair, and for a bank the copy is
+        also the cast to bf16 the gradient travels in, so a CUDA graph of the step reads fixed
+        addresses. Returns the inner labels read and (bank, member index) of the members without a
+        gradient in banks that have one (their slots are zeroed: a stale slot must not trip the
+        finite check; the members are restored after the step)."""
+        pairs: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
         read: dict[str, None] = {}
         missing = []
-        for name, p, dst, label in self._grad_slots():
+        for name, p, dst, label, bank, i in self._grad_slots():
             g = p.grad
             if g is None:
-                missing.append((dst, label))
+                missing.append((dst, label, bank, i))
                 continue
             if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:  # copy_ would broadcast or cast
-                raise ValueError(f"{name}: gradient {g.dtype} {tuple(g.shape)} on {g.device} does not match the "
-                                 f"parameter's {p.dtype} {tuple(p.shape)} on {p.device}; nothing was updated")
-            d, s = groups.setdefault((dst.dtype, g.dtype), ([], []))
+                raise ValueError(f"{name}: gradient {g.dtype} {tuple(g.shape)} on {g.device} does not match "
+                                 f"the parameter's {p.dtype} {tuple(p.shape)} on {p.device}; nothing was updated")
+            if g.is_sparse:
+                raise ValueError(f"{name}: sparse gradients are not supported; nothing was updated")
+            d, src = pairs.setdefault((dst.dtype, g.dtype), ([], []))
             d.append(dst)
-            s.append(g)
+            src.append(g)
             read[label] = None
-        for dst, label in missing:
-            if label in read and label in self.inner.banks:
+        without = []
+        for dst, label, bank, i in missing:
+            if bank is not None and label in read:
                 dst.zero_()
-        for d, s in groups.values():
-            torch._foreach_copy_(d, s)
-        return list(read)
+                without.append((bank, i))
+        for d, src in pairs.values():
+            torch._foreach_copy_(d, src)
+        return list(read), without
 
-    def _copy_grads_and_step(self) -> None:
-        """:meth:`_copy_grads`, then the inner step from the buffers (one CUDA-graph replay when
-        ``cuda_graphs``)."""
-        self.inner.step_from_buffers(self._copy_grads(), do_adam=True)
+    def _gradients_finite(self, read: list[str]) -> bool:
+        """One fused norm pass per dtype over the buffers the step reads (so a gradient that
+        overflows bf16 in the cast counts as infinite), one all-reduce, one host sync. On NaN/inf:
+        name the parameters, then skip (warn) or raise."""
+        bufs = self.inner.grad_buffers()
+        if not self.inner.nonfinite_labels({l: bufs[l] for l in read}):
+            return True
+        names = self._nonfinite_names()
+        where = "" if self.comms.world_size == 1 else " (on at least one rank)"
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}{where}; nothing "
+                                         "was updated")
+        self.skipped_steps += 1
+        warnings.warn(f"ANVIL: step skipped for every parameter: non-finite gradient (NaN or inf) in "
+                      f"{', '.join(names)}{where} ({self.skipped_steps} step(s) skipped so far)",
+                      NonFiniteGradientWarning, stacklevel=3)
+        return False
+
+    def _nonfinite_names(self) -> list[str]:
+        """The parameters whose gradient slot holds NaN/inf on any rank (the rare path: one flag each)."""
+        slots = self._grad_slots()
+        flags = torch.stack([(~torch.isfinite(dst)).any() if p.grad is not None and dst.numel()
+                             else torch.zeros((), dtype=torch.bool, device=self.inner.device)
+                             for _, p, dst, *_ in slots]).float()
+        if self.comms.world_size > 1:
+            self.comms.all_reduce_sum_now(flags)
+        return [slots[i][0] for i in flags.nonzero().flatten().tolist()]
+
+    def _apply_hyperparameters(self) -> None:
+        """Validate the groups, set the record's rails if asked, and hand the values to the inner
+        optimizer (checked before anything is written)."""
+        for g in self.param_groups:
+            if g["kind"] == "anvil" and self.rails == "record":
+                t = self.taken_steps
+                if t >= self.total_steps:
+                    raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and "
+                                     f"all were taken; build the optimizer with a larger total_steps")
+                s = rail_scalars(t, self.total_steps)
+                g.update(momentum=s.momentum, fast_beta=s.fast_beta, fast_weight=s.fast_weight)
+            if g["kind"] == "adam" and "momentum" in g:  # a momentum-cycling scheduler's beta1
+                g["betas"] = (float(g["momentum"]), float(g["betas"][1]))
+            _check_hyperparameters(g["kind"], g)
+        for g in self.param_groups:
+            if g["kind"] == "anvil":
+                fast_beta = g["momentum"] if g["fast_beta"] is None else g["fast_beta"]
+                for b in self._banks:
+                    cfg = self.inner.param_cfgs[b.label]
+                    cfg.lr, cfg.momentum = float(g["lr"]), float(g["momentum"])
+                    # beta2 is a Python float baked into the bank update: a step graph captured
+                    # with another value is not replayed (StepGraph keys its captures by it)
+                    cfg.weight_decay, cfg.beta2 = float(g["weight_decay"]), float(g["beta2"])
+                    self.inner.banks[b.label].beta2 = cfg.beta2
+                self.inner.set_rails(float(fast_beta), float(g["fast_weight"]))
+            else:
+                for name, _ in self._adam_named:
+                    cfg = self.inner.param_cfgs[name]
+                    cfg.lr, cfg.adam_betas = float(g["lr"]), tuple(float(b) for b in g["betas"])
+                    cfg.eps, cfg.weight_decay = float(g["eps"]), float(g["weight_decay"])
+
+    def _save_members(self, without: list[tuple[Bank, int]]) -> list[tuple[Tensor, Tensor]]:
+        """(live slice, copy) of every weight and state slice of the members without a gradient."""
+        saved = []
+        for b, i in without:
+            _, p, first, count = b.plan.members[i]
+            st = self.inner.param_states[b.label]
+            s = self._local_slots(b, first, count)
+            live = [p.data, st["velocity"][:, s], st["lane_energy"][s], st["mantissa"][s]]
+            trips = getattr(self.inner.banks[b.label], "guard_trips", None)
+            if trips is not None:
+                live.append(trips[s])
+            saved += [(t, t.clone()) for t in live]
+        return saved
+
+    def _inner_step(self, read: list[str]) -> None:
+        """The inner step from the persistent buffers (one graph replay where captured); ``.grad``
+        is neither read nor written there."""
+        self.inner.step_from_buffers(read, do_adam=True)
+
+    @staticmethod
+    def _restore_members(saved: list[tuple[Tensor, Tensor]]) -> None:
+        if saved:
+            torch._foreach_copy_([t for t, _ in saved], [c for _, c in saved])
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state (this rank's shards) and the param groups' hyper-parameters."""
+        """This rank's state (tensors and plain containers only) and the groups' hyper-parameters."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         inner = self.inner.state_dict()
         inner["pending_grads"] = {}  # Adam runs every step here: .grad belongs to the caller
-        return {"anvil": inner, "param_groups": groups}
+        return {"format": STATE_FORMAT, "anvil": inner, "param_groups": groups, "taken_steps": self.taken_steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output in place, bit for bit (checked before written)."""
         groups = state_dict.get("param_groups")
-        if groups is None or "anvil" not in state_dict or len(groups) != len(self.param_groups):
-            raise ValueError("not an anvil_fast.ANVIL state dict (or one with different param groups)")
+        if state_dict.get("format") != STATE_FORMAT or groups is None or len(groups) != len(self.param_groups):
+            raise ValueError(f"not an anvil_fast.ANVIL state dict of this plan (format {state_dict.get('format')!r}, "
+                             f"expected {STATE_FORMAT!r} with {len(self.param_groups)} param groups)")
         for g, saved in zip(self.param_groups, groups):
             if g["kind"] != saved.get("kind"):
                 raise ValueError(f"param group kinds differ: {g['kind']} vs {saved.get('kind')}")
         kept = {n: p.grad for n, p in self._adam_named}
-        self.inner.load_state_dict(state_dict["anvil"])
-        for n, p in self._adam_named:  # .grad belongs to the caller, not to the checkpoint
-            p.grad = kept[n]
+        try:
+            self.inner.load_state_dict(state_dict["anvil"])
+        finally:
+            for n, p in self._adam_named:  # .grad belongs to the caller, not to the checkpoint
+                p.grad = kept[n]
         for g, saved in zip(self.param_groups, groups):
-            g.update({k: v for k, v in saved.items()})
+            g.update(saved)
+        self.taken_steps = int(state_dict["taken_steps"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
 
 
-__all__ = ["ANVIL", "HEAD_NAMES"]
+__all__ = ["ANVIL", "HEAD_NAMES", "StaleParameterError", "NonFiniteGradientWarning", "NonFiniteGradientError",
+           "PlanEntry", "classify", "plan_routes", "build_banks", "named_parameters_of"]

@@ -162,6 +162,13 @@ def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
     l_.copy_(lo.view(torch.int16))
 
 
+def _plain_cfg(cfg: ParamConfig) -> dict[str, Any]:
+    """A config as plain containers (``torch.load(..., weights_only=True)`` refuses a frozenset)."""
+    out = asdict(cfg)
+    out["frozen_matrices"] = sorted(out["frozen_matrices"])
+    return out
+
+
 class AnvilAndAdam:
     """ANVIL for the banks + Adam for the rest, with the seed's explicit comms schedule.
 
@@ -745,7 +752,7 @@ class AnvilAndAdam:
                  for label, st in self.param_states.items()}
         pending = {l: c(self.params[l].grad) for l in self.adam_labels if self.params[l].grad is not None}
         return dict(format=STATE_FORMAT, world_size=self.world_size, rank=self.rank, labels=list(self.labels),
-                    state=state, param_cfgs={l: asdict(cfg) for l, cfg in self.param_cfgs.items()},
+                    state=state, param_cfgs={l: _plain_cfg(cfg) for l, cfg in self.param_cfgs.items()},
                     rails=(self.fast_beta, self.fast_weight), split_embed=self.split_embed, pending_grads=pending)
 
     @torch.no_grad()
@@ -791,7 +798,7 @@ class AnvilAndAdam:
             cfg = self.param_cfgs[label]
             for k, v in f.items():
                 if k in names:
-                    setattr(cfg, k, tuple(v) if isinstance(v, list) else (frozenset(v) if k == "frozen_matrices" else v))
+                    setattr(cfg, k, frozenset(v) if k == "frozen_matrices" else (tuple(v) if isinstance(v, list) else v))
         self.fast_beta, self.fast_weight = (float(x) for x in sd["rails"])
         self.split_embed = bool(sd["split_embed"])
         for label in self.adam_labels:

@@ -10,8 +10,9 @@ A ``param_table`` maps each label to an entry::
      "adam_betas": [beta1, beta2] (Adam only), "lr_mul": 1.0, "wd_mul": 1.0}
 
 ANVIL parameters additionally carry ``reshape`` (the bank shape ``[n_matrices, rows, cols]``; the
-seed reads it from the parameter's ``.reshape`` attribute) and optionally ``frozen_matrices`` (global
-indices whose learning rate is 0).
+seed reads it from the parameter's ``.reshape`` attribute), optionally ``frozen_matrices`` (global
+indices whose learning rate is 0) and ``lr_scale`` (the shape multiplier's convention,
+:func:`anvil_ref.update.shape_lr_multiplier`; default "seed").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ._arrays import ReferenceInputError
-from .update import per_matrix_lr_multipliers, shape_lr_multiplier
+from .update import LR_SCALE_CONVENTIONS, per_matrix_lr_multipliers, shape_lr_multiplier
 
 OPTIMS = ("adam", "anvil")
 COMMS = ("replicated", "sharded")
@@ -122,7 +123,10 @@ def build_param_config(label: str, entry: Mapping, *, shape: Sequence[int],
     if reshape[0] % world_size:
         raise ConfigError(f"{label}: reshape[0]={reshape[0]} must be divisible by world_size={world_size}")
     chunk = reshape[0] // world_size
-    lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1]) * lr_mul
+    convention = entry.get("lr_scale", "seed")
+    if convention not in LR_SCALE_CONVENTIONS:
+        raise ConfigError(f"{label}: lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {convention!r}")
+    lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1], convention=convention) * lr_mul
     frozen = frozenset(int(k) for k in frozen_matrices)
     all_mults = per_matrix_lr_multipliers(label, reshape[0], frozen=frozen)
     lr = float(anvil_defaults["lr"])

@@ -6,7 +6,8 @@ gate) and the per-step hyper-parameters::
 
     eff_wd   = wd_mul * weight_decay * lr                             (one scalar per bank)
     eff_lr_k = lr_mul * shape_mult * mult_k * lr                      (one scalar per matrix k)
-    shape_mult = max(1, m / n) ** 0.5                                 (of the chunk's matrix shape)
+    shape_mult = shape_lr_multiplier(m, n, convention)                (of the chunk's matrix shape;
+                                                                      seed: max(1, m / n) ** 0.5)
     mult_k   = 0 if k is frozen, else 2 if the bank is mlp_bank and k is odd, else 1
     aligned  = [S * P >= 0]                                           (elementwise; zero counts)
     P'       = P - P * aligned * eff_wd * eff_lr_k - U * eff_lr_k
@@ -26,11 +27,25 @@ from ._arrays import ReferenceInputError, like, same_shape, to_f64, to_scalar
 from .constants import MLP_BANK_LABEL, ODD_MATRIX_LR_MUL
 
 
-def shape_lr_multiplier(rows: int, cols: int) -> float:
-    """``max(1, rows / cols) ** 0.5``: tall matrices get a larger step."""
+#: The conventions :func:`shape_lr_multiplier` knows.
+LR_SCALE_CONVENTIONS = ("seed", "match_rms_adamw")
+
+
+def shape_lr_multiplier(rows: int, cols: int, *, convention: str = "seed") -> float:
+    """The learning-rate multiplier of a ``rows x cols`` matrix::
+
+        "seed":             max(1, rows / cols) ** 0.5       (tall matrices get a larger step)
+        "match_rms_adamw":  0.2 * max(rows, cols) ** 0.5     (torch.optim.Muon's rule: the update's
+                                                              RMS matches AdamW's, so an AdamW
+                                                              learning rate transfers)
+    """
     if rows < 1 or cols < 1:
         raise ReferenceInputError(f"matrix shape must be positive, got ({rows}, {cols})")
-    return max(1.0, rows / cols) ** 0.5
+    if convention == "seed":
+        return max(1.0, rows / cols) ** 0.5
+    if convention == "match_rms_adamw":
+        return 0.2 * max(rows, cols) ** 0.5
+    raise ReferenceInputError(f"lr_scale convention must be one of {LR_SCALE_CONVENTIONS}, got {convention!r}")
 
 
 def per_matrix_lr_multipliers(label: str, n_matrices: int, *,

@@ -19,9 +19,8 @@ Storage: a matrix's master is an exact fp32 value (an fp32 parameter itself, or 
 joined with its mantissa, which starts at zero), held here in float64 without rounding; an Adam
 parameter is stored in its own dtype, so a bf16 one is rounded to bf16 (to nearest) after each step.
 
-A parameter without a gradient is not touched (the specification). ``absent_grad="zero"`` models the
-other convention a banked optimizer may have: a matrix without a gradient steps on a zero gradient
-when another matrix of its bank (equal rows, cols and dtype) has one (one gradient per bank).
+A parameter without a gradient is not touched (the specification), also when other matrices of
+its bank have one.
 
 Group values live in :attr:`DropinReference.groups` (``"anvil"`` and ``"adam"``, the keys of the
 drop-in's param_groups); a test changes them in both places between steps.
@@ -191,14 +190,11 @@ class DropinReference:
                  adam_eps: float = ADAM_DEFAULTS["eps"], adam_weight_decay: float = ADAM_DEFAULTS["weight_decay"],
                  rails: str = "nesterov", total_steps: int | None = None, lr_scale: str = "seed",
                  adam=None, anvil=None, head_names: Sequence[str] = SPEC_HEAD_NAMES, split_rows=None,
-                 nonfinite: str = "skip", maps=None, absent_grad: str = "untouched", **_ignored: Any):
+                 nonfinite: str = "skip", maps=None, **_ignored: Any):
         self.routes = route_parameters(params, adam=adam, anvil=anvil, head_names=head_names, split_rows=split_rows)
         named = dict(named_parameters(params)[0])
         self.maps = load_maps(ANVIL_MAPS if maps is None else maps)
         self.rails, self.total_steps, self.lr_scale, self.nonfinite = rails, total_steps, lr_scale, nonfinite
-        if absent_grad not in ("untouched", "zero"):
-            raise ValueError(f"absent_grad: expected 'untouched' or 'zero', got {absent_grad!r}")
-        self.absent_grad = absent_grad
         self.groups = {
             "anvil": dict(lr=lr, momentum=momentum, fast_beta=fast_beta, fast_weight=fast_weight, beta2=beta2,
                           weight_decay=weight_decay),
@@ -267,11 +263,6 @@ class DropinReference:
                 raise ValueError(f"rails='record': step {self.taken_steps} is past total_steps={self.total_steps}")
             s = rail_scalars(self.taken_steps, self.total_steps)
             self.groups["anvil"].update(momentum=s.momentum, fast_beta=s.fast_beta, fast_weight=s.fast_weight)
-        if self.absent_grad == "zero":
-            live = {(r.stack[1:], self.dtypes[r.name]) for r in self.routes if r.kind == "matrix" and r.name in g64}
-            for r in self.routes:
-                if r.kind == "matrix" and r.name not in g64 and (r.stack[1:], self.dtypes[r.name]) in live:
-                    g64[r.name] = np.zeros(r.shape)
         for r in self.routes:
             if r.name not in g64:
                 continue

@@ -236,7 +236,8 @@ def _dropin(rank, device):
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
                                 torch.nn.LayerNorm(16), torch.nn.Linear(16, 64)).to(device)
-    opt = ANVIL(model, lr=0.02, adam_lr=0.01, shard_min_numel=512, bank_config="faithful", compile=False)
+    opt = ANVIL(model, lr=0.02, adam_lr=0.01, adam=["7.weight"], shard_min_numel=512, bank_config="faithful",
+                compile=False)  # 7: the output layer, by index in a Sequential
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     for _ in range(4):
         x = torch.randint(0, 64, (8, 5), generator=g).to(device)

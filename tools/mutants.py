@@ -62,6 +62,9 @@ def M(name, path, old, new, *tests, also=()) -> Mutant:
 
 _C_PLUS_1PCT = "ANVIL_MAPS = tuple((a, b, 1.01 * c) for a, b, c in ANVIL_MAPS)  # mutant\n"
 
+DROPIN_REF = "tests/test_dropin_reference.py::"
+DROPIN_RUN = DROPIN_REF + "test_steps_match_the_reference_with_every_value_changed_mid_run"
+
 MUTANTS: list[Mutant] = [
     # ---- anvil_ref, the specification
     M("ref rails: wrong sign in EMA", "anvil_ref/rails.py", "return like(beta * v_ + (1.0 - beta) * g_, g)",
@@ -99,8 +102,8 @@ MUTANTS: list[Mutant] = [
     M("ref optimizer: gate on fast rail", "anvil_ref/optimizer.py", "p_new = sign_aligned_update(p, u, rails.v_slow,",
       "p_new = sign_aligned_update(p, u, rails.v_fast,", "tests/test_optimizer.py"),
     M("ref config: shape multiplier transposed", "anvil_ref/config.py",
-      "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1]) * lr_mul",
-      "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2]) * lr_mul", "tests/test_update.py", "tests/test_optimizer.py"),
+      "lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1], convention=convention) * lr_mul",
+      "lr_mul = shape_lr_multiplier(reshape[-1], reshape[-2], convention=convention) * lr_mul", "tests/test_update.py", "tests/test_optimizer.py"),
     # ---- the map coefficients: +1% on every c where the fast and the eager cascade read them (a bug
     # both share, the reference not), and in the constants themselves (everything shares it)
     M("+1% on every map's c (fast and eager)", "anvil_fast/eager.py", "_BF16_MAX = torch.finfo(torch.bfloat16).max\n",
@@ -145,13 +148,13 @@ MUTANTS: list[Mutant] = [
       "bias1, bias2 = 1 - beta1 ** (step + 1), 1 - beta2 ** (step + 1)", "tests/test_adam.py"),
     # ---- the optimizer
     M("optimizer: the replicated tied lm_head loses embed's gradient", "anvil_fast/optimizer.py",
-      "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            transpose_add(embed.grad, lm.grad)",
+      "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            transpose_add(embed, lm)",
       "                and self.param_cfgs[LM_HEAD_LABEL].comms == \"replicated\":\n            pass",
       "tests/test_optimizer_api.py"),
     M("optimizer: the sharded tied lm_head loses embed's gradient", "anvil_fast/optimizer.py",
-      "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:\n"
-      "                transpose_add(embed.grad, p.grad)",
-      "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed.grad is not None:\n"
+      "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed is not None:\n"
+      "                transpose_add(embed, g)",
+      "            if label == LM_HEAD_LABEL and tied_now and do_adam and embed is not None:\n"
       "                pass", "tests/test_optimizer.py", "tests/test_optimizer_api.py"),
     M("optimizer: per-matrix lr multiplier dropped", "anvil_fast/optimizer.py",
       "lrs.append([cfg.lr_mul * m * cfg.lr for m in cfg.per_matrix_lr_mul])",
@@ -169,6 +172,34 @@ MUTANTS: list[Mutant] = [
     M("plain: the first Gram not rescaled", "anvil_fast/plain.py", "    A = (A.float() / d.square()).bfloat16()",
       "    A = (A.float() / d).bfloat16()", "tests/test_plain.py"),
     # ---- comms
+    # ---- the drop-in (tests/test_dropin_reference.py builds its reference from the user's arguments alone)
+    M("dropin: fast_beta ignored", "anvil_fast/dropin.py",
+      'fast_beta = g["momentum"] if g["fast_beta"] is None else g["fast_beta"]', 'fast_beta = g["momentum"]',
+      DROPIN_RUN),
+    M("dropin: Adam weight decay dropped", "anvil_fast/dropin.py",
+      'cfg.eps, cfg.weight_decay = float(g["eps"]), float(g["weight_decay"])',
+      'cfg.eps, cfg.weight_decay = float(g["eps"]), 0.0', DROPIN_RUN),
+    M("dropin: a member without .grad not restored after its bank's update", "anvil_fast/dropin.py",
+      "        self._restore_members(saved)\n", "",
+      DROPIN_REF + "test_members_without_gradient_are_untouched",
+      "tests/test_dropin.py::test_member_without_grad_is_untouched_inside_a_bank"),
+    M("dropin: a stale gradient slot of a member without .grad", "anvil_fast/dropin.py",
+      "                dst.zero_()\n", "",
+      "tests/test_dropin.py::test_a_member_without_grad_after_a_skipped_nan_step_does_not_skip_again"),
+    M("dropin: step(closure) returns None", "anvil_fast/dropin.py",
+      "        self.taken_steps += 1\n        return loss\n", "        self.taken_steps += 1\n        return None\n",
+      DROPIN_REF + "test_step_returns_the_closures_loss"),
+    M("dropin: a beta2 change not pushed to the banks", "anvil_fast/dropin.py",
+      "self.inner.banks[b.label].beta2 = cfg.beta2", "pass", DROPIN_RUN),
+    M("dropin: a default head name lost", "anvil_fast/dropin.py",
+      'HEAD_NAMES = ("lm_head", "head", "classifier", "fc_out", "output_layer")',
+      'HEAD_NAMES = ("lm_head", "classifier", "fc_out", "output_layer")',
+      DROPIN_REF + "test_drop_in_routes_like_the_reference", DROPIN_REF + "test_default_head_names_are_the_specifications"),
+    M("optimizer: the non-finite verdict not shared across ranks", "anvil_fast/optimizer.py",
+      "        self.comms.all_reduce_sum_now(flags)  # every rank refuses together\n", "",
+      DROPIN_REF + "test_dropin_two_ranks_skip_a_step_nan_on_one_rank"),
+    M("ref update: tall/wide learning-rate scale swapped", "anvil_ref/update.py",
+      "return max(1.0, rows / cols) ** 0.5", "return max(1.0, cols / rows) ** 0.5", DROPIN_RUN),
     M("comms: gloo average not divided", "anvil_fast/comms.py", "        return lambda: t.div_(n)",
       "        return lambda: None", "tests/test_distributed.py::test_two_gloo_ranks"),
     M("comms: local reduce-scatter skips the copy", "anvil_fast/comms.py",
