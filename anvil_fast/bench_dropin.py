@@ -141,7 +141,7 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
     """(phase, eager ms, graphed ms or None) for each phase of the default ANVIL step."""
     inner = opt.inner
     bufs = inner.grad_buffers()
-    labels = opt._copy_grads()
+    labels, _ = opt._collect_gradients()
     grads = {l: bufs[l] for l in labels}
     active = inner._active_adam(True, labels)
     update = inner.bank_update
@@ -161,7 +161,7 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
             inner.replicated.launch_reduce(replicated, grads)
             inner.replicated.update(inner.adam_table)
 
-    rows = [("grad copy", opt._copy_grads, True), ("finite check", lambda: inner.nonfinite_labels(grads), False),
+    rows = [("grad copy", opt._collect_gradients, True), ("finite check", lambda: inner.nonfinite_labels(grads), False),
             ("scalar upload", lambda: inner.stage_bank_scalars(active), False), ("bank updates", banks, True),
             ("Adam", adam, True)]
     out = []

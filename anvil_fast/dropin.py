@@ -653,11 +653,15 @@ class ANVIL(torch.optim.Optimizer):
                 loss = closure()
         self._check_storage()
         read, without_grad = self._collect_gradients()
-        if not self._gradients_finite(read):
-            return loss
+        # the verdict's kernels are launched first and read last: the host prepares the step while
+        # the device checks, so the one host sync waits on little but those kernels
+        flags = self._nonfinite_flags(read)
         self._apply_hyperparameters()
+        prepared = self.inner.prepare_from_buffers(read, do_adam=True)
+        if not self._gradients_finite(flags, prepared):
+            return loss
         saved = self._save_members(without_grad)
-        self._inner_step(read)
+        self.inner.run_prepared(prepared)  # one graph replay where captured; .grad is not read
         self._restore_members(saved)
         self.taken_steps += 1
         return loss
@@ -723,13 +727,18 @@ class ANVIL(torch.optim.Optimizer):
             torch._foreach_copy_(d, src)
         return list(read), without
 
-    def _gradients_finite(self, read: list[str]) -> bool:
+    def _nonfinite_flags(self, read: list[str]) -> Tensor:
         """One fused norm pass per dtype over the buffers the step reads (so a gradient that
-        overflows bf16 in the cast counts as infinite), one all-reduce, one host sync. On NaN/inf:
-        name the parameters, then skip (warn) or raise."""
+        overflows bf16 in the cast counts as infinite) and one all-reduce, launched, not waited for."""
         bufs = self.inner.grad_buffers()
-        if not self.inner.nonfinite_labels({l: bufs[l] for l in read}):
+        return self.inner.nonfinite_flags({l: bufs[l] for l in read})
+
+    def _gradients_finite(self, flags: Tensor, prepared) -> bool:
+        """The verdict (the step's one host sync). On NaN/inf: undo the prepared step's host part,
+        name the parameters, then skip (warn) or raise."""
+        if not flags.any().item():
             return True
+        self.inner.cancel_prepared(prepared)
         names = self._nonfinite_names()
         where = "" if self.comms.world_size == 1 else " (on at least one rank)"
         if self.nonfinite == "raise":
@@ -795,11 +804,6 @@ class ANVIL(torch.optim.Optimizer):
                 live.append(trips[s])
             saved += [(t, t.clone()) for t in live]
         return saved
-
-    def _inner_step(self, read: list[str]) -> None:
-        """The inner step from the persistent buffers (one graph replay where captured); ``.grad``
-        is neither read nor written there."""
-        self.inner.step_from_buffers(read, do_adam=True)
 
     @staticmethod
     def _restore_members(saved: list[tuple[Tensor, Tensor]]) -> None:

@@ -275,6 +275,12 @@ class StepGraph:
 
     def step(self, grads, do_adam: bool) -> dict:
         """One step from ``grads`` (persistent buffers: label -> tensor); returns ``{}``."""
+        plan, key = self.prepare(grads, do_adam)
+        return self.run(plan, key, grads)
+
+    def prepare(self, grads, do_adam: bool) -> tuple:
+        """The host part: the optimizer's checks with the baked addresses checked before anything
+        is written, the Adam step counts, the scalar upload. Returns ``(plan, key)`` for :meth:`run`."""
         opt = self.opt
         bufs = opt._grad_buffers or {}
         foreign = [l for l, t in grads.items() if bufs.get(l) is not t]
@@ -282,7 +288,12 @@ class StepGraph:
             raise ValueError(f"StepGraph.step reads gradients only from opt.grad_buffers(); {foreign} are other tensors")
         check = (lambda plan: self.check_plan(self.key(plan))) if self.check else None
         plan = opt.prepare(grads, do_adam, before_write=check)
-        key = self.key(plan)
+        return plan, self.key(plan)
+
+    def run(self, plan, key, grads) -> dict:
+        """The device part of a prepared step: the replay of its plan's graph (captured on the
+        plan's first step; eager past ``max_plans`` or after a failed capture)."""
+        opt = self.opt
         if key not in self.graphs and (self.off_reason is not None or len(self.graphs) >= self.max_plans
                                        or not self._capture(key, plan, grads)):
             self.eager_steps += 1

@@ -111,6 +111,16 @@ class StepPlan:
     tied_now: bool  #: embed and lm_head tied on this step
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step whose host part ran (:meth:`AnvilAndAdam.prepare_from_buffers`): its plan, the
+    gradient buffers it reads, and the step graph's key (None without graphs)."""
+
+    plan: StepPlan
+    grads: Mapping[str, Tensor]
+    key: Any = None
+
+
 class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or infinity (raised by the opt-in check before anything is written)."""
 
@@ -657,18 +667,38 @@ class AnvilAndAdam:
         step count does not advance). ``.grad`` is neither read nor written. Uses the whole-step
         CUDA graph when :meth:`capture_step` installed one. Returns the deferred gather handles
         (none: deferred gathers and sparse updates go through :meth:`step`)."""
-        bufs = self.grad_buffers()
         wanted = self.labels if labels is None else list(labels)
-        unknown = [l for l in wanted if l not in self.params]
+        return self.run_prepared(self.prepare_from_buffers(wanted, do_adam))
+
+    def prepare_from_buffers(self, labels: Iterable[str], do_adam: bool = True) -> PreparedStep:
+        """The host part of :meth:`step_from_buffers` (checks, Adam step counts, the scalar upload),
+        apart, so a caller can do host work of its own between it and :meth:`run_prepared` while
+        the device catches up (the drop-in waits for its non-finite verdict there);
+        :meth:`cancel_prepared` undoes it when the step is then not taken."""
+        bufs = self.grad_buffers()
+        wanted = set(labels)
+        unknown = sorted(wanted - set(self.params))
         if unknown:
             raise ConfigError(f"step_from_buffers: unknown labels {unknown}")
-        wanted_set = set(wanted)
-        grads = {l: bufs[l] for l in self.labels if l in wanted_set
-                 and (do_adam or self.param_cfgs[l].optim == "anvil")}
+        grads = {l: bufs[l] for l in self.labels if l in wanted and (do_adam or self.param_cfgs[l].optim == "anvil")}
         if self.step_graph is not None:
-            return self.step_graph.step(grads, do_adam)
-        plan = self.prepare(grads, do_adam)
-        return self.body(plan, grads)
+            plan, key = self.step_graph.prepare(grads, do_adam)
+        else:
+            plan, key = self.prepare(grads, do_adam), None
+        return PreparedStep(plan, grads, key)
+
+    def run_prepared(self, prepared: PreparedStep) -> dict[str, Handle]:
+        """The device part of a step :meth:`prepare_from_buffers` prepared (one graph replay where
+        :meth:`capture_step` installed the graphs)."""
+        if self.step_graph is not None:
+            return self.step_graph.run(prepared.plan, prepared.key, prepared.grads)
+        return self.body(prepared.plan, prepared.grads)
+
+    def cancel_prepared(self, prepared: PreparedStep) -> None:
+        """Undo :meth:`prepare_from_buffers` for a step that is not taken: the Adam step counts go
+        back (the uploaded scalars are simply overwritten by the next step's upload)."""
+        for label in prepared.plan.active_adam:
+            self.param_states[label]["step"] -= 1
 
     def capture_step(self, **kwargs) -> Any:
         """Replay :meth:`step_from_buffers`' device part as one CUDA graph per plan from now on
@@ -680,28 +710,33 @@ class AnvilAndAdam:
         return self.step_graph
 
     @torch.no_grad()
-    def nonfinite_labels(self, grads: Mapping[str, Tensor]) -> list[str]:
-        """The labels of ``grads`` holding NaN or infinity on this rank or any other (one host
-        sync; every rank gets the same answer). One ``_foreach_norm`` per dtype: an L1 norm is
+    def nonfinite_flags(self, grads: Mapping[str, Tensor]) -> Tensor:
+        """One float32 flag per label (``self.labels`` order): 1 where ``grads[label]`` holds NaN
+        or infinity on this rank or any other, launched and not waited for (the host sync is the
+        caller's, e.g. :meth:`nonfinite_labels`). One ``_foreach_norm`` per dtype: an L1 norm is
         non-finite exactly when an element is NaN or infinite, or when the absolute sum overflows
         float32 (past 3.4e38), which a gradient whose squares and Frobenius norm must stay finite
         cannot use either; so a handful of launches whatever the number of parameters."""
-        read = [l for l in self.labels if l in grads]
-        if not read and self.world_size == 1:
-            return []
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for l in read:
-            by_dtype.setdefault(grads[l].dtype, []).append(l)
-        order = [l for ls in by_dtype.values() for l in ls]
-        norms = [n for ls in by_dtype.values() for n in torch._foreach_norm([grads[l] for l in ls], 1)]
-        bad = torch.stack([n.float() for n in norms]).isfinite().logical_not_().float() if norms else None
-        if self.world_size == 1:
-            return sorted((l for l, b in zip(order, bad.tolist()) if b), key=self._label_index.__getitem__)
         flags = torch.zeros(len(self.labels), dtype=torch.float32, device=self.device)
-        if bad is not None:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for l in self.labels:
+            if l in grads:
+                by_dtype.setdefault(grads[l].dtype, []).append(l)
+        order = [l for ls in by_dtype.values() for l in ls]
+        if order:
+            norms = [n for ls in by_dtype.values() for n in torch._foreach_norm([grads[l] for l in ls], 1)]
+            bad = torch.stack([n.float() for n in norms]).isfinite().logical_not_().float()
             flags.index_copy_(0, torch.tensor([self._label_index[l] for l in order], device=self.device), bad)
-        self.comms.all_reduce_sum_now(flags)  # every rank refuses together
-        return [self.labels[i] for i in flags.nonzero().flatten().tolist()]
+        if self.world_size > 1:
+            self.comms.all_reduce_sum_now(flags)  # every rank refuses together
+        return flags
+
+    def nonfinite_labels(self, grads: Mapping[str, Tensor]) -> list[str]:
+        """The labels of ``grads`` holding NaN or infinity on this rank or any other
+        (:meth:`nonfinite_flags`, then one host sync; every rank gets the same answer)."""
+        if not grads and self.world_size == 1:
+            return []
+        return [l for l, f in zip(self.labels, self.nonfinite_flags(grads).tolist()) if f]
 
     # ------------------------------------------------------------------ untie, reset
     @torch.no_grad()

@@ -155,7 +155,7 @@ def test_fast_adam_single_row_equals_fused_and_cautious_decay_is_strict(device, 
     assert torch.equal(p, p2) and torch.equal(m, m2) and torch.equal(v, v2)
     p = p.cpu()
     assert p[2] == -1.0  # g = 0: u = 0, u * p = 0 is not > 0, no decay
-    r = adam_update(np.array([1.0, 1.0, -1.0, 0.5]), g.double().numpy(), np.zeros(4), np.zeros(4), **h)
+    r = adam_update(np.array([1.0, 1.0, -1.0, 0.5]), g.cpu().double().numpy(), np.zeros(4), np.zeros(4), **h)
     np.testing.assert_allclose(p.double().numpy(), r.p, rtol=1e-6)
 
 

@@ -27,7 +27,7 @@ def test_dropin_cpu_smoke_runs_end_to_end():
         assert row in text, f"{row!r} missing from:\n{text}"
     assert "profile of one step, smoke anvil:" in text and "aten ops" in text
     # capture is not valid on CPU: the variant says why instead of failing the run
-    assert "anvil_graphs: not run: GraphUnsupported: CUDA graphs need the optimizer's tensors on a CUDA device" in text
+    assert "anvil_graphs: not run: ValueError: cuda_graphs=True: CUDA graphs need the optimizer's tensors on a CUDA device" in text
 
 
 def test_dropin_refuses_unknown_variant(capsys):

@@ -196,7 +196,7 @@ MUTANTS: list[Mutant] = [
       'HEAD_NAMES = ("lm_head", "classifier", "fc_out", "output_layer")',
       DROPIN_REF + "test_drop_in_routes_like_the_reference", DROPIN_REF + "test_default_head_names_are_the_specifications"),
     M("optimizer: the non-finite verdict not shared across ranks", "anvil_fast/optimizer.py",
-      "        self.comms.all_reduce_sum_now(flags)  # every rank refuses together\n", "",
+      "            self.comms.all_reduce_sum_now(flags)  # every rank refuses together\n", "            pass\n",
       DROPIN_REF + "test_dropin_two_ranks_skip_a_step_nan_on_one_rank"),
     M("ref update: tall/wide learning-rate scale swapped", "anvil_ref/update.py",
       "return max(1.0, rows / cols) ** 0.5", "return max(1.0, cols / rows) ** 0.5", DROPIN_RUN),
