@@ -209,7 +209,7 @@ def test_step_tensors_cover_everything_a_step_writes():
 @pytest.mark.parametrize("fp32_banks", [False, True], ids=["bf16_banks", "fp32_banks"])
 def test_step_graph_replays_equal_eager_steps_bitwise(fp32_banks):
     eager, graphed = _twins("cuda", fp32_banks)
-    sg = graphed.capture_step()
+    sg = graphed.capture_step(max_plans=len(SCHEDULE) + 3)  # room for every plan and the beta2 change
     # changing lr/momentum/rails every step (through the pinned scalar buffer), a plan change and
     # Adam-free steps; then the first plan again (replayed, not recaptured)
     steps = SCHEDULE + [(True, set()), (False, set())]
