@@ -329,6 +329,7 @@ class AnvilAndAdam:
         self._adam_chunks: dict[str, Tensor] = {}
         self._grad_buffers: dict[str, Tensor] | None = None
         self.step_graph = None  #: a :class:`~anvil_fast.graphs.StepGraph` once :meth:`capture_step` ran
+        self._positions: dict[tuple[str, ...], Tensor] = {}
 
     # ------------------------------------------------------------------ views and helpers
     def _lo_hi(self, cfg: ParamConfig) -> tuple[int, int]:
@@ -726,10 +727,20 @@ class AnvilAndAdam:
         if order:
             norms = [n for ls in by_dtype.values() for n in torch._foreach_norm([grads[l] for l in ls], 1)]
             bad = torch.stack([n.float() for n in norms]).isfinite().logical_not_().float()
-            flags.index_copy_(0, torch.tensor([self._label_index[l] for l in order], device=self.device), bad)
+            flags.index_copy_(0, self._label_positions(tuple(order)), bad)
         if self.world_size > 1:
             self.comms.all_reduce_sum_now(flags)  # every rank refuses together
         return flags
+
+    def _label_positions(self, order: tuple[str, ...]) -> Tensor:
+        """The positions of ``order``'s labels in ``self.labels`` as a device tensor, made once per
+        order: a fresh one each step would be a copy from pageable host memory, which waits for
+        every kernel queued before it, so the host could not prepare the step while the device
+        checks the gradients."""
+        idx = self._positions.get(order)
+        if idx is None:
+            idx = self._positions[order] = torch.tensor([self._label_index[l] for l in order], device=self.device)
+        return idx
 
     def nonfinite_labels(self, grads: Mapping[str, Tensor]) -> list[str]:
         """The labels of ``grads`` holding NaN or infinity on this rank or any other
