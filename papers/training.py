@@ -157,12 +157,22 @@ def table_results(runs: list[dict], size: str) -> str:
     return md_table(header, rows) + "\n\n" + cap
 
 
-def _equal_time(ra: list[dict], rb: list[dict]) -> tuple[list[float], list[float], float] | None:
+#: The equal-time verdict where the times per step are not measurably different.
+SAME_SPEED = "same time per step within the spread"
+
+
+def _equal_time(ra: list[dict], rb: list[dict]) -> tuple[list[float], list[float], float] | str | None:
     """Per-seed losses of both at the training time the faster-finishing contender needs for its
-    whole run (time = step x measured time per step)."""
+    whole run (time = step x measured time per step); :data:`SAME_SPEED` when the two times per step
+    are not measurably different (the rule of papers/stats.py over the seeds' timings), since then
+    equal time is equal steps and a ranking would rank timing noise."""
     ta, tb = _step_s(ra), _step_s(rb)
     if ta is None or tb is None:
         return None
+    per_a = [r["timing"]["step_s"] for r in ra if r.get("timing")]
+    per_b = [r["timing"]["step_s"] for r in rb if r.get("timing")]
+    if S.verdict(per_a, per_b) == S.NO_DIFFERENCE:
+        return SAME_SPEED
     t = min(ra[0]["steps"] * ta, rb[0]["steps"] * tb)
 
     def at(rs, ts):
@@ -182,16 +192,20 @@ def table_verdicts(runs: list[dict]) -> str:
                 continue
             d = S.summary(m[a]["final"])["mean"] - S.summary(m[b]["final"])["mean"]
             eq = _equal_time(g[a], g[b])
-            rows.append([size, q, f"{d:+.4f}" if math.isfinite(d) else "-",
-                         S.verdict(m[a]["final"], m[b]["final"], (a, b)),
-                         S.verdict(eq[0], eq[1], (a, b)) + f" (at {eq[2]:.1f} s)" if eq else "-"])
+            at_steps = S.verdict(m[a]["final"], m[b]["final"], (a, b))
+            if eq == SAME_SPEED:
+                at_time = f"{at_steps} ({SAME_SPEED})"
+            else:
+                at_time = S.verdict(eq[0], eq[1], (a, b)) + f" (at {eq[2]:.1f} s)" if eq else "-"
+            rows.append([size, q, f"{d:+.4f}" if math.isfinite(d) else "-", at_steps, at_time])
     if not rows:
         return NO_RUNS.format(what="any pair of contenders")
     return md_table(["size", "question", "final loss, mean a - mean b", "at equal steps", "at equal training time"],
                     rows) + ("\n\nRule: |mean a - mean b| <= the larger sample std over seeds of the two is "
                              "\"no measurable difference\"; below 2 seeds on either side, \"not enough seeds\". "
                              "Equal training time: both at the time the faster of the two needs for its whole run, "
-                             "from the measured time per step.")
+                             "from the measured time per step; where the two times per step differ by no more than "
+                             "their spread over seeds (the same rule), equal time is equal steps.")
 
 
 def table_sweeps(runs: list[dict]) -> str:

@@ -200,6 +200,21 @@ def test_training_tables_from_hand_made_runs(tmp_path):
     assert "no training run yet" in TR.table_results(runs, "medium")
 
 
+def test_equal_time_ranks_only_measurably_different_speeds():
+    adamw = [_record("adamw", 0, [5.0, 3.0, 2.0], step_s=0.010), _record("adamw", 1, [5.0, 3.0, 2.2], step_s=0.012)]
+    # times per step within each other's spread: equal time is equal steps, so no time-based ranking
+    close = [_record("muon", s, [5.0, 2.5, 1.5], step_s=0.011) for s in (0, 1)]
+    assert TR._equal_time(adamw, close) == TR.SAME_SPEED
+    # muon 4x slower per step: at adamw's whole-run time (20 steps x 0.011 s = 0.22 s) muon has made
+    # 0.22 / 0.04 = 5.5 steps, where its curve is at 5.0 - 2.5 * 5.5 / 10 = 3.625
+    slow = [_record("muon", s, [5.0, 2.5, 1.5], step_s=0.04) for s in (0, 1)]
+    la, lb, t = TR._equal_time(adamw, slow)
+    assert t == pytest.approx(0.22) and lb == pytest.approx([3.625, 3.625]) and la == pytest.approx([2.0, 2.2])
+    rows = TR.table_verdicts(adamw + slow)
+    assert "| muon lower | adamw lower (at 0.2 s) |" in rows.replace("Muon vs AdamW", "")
+    assert TR.SAME_SPEED in TR.table_verdicts(adamw + close)
+
+
 # ------------------------------------------------------------------------------ contenders
 def test_muon_takes_the_blocks_matrices_only():
     names = K.muon_params(gpt.build("tiny"))
