@@ -32,7 +32,7 @@ Examples::
 ``ADAMW_SWEEP``, muon: ``MUON_SWEEP`` in papers/contenders.py; first seed only unless ``--seeds``
 is given) and prints the best (lowest mean final validation loss). ``--tuned-from DIR`` takes that
 best learning rate from the sweep JSONs under DIR; ``--lr NAME=VALUE`` sets one by hand.
-tools/train_gpu.sh runs the paper's stages on one H200.
+tools/h200_session.sh runs the paper's stages (sweep, small, medium) on one H200; results/train/logs holds their commands and logs.
 """
 
 from __future__ import annotations
