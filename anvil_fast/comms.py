@@ -21,7 +21,7 @@ Why a layer instead of ``dist.*(..., async_op=True).get_future()`` as in the see
 * A single process needs no process group: :class:`LocalComms` makes the sharded code path the
   world-size-1 case of itself (a reduce-scatter is a copy, a gather of the whole is nothing).
 * :class:`NullComms` keeps a chosen world size and rank but moves nothing: the same step with the
-  communication left out, for measuring how much of it the schedule hides (issue 5). Its results
+  communication left out, for measuring how much of it the schedule hides (anvil_fast.scaling). Its results
   are wrong by design; never train with it.
 
 Every handle is idempotent (waiting twice is harmless), so a deferred gather can be waited by

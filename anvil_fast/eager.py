@@ -3,7 +3,7 @@ library matmuls (cuBLAS on a GPU, the CPU BLAS otherwise) instead of the symmetr
 and no torch.compile.
 
 They serve two purposes: the "eager bf16" error floor that the fast path is judged against (see
-tests/tolerances.py), and a seed-faithful bf16 cascade that runs anywhere (derive_maps measures
+anvil_fast/tolerances.py), and a seed-faithful bf16 cascade that runs anywhere (derive_maps measures
 bf16-realized envelopes with it).
 
 ``eager_bf16_cascade`` with its defaults is the seed; ``fp32_trace=True, prescale=True`` and a

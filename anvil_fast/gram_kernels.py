@@ -280,7 +280,7 @@ def _mm_add_kernel(L, R, X, O, M, N, K, alpha,
 
 
 # ------------------------------------------------------------------------------------------------
-# v1 kernels (unchanged from the first version; see the module docstring)
+# v1 kernels: the fallback and the cross-check of the tuned kernels (see the module docstring)
 
 
 @triton.jit

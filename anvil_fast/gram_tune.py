@@ -85,7 +85,7 @@ def cublas_allowed() -> bool:
     changes a result; cuBLAS sums in another order (a bf16 ulp in ~0.1% of entries), so with it the
     bits of a shape where it wins depend on the timing -- and on the bank's size, so a sharded bank
     would no longer reproduce the one-process result bit for bit. It won one key in five banks, by
-    8% of one kernel (NOTES.md, run 3), which is not worth that."""
+    8% of one kernel (anvil_fast/NOTES.md), which is not worth that."""
     return os.environ.get("ANVIL_FAST_TUNE_CUBLAS", "0") == "1"
 
 

@@ -26,7 +26,7 @@ Two implementations of the same operations:
 * ``fused=False``: the seed's code above, run through torch.compile (the FAITHFUL configuration:
   the seed's operations as the seed compiles them).
 * ``fused=True`` (the SAFE configuration, on CUDA): one Triton kernel. Why not the compiled code:
-  measured on an H200 (NOTES.md, run 4), the compiled function took as long as moving ~55 bytes per
+  measured on an H200 (anvil_fast/NOTES.md), the compiled function took as long as moving ~55 bytes per
   element would, where 20 are needed (read the bf16 gradient and both fp32 rails, write both rails
   and the bf16 X). The kernel does exactly one read and one write of each and, while every element
   of X is in registers, writes the per-block partials of the normalization

@@ -1,4 +1,4 @@
-"""Issue 5's measurements: the fast optimizer at several ranks -- equivalence and step time.
+"""The fast optimizer at several ranks -- equivalence and step time.
 
 ``python -m anvil_fast.scaling cpu --world 8``
     ``world`` gloo processes on CPU, on a scaled-down copy of the benchmark's GPT-2 layout (4 layers,
@@ -11,7 +11,7 @@
       state must equal the single-process run's bit for bit;
     * each rank's own gradients: every rank's replica is bitwise identical, and the 20-step
       trajectory's distance from the float64 reference on the mean gradients is compared with the
-      single-process fast run's (tests/tolerances.py's rule: at most 2x + 2**-8).
+      single-process fast run's (anvil_fast/tolerances.py's rule: at most 2x + 2**-8).
 
 ``python -m anvil_fast.scaling gpu --worlds 1,2``
     NCCL, one process per GPU, the benchmark's GPT-2-small layout (:mod:`.bench_optimizer`), bank
@@ -167,7 +167,7 @@ def _cpu_rank(rank: int, world: int) -> dict:
 
 
 def run_cpu(a: argparse.Namespace) -> int:
-    from tests.tolerances import bf16_bound  # the one tolerance table (a checkout has it)
+    from .tolerances import bf16_bound
 
     t0 = time.time()
     res = spawn(_cpu_rank, a.world, backend="gloo")

@@ -16,8 +16,8 @@ their composite ``F = p_K o ... o p_1`` to the singular values ``sigma`` of the 
 ``bf16``            bf16-realized envelope via ``anvil_fast.eager.eager_bf16_cascade``
 ``anvil_kind``      the ANVIL-kind pipelines ``express`` (recommended), ``optimal``, ``polished``
 ``sets``            the named map sets written to ``anvil_ref/map_sets`` and their certificates
-``compare``         side-by-side table and the issue's requirements, per set
-``facts``           the issue's statements about ANVIL_MAPS, checked
+``compare``         side-by-side table and the ANVIL-kind requirements, per set
+``facts``           the published statements about ANVIL_MAPS, checked
 ``regenerate``      every generated file, and the check that regenerating changes nothing
 ``cli``, ``bench``  ``python -m derive_maps ...`` and its benchmark
 ==================  ===========================================================================

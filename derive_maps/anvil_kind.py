@@ -20,7 +20,7 @@ and three pipelines do that here, each deterministic (no randomness at all):
     The local joint minimax polish of ``max |log F|`` started from ANVIL_MAPS, as the record's
     "CEM + minimax polish" suggests. Headroom comes from input scaling: the first map is replaced by
     ``p_1(x / s)``, ``s = 1 + headroom + margin`` (ANVIL's composite on ``[l/s, u]`` has no blow-up),
-    and the polish runs on ``[l, s u]``. It stops at ``target`` (default 2.5e-5, the issue's goal) or
+    and the polish runs on ``[l, s u]``. It stops at ``target`` (default 2.5e-5, the ANVIL-kind accuracy goal) or
     after ``max_iter`` iterations.
 """
 

@@ -1,4 +1,4 @@
-"""``python -m derive_maps bench``: wall-clock timings of the solvers against the issue's targets
+"""``python -m derive_maps bench``: wall-clock timings of the solvers against their time targets
 (one Remez solve < 1 s; both published tables < 20 s; certifying a six-map set < 30 s; the full
 ANVIL-kind derivation < 5 min), on one CPU core (BLAS and torch threads pinned to 1 for the run).
 

@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_format(s)
     s.set_defaults(func=cmd_compare)
 
-    s = sub.add_parser("facts", help="check the issue's statements about ANVIL_MAPS")
+    s = sub.add_parser("facts", help="check the published statements about ANVIL_MAPS")
     s.add_argument("--polish-iterations", type=int, default=100)
     _add_format(s)
     s.set_defaults(func=cmd_facts)

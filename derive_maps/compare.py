@@ -72,7 +72,7 @@ def comparison_table(rows: list[dict], *, title: str | None = None) -> Table:
     return Table(title or "Map sets compared on the ANVIL interval", cols, out, notes)
 
 
-#: The issue's requirements for an ANVIL-kind map set, judged against the "anvil" row.
+#: The requirements an ANVIL-kind map set is held to, judged against the "anvil" row.
 GOAL_MAX_ABS_LOG = 2.5e-5
 GOAL_HEADROOM = 0.01
 
@@ -113,6 +113,6 @@ def criteria_table(rows: list[dict]) -> Table:
     body = [[c["name"], yn[c["exact_better"]], yn[c["within_goal"]], yn[c["headroom"]]]
             + ([yn[c["bf16_lo"]], yn[c["bf16_hi"]]] if has_bf16 else []) + [yn[c["all"]]] for c in crit]
     base = next(r for r in rows if r["name"] == "anvil")
-    return Table("ANVIL-kind requirements (issue 3), each set against ANVIL_MAPS", cols, body,
+    return Table("ANVIL-kind requirements, each set against ANVIL_MAPS", cols, body,
                  ["exact: the set's certified max|log F| is below the value ANVIL_MAPS certainly attains "
                   f"({sig(base['certified']['max_abs_log_attained'], 4)}); headroom in the band |log F| <= 0.01."])

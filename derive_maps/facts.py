@@ -1,4 +1,4 @@
-"""Checks of the issue's "what we already know" statements about ANVIL_MAPS, each with the number
+"""Checks of the published "what we already know" statements about ANVIL_MAPS, each with the number
 that decides it (``python -m derive_maps facts``).
 
 1. ``endpoints``: ``log F(1/300) = -log F(1/1.05) = -4.0131e-4`` (geometric final scaling), and

@@ -187,7 +187,7 @@ def set_hyper(opt, step: int) -> None:
 
 def eager_bank_update(bank) -> None:
     """The bank update as plain eager torch (anvil_fast.eager: the seed's roundings with library
-    matmuls): the "eager" floor of tests/tolerances.py for a whole optimizer step. Same fields
+    matmuls): the "eager" floor of anvil_fast/tolerances.py for a whole optimizer step. Same fields
     read and written as anvil_fast.bank.anvil_bank_update."""
     from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 
@@ -208,7 +208,7 @@ def eager_bank_update(bank) -> None:
 def adam_terms(cfg, p_old: np.ndarray, g: np.ndarray, m_old: np.ndarray, v_old: np.ndarray, step: int) -> np.ndarray:
     """The largest term entering each element of an Adam step (float64): |p|, |p * eff_wd| and
     T = step_size * max(|m|, |g|) / (sqrt(v') + eps), the size the update has before m' cancels.
-    An fp32 implementation's error is bounded in ulps of this (tests/tolerances.py, ADAM_ULPS)."""
+    An fp32 implementation's error is bounded in ulps of this (anvil_fast/tolerances.py, ADAM_ULPS)."""
     b1, b2 = cfg.adam_betas
     lr = cfg.lr * cfg.lr_mul
     ss = A.adam_step_size(lr=lr, beta1=b1, beta2=b2, step=step)

@@ -12,7 +12,7 @@ import anvil_ref as R
 from anvil_fast.bank import AnvilBank, anvil_bank_update
 from anvil_fast.cascade import FAITHFUL, SAFE
 from anvil_fast.difftest import err_ulps
-from tests.tolerances import FACTOR, LANE_ENERGY_ULPS, RAILS_ULPS, bf16_bound
+from anvil_fast.tolerances import FACTOR, LANE_ENERGY_ULPS, RAILS_ULPS, bf16_bound
 
 SHAPE = (3, 40, 24)
 
@@ -223,7 +223,7 @@ def test_bank_step_on_well_conditioned_input_both_sides(config):
     # roundings counted (CASCADE_ROUNDINGS + the equalizer's 2; the fp32 master adds nothing visible)
     from anvil_fast import difftest as D
     from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
-    from tests.tolerances import CASCADE_ROUNDINGS, RHO
+    from anvil_fast.tolerances import CASCADE_ROUNDINGS, RHO
 
     grad = D.make_matrix("well_conditioned", SHAPE, seed=9).bfloat16()
     bank = _bank(config, grad=grad)

@@ -164,7 +164,7 @@ def test_cascade_bad_normalization():
 
 # =================================================================================================
 # anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast cascade (anvil_fast/cascade.py)
-# in both configurations, tall / wide / square, within tests/tolerances.py of the reference run with
+# in both configurations, tall / wide / square, within anvil_fast/tolerances.py of the reference run with
 # the configuration's margin. Near-rank-1 behaviour: tests/test_near_rank1.py; the Triton kernels:
 # tests/test_gram.py; full harness: anvil_fast.difftest.
 
@@ -173,7 +173,7 @@ def test_cascade_bad_normalization():
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
 def test_fast_cascade_matches_reference(config, shape, family):
     from anvil_fast import difftest as D
-    from tests.tolerances import check_row
+    from anvil_fast.tolerances import check_row
 
     row, _ = D.cascade_row(shape, family, config, compile=False)
     assert check_row(row, same_backend=True), D.format_table([row])

@@ -1,4 +1,4 @@
-"""Differential tests: every fast component within tests/tolerances.py of anvil_ref, on every input
+"""Differential tests: every fast component within anvil_fast/tolerances.py of anvil_ref, on every input
 family (anvil_fast.difftest), and the harness itself can fail.
 
 CPU: plain-torch kernels, eager (torch.compile is covered by one smoke test in test_bank.py), plus the
@@ -13,7 +13,7 @@ import torch
 
 from anvil_fast import difftest as D
 from anvil_fast.cascade import FAITHFUL, SAFE
-from tests.tolerances import check, check_row
+from anvil_fast.tolerances import check, check_row
 
 # FAITHFUL is the seed: it explodes on near-rank-1 input and overflows on huge input (by design;
 # tests/test_near_rank1.py). Every other family must be within tolerance in both configurations.
@@ -154,7 +154,7 @@ def test_the_eager_side_counts_roundings_by_path_and_size():
     # the split ``a*X + X@B`` (FAITHFUL above SPLIT_BADDBMM_MIN_ROWS rows) makes 27 roundings, the fused
     # one 21; the mean singular-value bound applies up to CASCADE_SV_MAX_DIM rows/cols, and where it
     # applies a missing measurement fails
-    from tests import tolerances as TOL
+    from anvil_fast import tolerances as TOL
 
     def row(shape, config, eager, sv):
         return D.Row("cascade", shape, "well_conditioned", config, fast=eager, floor=0.0017, eager=eager,

@@ -105,12 +105,12 @@ def test_trains_with_an_lr_scheduler_and_matches_the_inner_step():
 
 def test_step_is_the_reference_step():
     """One drop-in step on an fp32 model against ReferenceAnvilAndAdam (Adam every step) from the same
-    state, next to the same step with the eager-bf16 bank update (tests/tolerances.py's rule): the
+    state, next to the same step with the eager-bf16 bank update (anvil_fast/tolerances.py's rule): the
     banks' fp32 masters are the model's parameters themselves."""
     import copy
 
     from anvil_fast.difftest import rel_err
-    from tests import tolerances as TOL
+    from anvil_fast import tolerances as TOL
 
     torch.manual_seed(1)
     m = TinyLM()

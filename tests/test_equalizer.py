@@ -78,7 +78,7 @@ def test_bad_input():
 # =================================================================================================
 # anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast equalizer (anvil_fast/equalizer.py),
 # unguarded (FAITHFUL) and guarded (SAFE), on tall / wide / square banks: bf16 output within
-# tests/tolerances.py, lane energy within LANE_ENERGY_ULPS.
+# anvil_fast/tolerances.py, lane energy within LANE_ENERGY_ULPS.
 
 @pytest.mark.parametrize("config", ["safe", "faithful"])
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
@@ -87,7 +87,7 @@ def test_fast_equalizer_matches_reference(config, shape):
 
     from anvil_fast import difftest as D
     from anvil_fast.cascade import get_config
-    from tests.tolerances import check_row
+    from anvil_fast.tolerances import check_row
 
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(1)), margin=1.05)
     row, _ = D.equalizer_row(v, shape, "gaussian", get_config(config), compile=False)
@@ -102,7 +102,7 @@ def test_triton_equalizer_matches_reference(shape, triton_dev):
 
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
-    from tests.tolerances import check_row
+    from anvil_fast.tolerances import check_row
 
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(1)), margin=1.05)
     row, _ = D.equalizer_row(v, shape, "gaussian", SAFE, compile=False, backend="triton", device=triton_dev)
@@ -132,7 +132,7 @@ def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard, trit
     import torch
 
     from anvil_fast.difftest import err_ulps
-    from tests.tolerances import LANE_ENERGY_ULPS
+    from anvil_fast.tolerances import LANE_ENERGY_ULPS
 
     shape = (4, 96, 40)
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(2)), margin=1.05).bfloat16()

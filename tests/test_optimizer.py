@@ -258,7 +258,7 @@ from anvil_fast.difftest import err_ulps, rel_err  # noqa: E402
 from anvil_fast.optimizer import AnvilAndAdam as FastAnvilAndAdam  # noqa: E402
 from anvil_fast.optimizer import NonFiniteGradientError  # noqa: E402
 from tests import optimizer_cases as C  # noqa: E402
-from tests import tolerances as TOL  # noqa: E402
+from anvil_fast import tolerances as TOL  # noqa: E402
 
 
 def _fast(config="faithful", params=None, **kw):

@@ -15,7 +15,7 @@ from anvil_fast.optimizer import AnvilAndAdam
 from anvil_ref.config import ConfigError
 from anvil_ref.maps import load_maps
 from tests import optimizer_cases as C
-from tests import tolerances as TOL
+from anvil_fast import tolerances as TOL
 
 BANK_SHAPE, BANK_RESHAPE = (32, 12), (4, 8, 12)
 

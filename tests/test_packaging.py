@@ -64,6 +64,14 @@ def test_anvil_ref_never_imports_the_fast_path():
         assert "torch.compile(" not in p.read_text(), p.name
 
 
+def test_no_installed_package_imports_the_test_folder():
+    """tests/ is not installed: a package module importing it fails (or, caught, silently degrades)
+    in an installed package."""
+    offenders = [str(p.relative_to(ROOT)) for pkg in ("anvil_ref", "anvil_fast", "derive_maps")
+                 for p in (ROOT / pkg).rglob("*.py") if "tests" in imported_modules(p)]
+    assert not offenders
+
+
 def test_setup_cfg_declares_the_packages_and_extras():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")

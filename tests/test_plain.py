@@ -13,7 +13,7 @@ from anvil_fast.cascade import FAITHFUL
 from anvil_fast.difftest import rel_err
 from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 from anvil_fast.plain import plain_bank_update, plain_cascade
-from tests.tolerances import bf16_bound
+from anvil_fast.tolerances import bf16_bound
 
 
 def _bank(shape, seed):

@@ -114,14 +114,14 @@ def test_rails_bad_input():
 
 # =================================================================================================
 # anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast twin rails + lookahead
-# (anvil_fast/rails.py) on every input family: the bf16 lookahead within tests/tolerances.py of the
+# (anvil_fast/rails.py) on every input family: the bf16 lookahead within anvil_fast/tolerances.py of the
 # reference and the fp32 rails within RAILS_ULPS of the largest term. Full harness: anvil_fast.difftest.
 
 @pytest.mark.parametrize("family", ["gaussian", "near_rank1", "zero", "huge", "tiny"])
 def test_fast_rails_match_reference(family):
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
-    from tests.tolerances import check_row
+    from anvil_fast.tolerances import check_row
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False)
     assert check_row(row, same_backend=True), D.format_table([row])
@@ -134,7 +134,7 @@ def test_fast_rails_match_reference(family):
 def test_fused_rails_match_reference(family, triton_dev):
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
-    from tests.tolerances import check_row
+    from anvil_fast.tolerances import check_row
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False, backend="triton", device=triton_dev)
     assert check_row(row, same_backend=triton_dev == "cpu"), D.format_table([row])

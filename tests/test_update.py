@@ -91,7 +91,7 @@ def test_fast_update_matches_reference():
 
     from anvil_fast import difftest as D
     from anvil_fast.cascade import SAFE
-    from tests.tolerances import check
+    from anvil_fast.tolerances import check
 
     row = D.update_row(torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(101)), (3, 40, 24), "gaussian", SAFE, compile=False)
     assert check("update", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
