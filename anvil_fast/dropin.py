@@ -425,7 +425,8 @@ class ANVIL(torch.optim.Optimizer):
       gradients hold NaN/inf (on any rank) is skipped for every parameter (nothing written, no step
       counted), a :class:`NonFiniteGradientWarning` names the parameters and ``skipped_steps``
       counts; ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` instead. The check is one
-      fused pass over the gradients and one host sync;
+      fused pass per dtype over the gradients as the step reads them (a bank's in bf16, so an fp32
+      gradient beyond bf16's range counts as infinite) and one host sync;
     * a parameter whose storage, dtype or device changed since construction (``model.to(dtype)``,
       ``model.double()``, ``p.data = ...``) raises :class:`StaleParameterError`: build a new optimizer;
     * ``.grad`` is left as the caller gave it.
@@ -461,9 +462,11 @@ class ANVIL(torch.optim.Optimizer):
         comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group if
             torch.distributed is initialized, else one process).
         bank_config, maps: the bank update's cascade configuration and map set.
-        cuda_graphs: None (default): on CUDA, capture the bank updates in CUDA graphs where capture
-            is valid (off with a warning giving the reason where it is not; off on the CPU); True:
-            capture or raise; False: off.
+        cuda_graphs: None (default): on CUDA, replay each step's device part (every bank update and
+            Adam) as one CUDA graph, captured once per set of parameters with gradients, where
+            capture is valid (off with a warning giving the reason where it is not, e.g. gloo; off
+            on the CPU); True: capture or raise; False: off. Either way a step first copies every
+            ``.grad`` into persistent buffers (one ``_foreach_copy_`` per dtype pair).
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
