@@ -29,6 +29,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
+import numpy as np
+
+from anvil_ref.cascade import composite
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_MARGIN
 
 from .errors import DeriveMapsError, check_interval, check_maps, check_n_maps, parse_real
@@ -84,6 +87,29 @@ def _str(q: Fraction) -> str:
     return f"{q.numerator}/{q.denominator}" if q.denominator != 1 else str(q.numerator)
 
 
+#: The polish is local: a starting composite farther than this from 1 (max |log F| on the design
+#: interval) is not near an equioscillating set, and the polish would spend minutes isolating its
+#: extrema before failing.
+POLISH_START_MAX_ABS_LOG = 0.1
+
+
+def _check_polish_start(maps, l: Fraction, u: Fraction) -> None:
+    """Refuse a starting set whose composite is far from 1 somewhere on ``[l, u]`` (a dense float64
+    look suffices: the values that trip it are orders of magnitude above the limit)."""
+    sigma = np.geomspace(float(l), float(u), 4097)
+    with np.errstate(all="ignore"):
+        f = composite(sigma, maps=maps)
+        err = np.where(f > 0, np.abs(np.log(np.where(f > 0, f, 1.0))), np.inf)
+    i = int(np.argmax(err))
+    if not err[i] <= POLISH_START_MAX_ABS_LOG:
+        raise DeriveMapsError(
+            f"the polished pipeline starts from the given set with its first map scaled to the design "
+            f"interval [{float(l):.6g}, {float(u):.6g}], and that composite is far from 1 there "
+            f"(F({sigma[i]:.6g}) = {f[i]:.4g}, |log F| = {err[i]:.4g} > {POLISH_START_MAX_ABS_LOG}): the "
+            "local polish cannot start from it. Lower --u (or --headroom), or give a --start set "
+            "designed for this interval (e.g. from derive express)")
+
+
 def derive(method: str, settings: AnvilKindSettings | None = None, *, name: str | None = None,
            start=None, progress: bool | None = None) -> Derived:
     """Run one pipeline (``"express"``, ``"optimal"`` or ``"polished"``)."""
@@ -114,9 +140,14 @@ def derive(method: str, settings: AnvilKindSettings | None = None, *, name: str 
                                   polish_changed=r.maps != g.maps))
     # polished
     start_maps = check_maps(ANVIL_MAPS if start is None else start)
+    if len(start_maps) != s.n_maps:
+        raise DeriveMapsError(f"n_maps = {s.n_maps}: the polished pipeline keeps the number of maps of its "
+                              f"starting set, which has {len(start_maps)}; give --n-maps {len(start_maps)}, "
+                              f"or a starting set of {s.n_maps} maps with --start")
     sc = float(s.design_scale())
     (a, b, c), rest = start_maps[0], start_maps[1:]
     scaled = ((a / sc, b / sc ** 3, c / sc ** 5),) + tuple(rest)
+    _check_polish_start(scaled, lf, ud)
     r = polish(scaled, s.l, _str(ud), objective=s.objective, dps=s.dps, max_iter=s.max_iter,
                target=s.target, progress=progress, label="polish (from ANVIL_MAPS)")
     return Derived(name=name, method=method, maps=r.maps, settings=asdict(s), design_interval=design,

@@ -167,10 +167,14 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
             with np.errstate(all="ignore"):
                 err = max(abs(float(np.log(amax))) if amax > 0 else 1.0,
                           abs(float(np.log(amin))) if amin > 0 else 1.0)
-            tol = rtol * err * max(float(amax), 1e-300) + 8 * float(np.finfo(DTYPE).eps)
+            # Each bound gets a tolerance relative to its own value: one scaled by max F would
+            # swamp the lower bound wherever F is large elsewhere in the interval.
+            floor_tol = 8 * float(np.finfo(DTYPE).eps)
+            tol_hi = rtol * err * max(abs(float(amax)), 1e-300) + floor_tol
+            tol_lo = rtol * err * max(abs(float(amin)), 1e-300) + floor_tol
         else:
-            tol = atol
-        done = (ub <= amax + DTYPE(tol)) & (lb >= amin - DTYPE(tol))
+            tol_hi = tol_lo = atol
+        done = (ub <= amax + DTYPE(tol_hi)) & (lb >= amin - DTYPE(tol_lo))
         # Rounding floor: the box enclosure is no wider than a point enclosure, splitting cannot help.
         pw = (e.mid_value[1] - e.mid_value[0])
         floored = ~done & (((e.value[1] - e.value[0]) <= 4 * pw) | ((bhi - blo) <= 4 * np.spacing(bhi)))
@@ -192,8 +196,10 @@ def certify_envelope(maps, l: RealLike, u: RealLike, *, rtol: float = 1e-3,
                      progress: bool | None = None) -> Envelope:
     """Rigorous envelope of the composite of ``maps`` on the real interval ``[l, u]``.
 
-    ``rtol``: the certified bounds are within ``rtol * max|log F|`` (in F) of values F attains,
-    unless the rounding floor of the interval format is reached first (``floor_boxes`` > 0).
+    ``rtol``: each certified bound is within ``rtol * max|log F|`` relative to a value F attains
+    (``f_max_certified <= f_max_attained (1 + rtol max|log F|)`` and
+    ``f_min_certified >= f_min_attained (1 - rtol max|log F|)`` for positive values), unless the
+    rounding floor of the interval format is reached first (``floor_boxes`` > 0).
     """
     maps_ = check_maps(maps)
     lf, uf = check_interval(l, u)
@@ -243,17 +249,31 @@ class Headroom:
     upper: float | None
 
 
+def _f64_below(v) -> float:
+    """The largest float64 strictly below the mpmath number ``v`` (exp of a nonzero float is
+    irrational, so "strictly" costs nothing)."""
+    f = float(v)
+    while mpmath.mpf(f) >= v:
+        f = float(np.nextafter(f, -np.inf))
+    return f
+
+
+def _f64_above(v) -> float:
+    f = float(v)
+    while mpmath.mpf(f) <= v:
+        f = float(np.nextafter(f, np.inf))
+    return f
+
+
 def _band_limits(band: float):
-    """Inner float bounds of ``[exp(-band), exp(band)]``: a value inside them is inside the band."""
-    with mpmath.workdps(30):
+    """Float bounds of ``[exp(-band), exp(band)]`` rounded directionally: the inner pair lies inside
+    the band (a value between them is in it), the outer pair outside (a value beyond them is not).
+    Float64 values, so they are exact in :data:`DTYPE` too."""
+    with mpmath.workdps(40):
         lo = mpmath.exp(-mpmath.mpf(band))
         hi = mpmath.exp(mpmath.mpf(band))
-    lo_f = np.nextafter(DTYPE(float(lo)), DTYPE(np.inf))
-    hi_f = np.nextafter(DTYPE(float(hi)), DTYPE(-np.inf))
-    # outer bounds: a value beyond them is outside the band
-    lo_o = np.nextafter(DTYPE(float(lo)), DTYPE(-np.inf))
-    hi_o = np.nextafter(DTYPE(float(hi)), DTYPE(np.inf))
-    return lo_f, hi_f, lo_o, hi_o
+        limits = (_f64_above(lo), _f64_below(hi), _f64_below(lo), _f64_above(hi))
+    return tuple(DTYPE(x) for x in limits)
 
 
 def _headroom_raw(maps, start, u_ref: Fraction, *, band: float, h_max: float, resolution: float):

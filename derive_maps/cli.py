@@ -1,7 +1,8 @@
 """``python -m derive_maps``: reproduce, analyse, certify, derive, compare, facts, regenerate, bench.
 
-Human-readable tables by default; ``--json`` for machine-readable output, ``--latex`` for the
-paper. Map sets are named (``anvil``, anything in anvil_ref/map_sets: ``anvil_express``,
+Human-readable tables by default; ``--json`` prints machine-readable JSON to stdout, ``--latex``
+a table for the paper; ``derive --out FILE`` writes the derived set to a file that ``anvil_ref`` and
+``anvil_fast`` load with ``maps="FILE"``. Map sets are named (``anvil``, anything in anvil_ref/map_sets: ``anvil_express``,
 ``polar_express_nanogpt5``, ``muon_jordan5``...) or given as a JSON path. Interval ends accept
 exact forms such as ``1/300`` and ``1/1.05``.
 
@@ -10,7 +11,7 @@ Examples::
     python -m derive_maps reproduce
     python -m derive_maps analyse anvil
     python -m derive_maps certify anvil_express --l 1/300 --u 1/1.05
-    python -m derive_maps derive express --headroom 0.01 --name my_maps
+    python -m derive_maps derive express --headroom 0.01 --name my_maps --out my_maps.json
     python -m derive_maps derive greedy --l 1e-3 --u 1 --n-maps 5 --cushion 0.02 --safety 1.02
     python -m derive_maps compare anvil anvil_express muon_jordan5
     python -m derive_maps regenerate --check
@@ -31,7 +32,8 @@ FORMATS = ("text", "json", "latex", "markdown")
 
 def _add_format(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--json", dest="fmt", action="store_const", const="json", help="machine-readable JSON")
+    g.add_argument("--json", dest="fmt", action="store_const", const="json",
+                   help="print machine-readable JSON to stdout")
     g.add_argument("--latex", dest="fmt", action="store_const", const="latex", help="LaTeX tabular")
     g.add_argument("--markdown", dest="fmt", action="store_const", const="markdown", help="Markdown table")
     p.set_defaults(fmt="text")
@@ -40,8 +42,8 @@ def _add_format(p: argparse.ArgumentParser) -> None:
 
 
 def _add_interval(p: argparse.ArgumentParser, *, l: str, u: str) -> None:
-    p.add_argument("--l", default=l, help=f"lower end of the interval (default {l})")
-    p.add_argument("--u", default=u, help=f"upper end of the interval (default {u})")
+    p.add_argument("--l", default=l, help="lower end of the interval (exact forms such as 1/300 accepted)")
+    p.add_argument("--u", default=u, help="upper end of the interval")
 
 
 def _emit(tables, data, fmt: str) -> None:
@@ -66,22 +68,47 @@ def _maps_arg(spec: str):
     return resolve(spec)
 
 
+def _band(arg: str, max_abs_log: float) -> float | None:
+    """The headroom band from ``--band``; None where no band makes sense (F may reach 0 or below)."""
+    import math
+    from .sets import headroom_band
+    if arg != "auto":
+        return float(arg)
+    return headroom_band(max_abs_log) if math.isfinite(max_abs_log) else None
+
+
+def _headroom_row(h) -> list[str]:
+    from .tables import pct, sig
+    if h is None:
+        return ["headroom", "none: F may reach 0 or below on the interval, so no band |log F| <= b holds"]
+    return [f"headroom (|log F| <= {sig(h.band, 3)})",
+            f"{pct(h.certified, 4)} certified" + (f", out of band at {pct(h.upper, 4)}" if h.upper else
+                                                  f" (in band to the {pct(h.h_max, 3)} search limit)")]
+
+
+def _worst_at(e) -> float:
+    """The point where the attained |log F| is largest (the min or the max of F)."""
+    import math
+    lo = -math.log(e.f_min_attained) if e.f_min_attained > 0 else math.inf
+    hi = math.log(e.f_max_attained) if e.f_max_attained > 0 else -math.inf
+    return e.argmin if lo >= hi else e.argmax
+
+
 def cmd_certify(a) -> int:
     from .certify import certify_envelope, certify_headroom
-    from .sets import headroom_band
-    from .tables import Table, interval, pct, sig
+    from .tables import Table, interval, sig
     maps = _maps_arg(a.maps)
     e = certify_envelope(maps, a.l, a.u, rtol=a.rtol, progress=a.progress)
-    band = headroom_band(e.max_abs_log_certified) if a.band == "auto" else float(a.band)
-    h = certify_headroom(maps, a.u, band=band)
-    data = dict(maps=a.maps, interval=[a.l, a.u], envelope=e.as_dict(), headroom=asdict(h))
+    band = _band(a.band, e.max_abs_log_certified)
+    h = certify_headroom(maps, a.u, band=band) if band is not None else None
+    data = dict(maps=a.maps, interval=[a.l, a.u], envelope=e.as_dict(), headroom=asdict(h) if h else None)
     rows = [["certified envelope", interval(e.f_min_certified, e.f_max_certified, 10)],
             ["attained values", interval(e.f_min_attained, e.f_max_attained, 10)],
+            ["min F attained at sigma", f"{e.argmin:.12g}"],
+            ["max F attained at sigma", f"{e.argmax:.12g}"],
             ["certified max |log F|", sig(e.max_abs_log_certified, 6)],
-            ["attained max |log F|", sig(e.max_abs_log_attained, 6)],
-            [f"headroom (|log F| <= {sig(band, 3)})",
-             f"{pct(h.certified, 4)} certified" + (f", out of band at {pct(h.upper, 4)}" if h.upper else
-                                                   f" (in band to the {pct(h.h_max, 3)} search limit)")],
+            ["attained max |log F|", f"{sig(e.max_abs_log_attained, 6)} at sigma = {_worst_at(e):.12g}"],
+            _headroom_row(h),
             ["boxes", str(e.boxes)]]
     _emit([Table(f"{a.maps} on [{a.l}, {a.u}]", ["quantity", "value"], rows)], data, a.fmt)
     return 0
@@ -92,6 +119,8 @@ def cmd_analyse(a) -> int:
     from .sets import headroom_band
     from .certify import certify_envelope
     from .tables import Table, interval, pct, sig
+    if a.top < 1:
+        raise DeriveMapsError(f"--top {a.top}: expected a positive number of alternation points to list")
     maps = _maps_arg(a.maps)
     band = a.band
     if band == "auto":
@@ -121,13 +150,15 @@ def cmd_derive(a) -> int:
     from .certify import certify_envelope, certify_headroom
     from .polar_express import GreedySettings, greedy
     from .polish import polish
-    from .sets import headroom_band
     from .tables import Table, dumps, interval, pct, sig
     u = a.u if a.u is not None else f"1/{a.margin}"
     from .sets import NAMED_SETS
     if a.name in NAMED_SETS or a.name == "anvil":
         raise DeriveMapsError(f"--name {a.name}: that name belongs to a generated set (python -m derive_maps "
                               "regenerate rewrites it); choose another name or use --out PATH")
+    if a.name and not a.out:
+        raise DeriveMapsError(f"--name {a.name}: give --out PATH too; the set is written to PATH under "
+                              "that name (the package's map_sets directory holds only generated sets)")
     if a.method in ("express", "optimal", "polished"):
         s = AnvilKindSettings(l=a.l, u=u, n_maps=a.n_maps, headroom=a.headroom, margin=a.design_margin,
                               cushion=a.cushion or "0.02", safety=a.safety, objective=a.objective,
@@ -151,24 +182,25 @@ def cmd_derive(a) -> int:
         maps, info = r.maps, dict(method="polish", start=a.start, objective=a.objective, error=r.error,
                                   start_error=r.start_error, iterations=r.iterations, converged=r.converged)
     e = certify_envelope(maps, a.l, u)
-    h = certify_headroom(maps, u, band=headroom_band(e.max_abs_log_certified))
+    band = _band("auto", e.max_abs_log_certified)
+    h = certify_headroom(maps, u, band=band) if band is not None else None
     doc = {"generated_by": a.cmdline, "name": a.name or f"derived_{a.method}",
            "maps": [list(m) for m in maps], "maps_hex": [[float(v).hex() for v in m] for m in maps],
            "provenance": info,
            "certified": dict(interval=[a.l, u], envelope_certified=[e.f_min_certified, e.f_max_certified],
-                             max_abs_log_certified=e.max_abs_log_certified, headroom_band=h.band,
-                             headroom_certified=h.certified)}
+                             max_abs_log_certified=e.max_abs_log_certified,
+                             headroom_band=h.band if h else None, headroom_certified=h.certified if h else None)}
     written = None
-    if a.out or a.name:
-        from anvil_ref.maps import MAP_SETS_DIR
-        path = Path(a.out) if a.out else MAP_SETS_DIR / f"{a.name}.json"
+    if a.out:
+        path = Path(a.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dumps(doc))
         written = str(path)
     rows = [[str(k + 1), *(f"{v:.17g}" for v in m)] for k, m in enumerate(maps)]
+    head = (f"headroom {pct(h.certified, 4)} (|log F| <= {sig(h.band, 3)})" if h else
+            "no headroom (F may reach 0 or below)")
     notes = [f"certified on [{a.l}, {u}]: envelope {interval(e.f_min_certified, e.f_max_certified, 10)}, "
-             f"max |log F| {sig(e.max_abs_log_certified, 5)}, headroom {pct(h.certified, 4)} "
-             f"(|log F| <= {sig(h.band, 3)})"]
+             f"max |log F| {sig(e.max_abs_log_certified, 5)}, {head}"]
     if written:
         notes.append(f"written to {written} (load with anvil_ref.maps.load_maps)")
     _emit([Table(f"derived ({a.method})", ["map", "a", "b", "c"], rows, notes)], doc, a.fmt)
@@ -180,7 +212,7 @@ def cmd_compare(a) -> int:
     from .sets import COMPARISON
     names = a.sets or list(COMPARISON)
     sets = {n: resolve(n) for n in names}
-    rows = compare_rows(sets, bf16=not a.no_bf16, quick=a.quick, progress=a.progress)
+    rows = compare_rows(sets, bf16=not a.no_bf16, quick=a.quick, l=a.l, u=a.u, progress=a.progress)
     tables = [comparison_table(rows)] + ([criteria_table(rows)] if any(r["name"] == "anvil" for r in rows)
                                          and len(rows) > 1 else [])
     _emit(tables, {"rows": rows}, a.fmt)
@@ -217,11 +249,23 @@ def cmd_bench(a) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option that takes a value shows its default in --help; flags have none worth showing."""
+
+    def _get_help_string(self, action):
+        return action.help if action.nargs == 0 else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .anvil_kind import ANVIL_L, ANVIL_U
     p = argparse.ArgumentParser(prog="python -m derive_maps", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    plain_add = sub.add_parser
+
+    def add_parser(*args, **kw):
+        return plain_add(*args, formatter_class=_ShowDefaults, **kw)
+    sub.add_parser = add_parser
 
     s = sub.add_parser("reproduce", help="reproduce the published Polar Express tables")
     _add_format(s)
@@ -233,11 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("maps", help="map set name or JSON path")
         _add_interval(s, l=ANVIL_L, u=ANVIL_U)
         s.add_argument("--band", default="auto",
-                       help="headroom band: |log F| <= band (default auto = max(0.01, the set's max|log F|))")
+                       help="headroom band: |log F| <= band (auto: max(0.01, the set's certified max|log F|))")
         _add_format(s)
         s.set_defaults(func=func)
         if name == "certify":
-            s.add_argument("--rtol", type=float, default=1e-3, help="relative tightness of the bounds")
+            s.add_argument("--rtol", type=float, default=1e-3, help="relative tightness of each certified bound, in units of max|log F|")
         else:
             s.add_argument("--bf16", action="store_true", help="also measure the bf16-realized envelope")
             s.add_argument("--top", type=int, default=12, help="how many alternation points to list")
@@ -247,24 +291,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="express/optimal/polished: the ANVIL-kind pipelines; greedy: Polar Express with "
                         "your settings; polish: joint minimax polish of --start")
     s.add_argument("--l", default=ANVIL_L, help="lower end of the design interval")
-    s.add_argument("--u", default=None, help="upper end (default 1/margin)")
-    s.add_argument("--margin", default="1.05", help="Frobenius margin: u = 1/margin (default 1.05)")
-    s.add_argument("--n-maps", type=int, default=6)
-    s.add_argument("--headroom", default="0.01", help="certified headroom above u to design for")
+    s.add_argument("--u", default=None, help="upper end of the design interval (None: 1/margin)")
+    s.add_argument("--margin", default="1.05", help="Frobenius margin: u = 1/margin when --u is not given")
+    s.add_argument("--n-maps", type=int, default=6, help="number of maps (polished: that of its start)")
+    s.add_argument("--headroom", default="0.01", help="express/optimal/polished: certified headroom above u "
+                                                      "to design for")
     s.add_argument("--design-margin", default="0.0005", help="extra design room on top of --headroom")
-    s.add_argument("--objective", choices=("log", "abs"), default="log")
-    s.add_argument("--cushion", default=None)
-    s.add_argument("--safety", default=None)
-    s.add_argument("--safety-mode", choices=("inside", "after"), default="inside")
-    s.add_argument("--recentre", choices=("arithmetic", "geometric"), default="arithmetic")
-    s.add_argument("--recentre-when", choices=("always", "cushioned"), default="always")
-    s.add_argument("--final-recentre", choices=("arithmetic", "geometric"), default=None)
-    s.add_argument("--start", default=None, help="starting map set for polish/polished")
-    s.add_argument("--target", type=float, default=2.5e-5, help="polish: stop at this max|log F|")
-    s.add_argument("--max-iter", type=int, default=200)
+    s.add_argument("--objective", choices=("log", "abs"), default="log",
+                   help="optimal/polished/polish: minimize max |log F| or max |F - 1|")
+    s.add_argument("--cushion", default=None, help="Polar Express cushion (None: 0.02 for express, 0 for "
+                                                   "greedy)")
+    s.add_argument("--safety", default=None, help="Polar Express safety factor (None: 1 + headroom for "
+                                                  "express, 1 for greedy)")
+    s.add_argument("--safety-mode", choices=("inside", "after"), default="inside",
+                   help="greedy: apply the safety factor inside the loop or after it")
+    s.add_argument("--recentre", choices=("arithmetic", "geometric"), default="arithmetic",
+                   help="greedy: how each map is recentred")
+    s.add_argument("--recentre-when", choices=("always", "cushioned"), default="always",
+                   help="greedy: recentre every map or only cushioned ones")
+    s.add_argument("--final-recentre", choices=("arithmetic", "geometric"), default=None,
+                   help="greedy: recentring of the last map (None: as --recentre)")
+    s.add_argument("--start", default=None, help="starting map set for polish/polished (None: ANVIL_MAPS "
+                                                 "for polished)")
+    s.add_argument("--target", type=float, default=2.5e-5, help="polish/polished: stop at this max|log F|")
+    s.add_argument("--max-iter", type=int, default=200, help="polish iterations at most")
     s.add_argument("--dps", type=int, default=40, help="mpmath working precision (digits)")
-    s.add_argument("--name", default=None, help="save as anvil_ref/map_sets/NAME.json")
-    s.add_argument("--out", default=None, help="save to this JSON path")
+    s.add_argument("--name", default=None, help="name recorded in the file written with --out")
+    s.add_argument("--out", default=None, help="write the derived set to this JSON path")
     _add_format(s)
     s.set_defaults(func=cmd_derive)
 
@@ -272,21 +325,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("sets", nargs="*", help="names or JSON paths (default: the paper's comparison)")
     s.add_argument("--no-bf16", action="store_true", help="skip the bf16 measurement")
     s.add_argument("--quick", action="store_true", help="small bf16 suite")
+    _add_interval(s, l=ANVIL_L, u=ANVIL_U)
     _add_format(s)
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("facts", help="check the published statements about ANVIL_MAPS")
-    s.add_argument("--polish-iterations", type=int, default=100)
+    s.add_argument("--polish-iterations", type=int, default=100,
+                   help="iterations of the polish that checks the published accuracy claim")
     _add_format(s)
     s.set_defaults(func=cmd_facts)
 
     s = sub.add_parser("regenerate", help="rewrite (or --check) every generated file")
     s.add_argument("--check", action="store_true", help="compare with the files on disk, change nothing")
-    s.add_argument("--progress", action="store_true", default=None)
+    s.add_argument("--progress", action="store_true", default=None,
+                   help="draw the progress bar even when stderr is not a terminal")
     s.set_defaults(func=cmd_regenerate)
 
     s = sub.add_parser("bench", help="time the solvers (one CPU core)")
-    s.add_argument("--repeat", type=int, default=1)
+    s.add_argument("--repeat", type=int, default=1, help="timings per solver (the best is shown)")
     _add_format(s)
     s.set_defaults(func=cmd_bench)
     return p

@@ -51,11 +51,15 @@ def comparison_table(rows: list[dict], *, title: str | None = None) -> Table:
     out = []
     for r in rows:
         c = r["certified"]
-        head = pct(c["headroom_certified"], 3)
-        if c.get("headroom_upper") is None:
-            head = ">= " + head          # in the band all the way to the search limit
+        if c["headroom_certified"] is None:
+            head = "none (F may reach 0)"
+        else:
+            head = pct(c["headroom_certified"], 3)
+            if c.get("headroom_upper") is None:
+                head = ">= " + head          # in the band all the way to the search limit
+            head += f" ({sig(c['headroom_band'], 3)})"
         row = [r["name"], str(r["n_maps"]), interval(*c["envelope_certified"], decimals=8),
-               sig(c["max_abs_log_certified"], 4), f"{head} ({sig(c['headroom_band'], 3)})"]
+               sig(c["max_abs_log_certified"], 4), head]
         if has_bf16:
             b = r.get("bf16")
             row += [interval(b["lo"], b["hi"], 5) if b else "-", sig(b["max_abs_log"], 3) if b else "-"]
@@ -69,7 +73,8 @@ def comparison_table(rows: list[dict], *, title: str | None = None) -> Table:
         m = next((r["bf16"]["matrices"] for r in rows if "bf16" in r), 0)
         notes.append(f"bf16: singular values of anvil_fast.eager.eager_bf16_cascade (CPU) on {m} seeded "
                      "test matrices with normalized spectra in [1.15 l, u] (derive_maps.bf16).")
-    return Table(title or "Map sets compared on the ANVIL interval", cols, out, notes)
+    where = "the ANVIL interval" if (l, u) == (ANVIL_L, ANVIL_U) else f"[{l}, {u}]"
+    return Table(title or f"Map sets compared on {where}", cols, out, notes)
 
 
 #: The requirements an ANVIL-kind map set is held to, judged against the "anvil" row.
@@ -92,7 +97,8 @@ def criteria(rows: list[dict]) -> list[dict]:
         d = dict(name=r["name"],
                  exact_better=c["max_abs_log_certified"] < base["certified"]["max_abs_log_attained"],
                  within_goal=c["max_abs_log_certified"] <= GOAL_MAX_ABS_LOG,
-                 headroom=c["headroom_band"] <= 0.01 and c["headroom_certified"] >= GOAL_HEADROOM)
+                 headroom=c["headroom_band"] is not None and c["headroom_band"] <= 0.01
+                 and c["headroom_certified"] >= GOAL_HEADROOM)
         if "bf16" in r and "bf16" in base:
             d["bf16_lo"] = r["bf16"]["lo"] >= base["bf16"]["lo"]
             d["bf16_hi"] = r["bf16"]["hi"] <= base["bf16"]["hi"]

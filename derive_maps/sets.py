@@ -20,6 +20,7 @@ Every file holds ``"maps"`` (what ``load_maps`` reads), the same numbers as exac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,12 +98,17 @@ def headroom_band(max_abs_log: float, band: float = BAND) -> float:
 def certificate(maps, *, l: str = ANVIL_L, u: str = ANVIL_U, band: float = BAND) -> dict:
     """Certified envelope, max |log F| and headroom of ``maps`` on ``[l, u]`` (a JSON-ready dict)."""
     e = certify_envelope(maps, l, u)
-    b = headroom_band(e.max_abs_log_certified, band)
-    h = certify_headroom(maps, u, band=b)
+    if not math.isfinite(e.max_abs_log_certified):
+        # F may reach 0 or below on [l, u]: no band |log F| <= b holds there, so no headroom either
+        b = certified = upper = None
+    else:
+        b = headroom_band(e.max_abs_log_certified, band)
+        h = certify_headroom(maps, u, band=b)
+        certified, upper = h.certified, h.upper
     return dict(interval=[l, u], envelope_certified=[e.f_min_certified, e.f_max_certified],
                 envelope_attained=[e.f_min_attained, e.f_max_attained],
                 max_abs_log_certified=e.max_abs_log_certified, max_abs_log_attained=e.max_abs_log_attained,
-                headroom_band=b, headroom_certified=h.certified, headroom_upper=h.upper)
+                headroom_band=b, headroom_certified=certified, headroom_upper=upper)
 
 
 def map_set_document(name: str) -> dict:

@@ -157,3 +157,34 @@ def test_rational_endpoints_are_enclosed():
 def test_bad_input(call, match):
     with pytest.raises(DeriveMapsError, match=match):
         call()
+
+
+@pytest.mark.parametrize("band", [0.01, 1e-3, 0.05, 0.3, 2.0])
+def test_band_limits_round_outward_and_inward(band):
+    from fractions import Fraction
+
+    from derive_maps.certify import _band_limits
+    with mpmath.workdps(60):
+        lo, hi = mpmath.exp(-mpmath.mpf(band)), mpmath.exp(mpmath.mpf(band))
+
+    def q(x):
+        return mpmath.mpf(Fraction(*np.longdouble(x).as_integer_ratio()).numerator) / \
+            Fraction(*np.longdouble(x).as_integer_ratio()).denominator
+
+    in_lo, in_hi, out_lo, out_hi = _band_limits(band)
+    with mpmath.workdps(60):
+        assert q(in_lo) > lo and q(in_hi) < hi, "inner limits must lie strictly inside the band"
+        assert q(out_lo) < lo and q(out_hi) > hi, "outer limits must lie strictly outside the band"
+
+
+def test_lower_bound_survives_a_large_value_elsewhere():
+    # On [1/300, 0.953] the composite reaches about exp(27.4) near the top while its minimum is
+    # 0.99934 (the dense check below); a tolerance scaled by max F must not spoil the lower bound.
+    e = certify_envelope(ANVIL_MAPS, "1/300", "0.953")
+    f = composite(np.geomspace(1 / 300, 0.953, 20001), maps=ANVIL_MAPS)
+    # the promise of certify_envelope's rtol (1e-3), each bound relative to its own value
+    assert e.f_min_certified >= e.f_min_attained * (1 - 1e-3 * e.max_abs_log_certified) > 0.97
+    assert e.f_max_certified <= e.f_max_attained * (1 + 1e-3 * e.max_abs_log_certified)
+    assert e.f_min_certified <= e.f_min_attained <= f.min() * (1 + 1e-12)
+    assert 27.0 < e.max_abs_log_certified < 28.0
+    assert e.max_abs_log_attained <= e.max_abs_log_certified

@@ -98,3 +98,80 @@ def test_bad_map_file(capsys, tmp_path):
     p.write_text(json.dumps({"maps": []}))
     code, _, err = run(capsys, "certify", str(p))
     assert code == 2 and "at least one" in err
+
+
+def test_certify_text_says_where_the_worst_point_is(capsys):
+    code, out, _ = run(capsys, "certify", "anvil")
+    _, js, _ = run(capsys, "certify", "anvil", "--json")
+    e = json.loads(js)["envelope"]
+    assert code == 0 and f"{e['argmin']:.12g}" in out and f"{e['argmax']:.12g}" in out
+    assert "attained max |log F|" in out and " at sigma = " in out
+
+
+def test_certify_a_set_whose_composite_reaches_zero(capsys, tmp_path):
+    # p(x) = x - 2 x^3 is negative above 1/sqrt(2), inside the default interval: no band, no headroom
+    p = tmp_path / "neg.json"
+    p.write_text(json.dumps({"maps": [[1.0, -2.0, 0.0]]}))
+    code, out, err = run(capsys, "certify", str(p))
+    assert code == 0 and "headroom" in out and "reach 0" in out and err == ""
+    code, out, _ = run(capsys, "compare", str(p), "--no-bf16", "--json")
+    assert code == 0 and json.loads(out)["rows"][0]["certified"]["headroom_certified"] is None
+
+
+def test_compare_on_a_given_interval(capsys):
+    code, out, _ = run(capsys, "compare", "anvil", "--no-bf16", "--l", "1/100", "--u", "1/1.1", "--json")
+    assert code == 0 and json.loads(out)["rows"][0]["certified"]["interval"] == ["1/100", "1/1.1"]
+    code, out, _ = run(capsys, "compare", "anvil", "--no-bf16", "--l", "1/100", "--u", "1/1.1")
+    assert code == 0 and "[1/100, 1/1.1]" in out
+
+
+@pytest.mark.parametrize("argv", [("derive", "greedy", "--u", "1e6"),
+                                  ("derive", "greedy", "--l", "1e-12", "--n-maps", "2")])
+def test_derive_far_from_the_anvil_interval_certifies_what_it_made(capsys, argv):
+    # A large F somewhere must not spoil the certified lower bound (and with it the band).
+    code, out, err = run(capsys, *argv, "--json")
+    doc = json.loads(out)
+    assert code == 0 and err == ""
+    assert math.isfinite(doc["certified"]["max_abs_log_certified"]) and doc["certified"]["envelope_certified"][0] > 0
+
+
+def test_analyse_refuses_a_negative_top(capsys):
+    code, out, err = run(capsys, "analyse", "anvil", "--top", "-1")
+    assert code == 2 and "--top -1" in err and out == ""
+
+
+def test_derive_name_without_out_writes_nothing(capsys, tmp_path):
+    from anvil_ref.maps import MAP_SETS_DIR
+    before = sorted(p.name for p in MAP_SETS_DIR.iterdir())
+    code, out, err = run(capsys, "derive", "greedy", "--n-maps", "2", "--name", "my_maps")
+    assert code == 2 and "--out" in err and out == ""
+    assert sorted(p.name for p in MAP_SETS_DIR.iterdir()) == before
+    path = tmp_path / "m.json"
+    code, out, _ = run(capsys, "derive", "greedy", "--n-maps", "2", "--name", "my_maps", "--out", str(path))
+    assert code == 0 and json.loads(path.read_text())["name"] == "my_maps"
+    assert sorted(p.name for p in MAP_SETS_DIR.iterdir()) == before
+
+
+def test_derive_polished_keeps_its_number_of_maps(capsys):
+    code, out, err = run(capsys, "derive", "polished", "--n-maps", "5")
+    assert code == 2 and "--n-maps 6" in err and out == ""
+
+
+def test_derive_polished_refuses_a_start_that_blows_up_at_once(capsys):
+    code, out, err = run(capsys, "derive", "polished", "--u", "1/1.02")
+    assert code == 2 and "far from 1" in err and "--u" in err and out == ""
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    from derive_maps.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help text"
+                if action.nargs != 0:
+                    assert f"(default: {action.default})" in " ".join(text.split()), \
+                        f"{name} {action.option_strings[0]} does not show its default"

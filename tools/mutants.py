@@ -211,8 +211,8 @@ MUTANTS: list[Mutant] = [
       "return _down(a[0] + b[0]), _up(a[1] + b[1])", "return a[0] + b[0], a[1] + b[1]",
       "tests/test_intervals.py"),
     M("certify: a box counts as done with 100x the tolerance", "derive_maps/certify.py",
-      "done = (ub <= amax + DTYPE(tol)) & (lb >= amin - DTYPE(tol))",
-      "done = (ub <= amax + DTYPE(100 * tol)) & (lb >= amin - DTYPE(100 * tol))", "tests/test_certify.py"),
+      "done = (ub <= amax + DTYPE(tol_hi)) & (lb >= amin - DTYPE(tol_lo))",
+      "done = (ub <= amax + DTYPE(100 * tol_hi)) & (lb >= amin - DTYPE(100 * tol_lo))", "tests/test_certify.py"),
 ]
 
 
