@@ -197,7 +197,7 @@ def format_phases(size: str, rows) -> str:
     tot_e = sum(e for _, e, _ in rows)
     tot_g = sum(e if g is None else g for _, e, g in rows)
     lines = [f"phases of the default ANVIL step, {size} (each alone, median ms; graphed = captured in one CUDA graph)",
-             f"| phase | eager ms | share | graphed ms | share |", "|---|---:|---:|---:|---:|"]
+             "| phase | eager ms | share | graphed ms | share |", "|---|---:|---:|---:|---:|"]
     for name, e, g in rows:
         gg = e if g is None else g
         lines.append(f"| {name} | {e:.3f} | {e / tot_e:.0%} | {'-' if g is None else f'{g:.3f}'} | {gg / tot_g:.0%} |")
