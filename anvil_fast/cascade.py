@@ -63,7 +63,8 @@ from ._compile import maybe_compiled, want_compile
 from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
 from .equalizer import EqualizerWork
 from .normalize import NormPartials, block_partials, normalize_from_partials
-from .rails import BF16_MAX, PRESCALE_EXP_LIMIT, use_fused
+from ._triton import use_triton
+from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
 #: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).
 SAFE_MARGIN_SLACK = 2.0 ** -7
@@ -190,7 +191,7 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
         split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
     if not cfg.prescale:
         gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
-    if cfg.triton_elementwise and use_fused(X, backend):
+    if cfg.triton_elementwise and use_triton(X, backend):
         if ws.partials is None:
             ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
         if not partials_ready:

@@ -210,7 +210,7 @@ def test_fused_rails_check_their_input(triton_dev):
         _run_rails(grad, vel[:, :, :, :4], sc, fused=True)
     with pytest.raises(ValueError, match="grad"):
         _run_rails(grad.half(), vel, sc, fused=True)
-    from anvil_fast.rails import use_fused
+    from anvil_fast._triton import use_triton
 
     with pytest.raises(ValueError, match="backend"):
-        use_fused(grad, "cuda")
+        use_triton(grad, "cuda")
