@@ -473,7 +473,7 @@ class ANVIL(torch.optim.Optimizer):
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
                  momentum: float = ANVIL_DEFAULTS["momentum"], fast_beta: float | None = None,
                  fast_weight: float = 1.0, beta2: float = ANVIL_DEFAULTS["beta2"],
-                 weight_decay: float = ANVIL_DEFAULTS["weight_decay"], adam_betas: Sequence[float] = (0.9, 0.95),
+                 weight_decay: float = ANVIL_DEFAULTS["weight_decay"], adam_betas: Sequence[float] = ADAM_DEFAULTS["betas"],
                  adam_eps: float = ADAM_DEFAULTS["eps"], adam_weight_decay: float = ADAM_DEFAULTS["weight_decay"],
                  rails: str = "nesterov", total_steps: int | None = None, lr_scale: str = "seed",
                  adam: Iterable[str] | Callable[[str], bool] | None = None,

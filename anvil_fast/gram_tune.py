@@ -175,9 +175,10 @@ def candidates(kind: str, key: ProblemKey, sms: int) -> list[TileConfig]:
     return out
 
 
-def _time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
+def time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
     """GPU time of one ``fn()``: replays of a CUDA graph of back-to-back calls (event timing of
-    eager calls if capture fails), median of 5."""
+    eager calls if capture fails), median of 5. The benchmarks time kernels with it too
+    (:mod:`anvil_fast.bench.common`), so their tables show what the tuner compared."""
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
@@ -224,7 +225,7 @@ def _agrees(y: Tensor, ref: Tensor) -> tuple[bool, str]:
 
 
 def tune(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out: Tensor, reference: TileConfig, *,
-         cands: list[TileConfig] | None = None, timer: Callable[[Callable[[], None]], float] = _time_us,
+         cands: list[TileConfig] | None = None, timer: Callable[[Callable[[], None]], float] = time_us,
          sync: Callable[[], None] | None = None) -> tuple[TileConfig, dict]:
     """Run, check and time every candidate (and the reference) on this call's tensors; return the
     fastest agreeing one and the record. ``launch(cfg)`` computes the call into ``out``; ``cands``

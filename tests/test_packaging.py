@@ -77,6 +77,10 @@ def test_setup_cfg_declares_the_packages_and_extras():
     cfg.read(ROOT / "setup.cfg")
     pkgs = {s.strip() for s in cfg["options"]["packages"].split(",")}
     assert {"anvil_ref", "anvil_fast", "derive_maps"} <= pkgs
+    # every sub-package is declared too, or an installed package lacks it
+    subpackages = {".".join(p.parent.relative_to(ROOT).parts) for top in ("anvil_ref", "anvil_fast", "derive_maps")
+                   for p in (ROOT / top).rglob("__init__.py")}
+    assert subpackages <= pkgs, subpackages - pkgs
     assert "pytest" in cfg["options.extras_require"]["test"]
     reqs = cfg["options"]["install_requires"]
     assert "torch>=2.9" in reqs and "jax" not in reqs
