@@ -96,3 +96,78 @@ def test_main_job_runs():
     for row in rows:
         lo, hi = (float(v) for v in re.findall(r"([0-9.e+-]+)\.\.\s*([0-9.e+-]+)", row)[-1])
         assert 0.99 < lo <= hi < 1.01  # the cascade drives the spectrum to ~1
+
+
+PACKAGES = ("anvil_ref", "anvil_fast", "derive_maps")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its source (top level or inside a
+    function: a deferred import still ties the two modules together)."""
+    paths = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                deps |= {base} | {f"{base}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d in paths and d != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_reports_a_cycle_by_its_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_import_graph_sees_relative_and_deferred_imports():
+    graph = package_import_graph()
+    assert "anvil_fast._triton" in graph["anvil_fast.gram"]  # top level, relative
+    assert "anvil_fast.bank" in graph["anvil_fast.bench.bank"]  # inside a function, two dots up
+    assert "anvil_ref.constants" in graph["anvil_fast.bench.bank"]  # absolute
+
+
+def test_no_import_cycles_in_the_packages():
+    cycles = import_cycles(package_import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
