@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from anvil_ref.cascade import is_tall
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPLIT_BADDBMM_MIN_ROWS
 from anvil_ref.maps import MapsLike, load_maps
 
@@ -111,11 +112,6 @@ def get_config(config: CascadeConfig | str) -> CascadeConfig:
         return CONFIGS[config]
     except KeyError:
         raise ValueError(f"config: expected one of {sorted(CONFIGS)} or a CascadeConfig, got {config!r}") from None
-
-
-def is_tall(shape) -> bool:
-    """The seed's orientation rule: tall when rows > cols (square matrices take the X X^T side)."""
-    return shape[-2] > shape[-1]
 
 
 @dataclass

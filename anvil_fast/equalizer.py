@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from anvil_ref.constants import LANE_ENERGY_FLOOR
+from anvil_ref.equalizer import reduction_axis
 
 from ._compile import maybe_compiled, want_compile
 from ._triton import round_fix, triton_available, use_triton, widen_fix
@@ -105,7 +106,7 @@ class EqualizerWork:
     @classmethod
     def for_shape(cls, shape: tuple[int, int, int], device, red_dim: int | None = None) -> "EqualizerWork":
         chunk, rows, cols = shape
-        lanes = rows if (reduction_dim(shape) if red_dim is None else red_dim) == -1 else cols
+        lanes = rows if (reduction_axis(shape) if red_dim is None else red_dim) == -1 else cols
         return cls(lane_power=torch.zeros((chunk, lanes), dtype=torch.float32, device=device),
                    gain=torch.zeros((chunk, lanes), dtype=torch.bfloat16, device=device),
                    ok=torch.zeros((chunk,), dtype=torch.int32, device=device))
@@ -216,18 +217,16 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
     return v
 
 
-def reduction_dim(shape) -> int:
-    """The seed's red_dim: -1 (over columns) when rows >= cols, else -2."""
-    return -1 if shape[-2] >= shape[-1] else -2
-
-
-def rail_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, *, guard_trips: Tensor | None = None,
-                   compile: bool | None = None, fused: bool = False, work: EqualizerWork | None = None,
-                   backend: str = "auto") -> Tensor:
-    """Equalize ``v`` ([chunk, rows, cols] bf16) in place and update ``lane_energy`` in place; returns
-    ``v``. With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
+def equalize(v: Tensor, lane_energy: Tensor, *, beta2: float, red_dim: int | None = None,
+             guard_trips: Tensor | None = None, compile: bool | None = None, fused: bool = False,
+             work: EqualizerWork | None = None, backend: str = "auto") -> Tensor:
+    """:func:`anvil_ref.equalizer.equalize` in place: equalize ``v`` ([chunk, rows, cols] bf16) and
+    update ``lane_energy``; returns ``v``. ``red_dim``: the lane-reduction axis, by default
+    :func:`anvil_ref.equalizer.reduction_axis` of ``v``'s shape (a bank passes the one it stored). With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
     the Triton kernels where they can run (:func:`anvil_fast._triton.use_triton`), with ``work`` as
     their buffers (allocated here if not given; a CUDA graph wants them allocated once)."""
+    if red_dim is None:
+        red_dim = reduction_axis(v.shape)
     if red_dim not in (-1, -2):
         raise ValueError(f"red_dim: expected -1 or -2, got {red_dim}")
     if fused and use_triton(v, backend):

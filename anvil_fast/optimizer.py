@@ -56,7 +56,6 @@ Departures from the seed, each for a reason:
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
@@ -66,6 +65,7 @@ import torch
 from torch import Tensor
 
 from anvil_ref.config import ConfigError, ParamConfig, build_param_config, check_labels, check_order
+from anvil_ref.equalizer import lane_energy_shape
 from anvil_ref.constants import (
     ADAM_DEFAULTS,
     ANVIL_DEFAULTS,
@@ -79,7 +79,7 @@ from .bank_scalars import ADAM_COLUMNS, BankScalarStaging
 from .comms import DONE, Comms, Handle, resolve_comms
 from .replicated_adam import ReplicatedAdam
 from .transpose import transpose_add, transpose_copy
-from .update import join_master, split_master
+from .update import join_fp32_, split_fp32_
 
 
 STATE_FORMAT = "anvil_fast.AnvilAndAdam/1"
@@ -125,16 +125,6 @@ class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or infinity (raised by the opt-in check before anything is written)."""
 
 
-def _bank_api():
-    """The kernels' AnvilBank and anvil_bank_update (anvil_fast.bank)."""
-    try:
-        from . import bank
-    except ImportError as exc:  # pragma: no cover - only while anvil_fast.bank is missing
-        raise ImportError("anvil_fast.bank (AnvilBank, anvil_bank_update) is needed for the ANVIL "
-                          f"bank update: {exc}") from exc
-    return bank
-
-
 def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
     # Tensor.reshape is a method; the seed shadows it with a tuple attribute on bank parameters.
     r = param.__dict__.get("reshape") if hasattr(param, "__dict__") else None
@@ -142,34 +132,6 @@ def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
         return tuple(r)
     r = entry.get("reshape") if isinstance(entry, Mapping) else None
     return tuple(r) if r is not None else None
-
-
-def _halves(master: Tensor) -> tuple[Tensor, Tensor]:
-    # An fp32's bit pattern, little-endian, is the int16 pair (low half, high half): the halves are
-    # strided int16 views, so splitting and joining are two plain copies each (one pass over the
-    # bytes, no integer arithmetic) instead of the shift-and-mask form of anvil_fast.update.
-    pairs = master.view(torch.int16).view(*master.shape, 2)
-    return pairs[..., 1], pairs[..., 0]
-
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
-    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact)."""
-    h, l_ = _halves(master) if _LITTLE_ENDIAN else split_master(master)
-    hi.view(torch.int16).copy_(h)
-    lo.view(torch.int16).copy_(l_)
-
-
-def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
-    """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
-    if not _LITTLE_ENDIAN:  # pragma: no cover - every CUDA host is little-endian
-        master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
-        return
-    h, l_ = _halves(master)
-    h.copy_(hi.view(torch.int16))
-    l_.copy_(lo.view(torch.int16))
 
 
 def _plain_cfg(cfg: ParamConfig) -> dict[str, Any]:
@@ -264,7 +226,7 @@ class AnvilAndAdam:
             if self.param_cfgs[EMBED_LABEL].optim != "adam" or self.param_cfgs[LM_HEAD_LABEL].optim != "adam":
                 raise ConfigError("tied embed and lm_head must both be Adam parameters")
         if bank_update is None and any(c.optim == "anvil" for c in self.param_cfgs.values()):
-            bank_update = _bank_api().anvil_bank_update
+            from .bank import anvil_bank_update as bank_update
         self.bank_update = bank_update
 
         # ---- state (new tensors only)
@@ -277,8 +239,7 @@ class AnvilAndAdam:
                 self.param_states[label] = dict(step=0, exp_avg=z, exp_avg_sq=torch.zeros_like(z))
             else:
                 chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
-                rows, cols = chunk_shape[-2:]
-                lane = (cfg.chunk_size, rows, 1) if rows >= cols else (cfg.chunk_size, 1, cols)
+                lane = lane_energy_shape(chunk_shape)
                 self.param_states[label] = dict(
                     velocity=torch.zeros((2, *chunk_shape), dtype=torch.float32, device=self.device),
                     lane_energy=torch.zeros(lane, dtype=torch.float32, device=self.device),
@@ -301,7 +262,7 @@ class AnvilAndAdam:
         self._shard_staging = BankScalarStaging([], self.device, adam_rows=1)  # adam_update_shard
         self.banks: dict[str, Any] = {}
         if self.bank_labels:
-            AnvilBank = _bank_api().AnvilBank
+            from .bank import AnvilBank
             extra = {} if bank_config is None else {"config": bank_config}
             if maps is not None:
                 extra["maps"] = maps
@@ -853,5 +814,4 @@ class AnvilAndAdam:
             p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype).clone()
 
 
-__all__ = ["AnvilAndAdam", "StepPlan", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError",
-           "split_fp32_", "join_fp32_"]
+__all__ = ["AnvilAndAdam", "StepPlan", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError"]

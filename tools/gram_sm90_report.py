@@ -98,7 +98,7 @@ def elementwise() -> None:
     N.block_partials(x, p, limit=RL.PRESCALE_EXP_LIMIT)
     N.normalize_from_partials(x, torch.empty(shape[0], 1, 1), p, margin=1.05, eps=1e-7, limit=RL.PRESCALE_EXP_LIMIT)
     for shp in (shape, (72, 256, 768)):  # tall (lanes = rows) and wide (lanes = columns)
-        red = EQ.reduction_dim(shp)
+        red = EQ.reduction_axis(shp)
         xv = torch.empty(shp, dtype=torch.bfloat16)
         work = EQ.EqualizerWork.for_shape(shp, "cpu")
         EQ._equalizer_fused(xv, torch.empty(work.lane_power.shape), 0.95, red, torch.zeros(shp[0], dtype=torch.int32),

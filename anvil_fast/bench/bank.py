@@ -98,11 +98,13 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
 def _phases(bank, *, rep_ms: int) -> dict:
     """Graphed time of each phase of the SAFE update alone (rails, cascade = normalization + maps,
     equalizer + update) and of one map's three kernels against cuBLAS doing the same job."""
-    from ..cascade import cascade_workspace, is_tall
-    from ..equalizer import rail_equalizer
+    from anvil_ref.cascade import is_tall
+
+    from ..cascade import cascade_workspace
+    from ..equalizer import equalize
     from ..gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
     from ..rails import rails_lookahead
-    from ..update import sign_aligned_decay_update
+    from ..update import sign_aligned_update
 
     b, ws = bank, bank.workspace
     r = {}
@@ -115,9 +117,9 @@ def _phases(bank, *, rep_ms: int) -> dict:
                           rep_ms=rep_ms)
 
     def post():
-        v = rail_equalizer(ws.X, b.lane_energy, b.beta2, b.red_dim, guard_trips=b.guard_trips,
-                           fused=b.config.triton_elementwise, work=ws.equalizer)
-        sign_aligned_decay_update(b.p_slice, b.mantissa, v, b.eff_wd, b.eff_lr, b.velocity[1])
+        v = equalize(ws.X, b.lane_energy, beta2=b.beta2, red_dim=b.red_dim, guard_trips=b.guard_trips,
+                     fused=b.config.triton_elementwise, work=ws.equalizer)
+        sign_aligned_update(b.p_slice, b.mantissa, v, gate=b.velocity[1], eff_lr=b.eff_lr, eff_wd=b.eff_wd)
     r["ph_post"] = _bench(graphed(post), rep_ms=rep_ms)
     # One map's kernels on a normalized iterate (ws.X holds the cascade's output: orthogonal-ish).
     X, A, B, C = ws.X, ws.A, ws.B, ws.C
