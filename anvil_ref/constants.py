@@ -1,9 +1,9 @@
 """The constants of ANVIL (record #360), defined once for the whole project.
 
 Every other module -- anvil_fast, derive_maps, tests, papers -- imports these names from here;
-none of them restates a value. The values are copied from the seed
-(``../shared/seed/000_daf7e65d362a51dc.txt``) and from the public facts about the record that the
-seed's README lists; each comment says which.
+none of them restates a value. The values are copied from the seed (the record's optimizer
+source) and from the public facts about the record that the seed's README lists; each comment says
+which.
 """
 
 from __future__ import annotations

@@ -171,3 +171,33 @@ def test_the_import_graph_sees_relative_and_deferred_imports():
 def test_no_import_cycles_in_the_packages():
     cycles = import_cycles(package_import_graph())
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+#: Words that narrate the project's history or point outside the repository. A comment, a CLI string
+#: or the paper says why something is as it is; history belongs in git, results/ folder names are data.
+HISTORY_PHRASES = re.compile(r"\brun [0-9]+\b|\bissues? ?#?[0-9]+|\bthe issue's\b|\bfirst version\b|\bpreviously\b|"
+                             r"\bunchanged from\b|METHOD\.md|device notes|\.\./shared/", re.IGNORECASE)
+
+
+def history_sources():
+    for pkg in ("anvil_ref", "anvil_fast", "derive_maps", "tools", "papers", "tests"):
+        for p in sorted((ROOT / pkg).rglob("*")):
+            if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts and p != Path(__file__).resolve():
+                yield p
+    yield ROOT / "papers" / "anvil.template.md"
+    yield ROOT / "README.md"
+    yield ROOT / "tests" / "README.md"
+
+
+def test_the_history_grep_catches_each_phrase():
+    for text in ("as in run 3", "Issue 5's measurements", "(issue 3)", "the issue's statements", "unchanged from the "
+                 "first version", "previously", "METHOD.md of the device notes", "../shared/seed/x.txt"):
+        assert HISTORY_PHRASES.search(text), text
+    for text in ("results/anvil_fast_h200/run3/bench.log", "run the tests", "a known issue of the interpreter"):
+        assert not HISTORY_PHRASES.search(text), text
+
+
+def test_sources_do_not_narrate_history():
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in history_sources() if p.is_file()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY_PHRASES.search(line)]
+    assert not hits, "\n".join(hits)
