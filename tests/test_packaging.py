@@ -201,3 +201,16 @@ def test_sources_do_not_narrate_history():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in history_sources() if p.is_file()
             for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY_PHRASES.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_every_anvil_fast_module_is_in_its_module_map():
+    import pkgutil
+
+    import anvil_fast
+
+    doc = anvil_fast.__doc__
+    missing = [m.name for m in pkgutil.iter_modules(anvil_fast.__path__)
+               if f"``{m.name}``" not in doc and f"``{m.name}/``" not in doc]
+    assert not missing, f"anvil_fast/__init__.py's module map lacks {missing}"
+    public = {m.name for m in pkgutil.iter_modules(anvil_fast.__path__) if not m.name.startswith("_")}
+    assert public - {"gram_kernels"} <= set(dir(anvil_fast))  # gram_kernels needs Triton at import
