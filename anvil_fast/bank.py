@@ -12,7 +12,7 @@ eff_wd, fast_beta, fast_weight; ``[chunk, 1, 1]`` for eff_lr), so
 
 The update, in the seed's order::
 
-    rails_lookahead   twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
+    twin_rail         twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
     cascade           normalization + Gram kernels + maps on the workspace (Triton; FAITHFUL: compiled normalize)
     equalize          lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton; FAITHFUL: compiled)
     decay + update    sign-aligned decay on the fp32 master p|mantissa  (compiled; p, mantissa in place)
@@ -34,7 +34,7 @@ from anvil_ref.maps import load_maps
 
 from .cascade import DEFAULT_CONFIG, CascadeConfig, CascadeWorkspace, cascade_workspace, get_config
 from .equalizer import equalize
-from .rails import rails_lookahead
+from .rails import twin_rail
 from .update import sign_aligned_update
 
 
@@ -165,9 +165,9 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
     cfg = bank.config
     # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (clamped to bf16's range in SAFE)
     #    (SAFE on CUDA: one Triton kernel that also leaves the normalization's block partials)
-    ready = rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
-                            x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
-                            partials=ws.partials if cfg.triton_elementwise else None, backend=backend, compile=compile)
+    ready = twin_rail(bank.grad, bank.velocity, momentum=bank.momentum, fast_beta=bank.fast_beta,
+                      fast_weight=bank.fast_weight, x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
+                      partials=ws.partials if cfg.triton_elementwise else None, backend=backend, compile=compile)
     # 2. The cascade
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile,
                           partials_ready=ready)

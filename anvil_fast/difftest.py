@@ -38,7 +38,7 @@ from anvil_ref.constants import ANVIL_DEFAULTS, RAIL_BETA_MAX, RAIL_FAST_BETA, R
 from .cascade import CascadeConfig, fast_cascade, get_config
 from .eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 from .equalizer import equalize
-from .rails import rails_lookahead
+from .rails import twin_rail
 from .update import sign_aligned_update
 
 FAMILIES = ("gaussian", "low_rank", "near_rank1", "decaying", "zero", "huge", "tiny", "well_conditioned")
@@ -201,8 +201,8 @@ def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu
     mu, fb, w = (torch.tensor(v, **f32) for v in (MOMENTUM, FAST_BETA, FAST_WEIGHT))
     v_dev, g_dev = _to(device, vel.clone(), grad)
     x_out = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    rails_lookahead(g_dev, v_dev, mu, fb, w, x_out=x_out, prescale=cfg.prescale, fused=cfg.triton_elementwise,
-                    backend=backend, compile=compile)
+    twin_rail(g_dev, v_dev, momentum=mu, fast_beta=fb, fast_weight=w, x_out=x_out, prescale=cfg.prescale,
+              fused=cfg.triton_elementwise, backend=backend, compile=compile)
     ref = R.twin_rail(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))
     look_fast = x_out.double().cpu()
     look_eager, e0, e1 = eager_rails(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))

@@ -222,7 +222,8 @@ def equalize(v: Tensor, lane_energy: Tensor, *, beta2: float, red_dim: int | Non
              work: EqualizerWork | None = None, backend: str = "auto") -> Tensor:
     """:func:`anvil_ref.equalizer.equalize` in place: equalize ``v`` ([chunk, rows, cols] bf16) and
     update ``lane_energy``; returns ``v``. ``red_dim``: the lane-reduction axis, by default
-    :func:`anvil_ref.equalizer.reduction_axis` of ``v``'s shape (a bank passes the one it stored). With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
+    :func:`anvil_ref.equalizer.reduction_axis` of ``v``'s shape (a bank passes the one it stored).
+    With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
     the Triton kernels where they can run (:func:`anvil_fast._triton.use_triton`), with ``work`` as
     their buffers (allocated here if not given; a CUDA graph wants them allocated once)."""
     if red_dim is None:

@@ -365,8 +365,8 @@ def ba_plus_cAA(A: Tensor, *, alpha: float, beta: float, out: Tensor | None = No
     o3 = out.view(-1, n, n)
     # The tuner's candidates run with these alpha/beta too (outputs are compared, not only timed).
     launch = functools.partial(_launch_ba_plus_caa, a3, o3, n, alpha, beta)
-    cfg = _choose("ba_plus_cAA", ProblemKey("ba_plus_cAA", n, n, n, a3.shape[0], A.device.index), config, launch, o3, n, n,
-                  a3.shape[0])
+    key = ProblemKey("ba_plus_cAA", n, n, n, a3.shape[0], A.device.index)
+    cfg = _choose("ba_plus_cAA", key, config, launch, o3, n, n, a3.shape[0])
     launch(cfg)
     return out
 
@@ -397,8 +397,8 @@ def aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None 
     o3 = out.view(-1, m, n)
     launch = functools.partial(_launch_mm_add, x3, l3, r3, o3, m, n, k, a)
     # Which operand is X (L is X: tall, R is X: wide) changes nothing in the kernel; m, n, k do.
-    cfg = _choose("mm_add", ProblemKey("mm_add", m, n, k, x3.shape[0], X.device.index), config, launch, o3, max(m, n), k,
-                  x3.shape[0])
+    key = ProblemKey("mm_add", m, n, k, x3.shape[0], X.device.index)
+    cfg = _choose("mm_add", key, config, launch, o3, max(m, n), k, x3.shape[0])
     launch(cfg)
     return out
 

@@ -148,20 +148,22 @@ def _rails_fused(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t
                                    WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
 
 
-def rails_lookahead(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t: Tensor,
-                    fast_weight_t: Tensor, *, x_out: Tensor, prescale: bool = False, fused: bool = False,
-                    partials: NormPartials | None = None, backend: str = "auto",
-                    compile: bool | None = None) -> bool:
-    """One twin-rail step in place on ``velocity`` ([2, *chunk] fp32), writing the cascade's bf16
-    input into ``x_out`` ([*chunk] bf16; clamped to bf16's finite range when ``prescale``).
-    ``grad`` is the bf16 (or fp32) gradient; it is not written.
+def twin_rail(grad: Tensor, velocity: Tensor, *, momentum: Tensor, fast_beta: Tensor, fast_weight: Tensor,
+              x_out: Tensor, prescale: bool = False, fused: bool = False, partials: NormPartials | None = None,
+              backend: str = "auto", compile: bool | None = None) -> bool:
+    """:func:`anvil_ref.rails.twin_rail` in place: one twin-rail step on ``velocity`` ([2, *chunk]
+    fp32), writing the lookahead, the cascade's bf16 input, into ``x_out`` ([*chunk] bf16; clamped
+    to bf16's finite range when ``prescale``). ``grad`` is the bf16 (or fp32) gradient; it is not
+    written. ``momentum``, ``fast_beta``, ``fast_weight``: 0-D fp32 device tensors, keyword-only as
+    in the reference (three same-typed rates: a positional swap would run).
 
     ``fused``: run the Triton kernel where ``backend`` lets it (:func:`anvil_fast._triton.use_triton`),
-    else the compiled torch code. ``partials``: with the kernel, also write X's normalization partials there. Returns True
-    when the partials were written (the caller's normalization may then skip its own pass)."""
+    else the compiled torch code. ``partials``: with the kernel, also write X's normalization
+    partials there. Returns True when the partials were written (the caller's normalization may
+    then skip its own pass)."""
     if fused and use_triton(x_out, backend):
-        _rails_fused(grad, velocity, momentum_t, fast_beta_t, fast_weight_t, x_out, bool(prescale), partials)
+        _rails_fused(grad, velocity, momentum, fast_beta, fast_weight, x_out, bool(prescale), partials)
         return partials is not None
     fn = maybe_compiled(_rails_lookahead, want_compile(compile, grad))
-    fn(grad, velocity, momentum_t, fast_beta_t, fast_weight_t, x_out, bool(prescale))
+    fn(grad, velocity, momentum, fast_beta, fast_weight, x_out, bool(prescale))
     return False

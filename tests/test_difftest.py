@@ -111,8 +111,9 @@ def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
     import anvil_fast.difftest as mod
 
     if component == "momentum":
-        rails, eager = mod.rails_lookahead, mod.eager_rails
-        monkeypatch.setattr(mod, "rails_lookahead", lambda g, v, mu, fb, w, **kw: rails(g, v, mu, fb, w * 1.01, **kw))
+        rails, eager = mod.twin_rail, mod.eager_rails
+        monkeypatch.setattr(mod, "twin_rail",
+                            lambda g, v, *, fast_weight, **kw: rails(g, v, fast_weight=fast_weight * 1.01, **kw))
         monkeypatch.setattr(mod, "eager_rails", lambda *a, fast_weight, **kw: eager(*a, fast_weight=fast_weight * 1.01, **kw))
         row, _ = D.momentum_row((3, 40, 24), "gaussian", SAFE, compile=False)
     else:

@@ -175,8 +175,8 @@ def test_tuner_drops_failures_and_disagreements_and_keeps_the_fastest():
 
     times = {ref: 10.0, slow: 8.0, fast: 5.0, ulp: 6.0, wrong: 1.0}
     timer = lambda fn: (fn(), times[last[-1]])[1]  # noqa: E731
-    best, rec = GT.tune("gram", GT.ProblemKey("XXT", 64, 64, 64, 1, None), launch, out, ref, cands=[slow, fast, ulp, wrong, boom],
-                        timer=timer, sync=lambda: None)
+    best, rec = GT.tune("gram", GT.ProblemKey("XXT", 64, 64, 64, 1, None), launch, out, ref,
+                        cands=[slow, fast, ulp, wrong, boom], timer=timer, sync=lambda: None)
     assert best == fast
     by = {cfg: (us, note) for cfg, us, note in rec["results"]}
     assert by[wrong][0] is None and by[wrong][1].startswith("REJECTED")

@@ -54,12 +54,13 @@ def phases(bank, compile_post=None) -> dict[str, torch.Tensor]:
     """Run one update phase by phase, returning a copy of each phase's output."""
     from anvil_fast.cascade import cascade_workspace
     from anvil_fast.equalizer import equalize
-    from anvil_fast.rails import rails_lookahead
+    from anvil_fast.rails import twin_rail
     from anvil_fast.update import sign_aligned_update
 
     ws, cfg, out = bank.workspace, bank.config, {}
-    ready = rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight, x_out=ws.X,
-                            prescale=cfg.prescale, fused=cfg.triton_elementwise, partials=ws.partials)
+    ready = twin_rail(bank.grad, bank.velocity, momentum=bank.momentum, fast_beta=bank.fast_beta,
+                      fast_weight=bank.fast_weight, x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
+                      partials=ws.partials)
     out["rails: velocity"], out["rails: X"] = bank.velocity.clone(), ws.X.clone()
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, partials_ready=ready)
     out["cascade"] = v.clone()

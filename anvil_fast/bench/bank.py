@@ -58,7 +58,7 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
     from ..bank import anvil_bank_update
     from ..cascade import FAITHFUL, SAFE, cascade_workspace
     from ..plain import plain_bank_update, plain_cascade
-    from ..rails import rails_lookahead
+    from ..rails import twin_rail
 
     rows = []
     for shape in shapes:
@@ -76,9 +76,9 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
 
                 def casc(b=bank):
                     ws = b.workspace
-                    ready = rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X,
-                                            prescale=b.config.prescale, fused=b.config.triton_elementwise,
-                                            partials=ws.partials)
+                    ready = twin_rail(b.grad, b.velocity, momentum=b.momentum, fast_beta=b.fast_beta,
+                                      fast_weight=b.fast_weight, x_out=ws.X, prescale=b.config.prescale,
+                                      fused=b.config.triton_elementwise, partials=ws.partials)
                     cascade_workspace(ws, maps=b.maps, config=b.config, split=b.split_baddbmm, partials_ready=ready)
                 r["fast_casc_graph"] = _bench(graphed(casc), rep_ms=rep_ms)
                 try:  # the breakdown must never cost the main table
@@ -103,15 +103,15 @@ def _phases(bank, *, rep_ms: int) -> dict:
     from ..cascade import cascade_workspace
     from ..equalizer import equalize
     from ..gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-    from ..rails import rails_lookahead
+    from ..rails import twin_rail
     from ..update import sign_aligned_update
 
     b, ws = bank, bank.workspace
     r = {}
-    kw = dict(prescale=b.config.prescale, fused=b.config.triton_elementwise, partials=ws.partials)
-    ready = rails_lookahead(b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, **kw)
-    r["ph_rails"] = _bench(graphed(lambda: rails_lookahead(
-        b.grad, b.velocity, b.momentum, b.fast_beta, b.fast_weight, x_out=ws.X, **kw)), rep_ms=rep_ms)
+    kw = dict(momentum=b.momentum, fast_beta=b.fast_beta, fast_weight=b.fast_weight, x_out=ws.X,
+              prescale=b.config.prescale, fused=b.config.triton_elementwise, partials=ws.partials)
+    ready = twin_rail(b.grad, b.velocity, **kw)
+    r["ph_rails"] = _bench(graphed(lambda: twin_rail(b.grad, b.velocity, **kw)), rep_ms=rep_ms)
     r["ph_casc"] = _bench(graphed(lambda: cascade_workspace(ws, maps=b.maps, config=b.config,
                                                              split=b.split_baddbmm, partials_ready=ready)),
                           rep_ms=rep_ms)
