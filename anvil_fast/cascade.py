@@ -61,10 +61,10 @@ from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPL
 from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
-from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-from .equalizer import EqualizerWork
-from .normalize import NormPartials, block_partials, normalize_from_partials
 from ._triton import use_triton
+from .equalizer import EqualizerWork
+from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+from .normalize import NormPartials, block_partials, normalize_from_partials
 from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
 #: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).

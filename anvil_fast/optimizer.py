@@ -65,7 +65,6 @@ import torch
 from torch import Tensor
 
 from anvil_ref.config import ConfigError, ParamConfig, build_param_config, check_labels, check_order
-from anvil_ref.equalizer import lane_energy_shape
 from anvil_ref.constants import (
     ADAM_DEFAULTS,
     ANVIL_DEFAULTS,
@@ -73,6 +72,7 @@ from anvil_ref.constants import (
     LM_HEAD_LABEL,
     SPARSE_UPDATE_LABEL,
 )
+from anvil_ref.equalizer import lane_energy_shape
 
 from .adam import adam_row, adam_update_
 from .bank_scalars import ADAM_COLUMNS, BankScalarStaging
