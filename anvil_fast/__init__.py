@@ -3,25 +3,61 @@
 Start with the drop-in optimizer: ``opt = anvil_fast.ANVIL(model)`` (its docstring holds a training
 loop; ``opt.describe()`` prints the plan).
 
-Which module owns which concept:
+Which module owns which concept (the reference of each is the same-named ``anvil_ref`` module; the
+rules both share -- orientation, lane reduction, fp32 split/join, constants -- are imported from
+``anvil_ref``, never restated):
 
-===================  ==========================================================================
-module               concept
-===================  ==========================================================================
-``dropin``           ``ANVIL``: the drop-in ``torch.optim.Optimizer`` (routing, banks, step policy)
-``optimizer``        ``AnvilAndAdam``: the seed's optimizer over a labelled table, comms schedule
-``bank``             ``AnvilBank``, ``anvil_bank_update``: one bank's update
-``cascade``          the cascade (normalization + Gram kernels + maps), ``CascadeConfig``
-``gram``             the symmetric Gram kernels (``XXT``, ``XTX``, ...)
-``rails``            twin-rail momentum + Nesterov lookahead
-``equalizer``        the lane-energy equalizer (SAFE's guard)
-``update``           the sign-aligned decay update on the fp32 master
-``adam``             Adam's kernels; ``replicated_adam``: the flat-buffer replicated Adam
-``comms``            the collectives (NCCL, gloo, one process)
-``graphs``           the bank updates as CUDA graphs
-``gpt``              the package's GPT (benchmarks, training harness)
-``bench``            ``python -m anvil_fast.bench``: the benchmarks
-===================  ==========================================================================
+======================  ===================================================================================
+module                  concept
+======================  ===================================================================================
+**optimizers**
+``dropin``              ``ANVIL``: the drop-in ``torch.optim.Optimizer`` (classify -> plan -> build banks)
+``optimizer``           ``AnvilAndAdam``: the seed's optimizer over a labelled table (classify -> plan ->
+                        build state), its comms schedule and step graph
+``bank``                ``AnvilBank``, ``anvil_bank_update``: one bank's update (rails, cascade, equalizer,
+                        update, in the seed's order)
+``bank_scalars``        every per-step scalar in one device buffer, one host-to-device copy per step
+``replicated_adam``     the replicated Adam parameters on flat buffers
+``comms``               the collectives (NCCL, gloo, one process); ``distributed``: a launcher
+``graphs``              the bank updates and the whole step as CUDA graphs, and their staleness check
+**the update's parts**
+``rails``               twin-rail momentum + Nesterov lookahead (Triton element-wise kernel)
+``cascade``             the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE, FAITHFUL)
+``normalize``           SAFE's Frobenius normalization from per-block partials (Triton)
+``gram``                the symmetric Gram kernels' entry points (``XXT``, ``XTX``, ``ba_plus_cAA``,
+                        ``aX_plus_mm``); ``gram_kernels``: their Triton code; ``gram_tune``: the
+                        launch configurations (``TileConfig``, ``ProblemKey``) and the per-shape tuner
+``equalizer``           ``equalize``: the lane-energy equalizer and SAFE's guard (Triton)
+``update``              ``sign_aligned_update`` on the bf16 + mantissa master; the fp32 split/join
+``adam``                Adam's kernel; ``transpose``: the tied embedding's tiled transposes
+**shared machinery**
+``_triton``             what every kernel shares: ``use_triton`` (the one ``backend=`` rule), ``to_bf16`` /
+                        ``from_bf16``, the SM count, the interpreter's probes and work-arounds
+``_compile``            whether a function runs through ``torch.compile``
+``tolerances``          THE tolerance table of fast against reference (its derivations inside)
+**studies and baselines**
+``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors
+``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study; ``safety``: SAFE's headroom
+``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
+``plain``               the benchmark's baseline: the seed's update with library matmuls
+``scaling``             ``python -m anvil_fast.scaling``: equivalence and step time at several ranks
+``gpt``                 the package's GPT (benchmarks, training harness)
+``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin``: the benchmarks; ``bench.common``:
+                        peaks, the one FLOP count, timers
+======================  ===================================================================================
+
+Where new work goes:
+
+* a kernel: a module named after its concept, taking its helpers from ``_triton`` and offering
+  ``backend="auto" | "triton" | "torch"`` through ``_triton.use_triton``, its plain-torch form next
+  to it; its reference in ``anvil_ref``; its test ``tests/test_<concept>.py`` with the ``triton_dev``
+  fixture and bounds from ``tolerances`` (``tests/README.md``).
+* a benchmark: a module of ``bench/`` with ``add_args``, ``run`` and ``SUMMARY``, registered with
+  one line in ``anvil_fast.bench.COMMANDS``; peaks, FLOPs and timers from ``bench.common``. A table,
+  never a timed test.
+* a study (a CLI that measures a property, like ``difftest`` or ``near_rank1``): a module here with
+  ``main(argv)`` and ``if __name__ == "__main__"``; its numbers reach the paper through
+  ``papers/`` generators, never by hand.
 """
 
 import importlib
@@ -33,8 +69,9 @@ _LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradien
          "AnvilBank": ".bank", "anvil_bank_update": ".bank",
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
-_SUBMODULES = ("dropin", "optimizer", "bank", "cascade", "gram", "rails", "equalizer", "update", "adam",
-               "replicated_adam", "comms", "graphs", "gpt", "bench")
+_SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
+               "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
+               "tolerances", "difftest", "near_rank1", "safety", "eager", "plain", "scaling", "gpt", "bench")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

@@ -1,6 +1,10 @@
-"""Where Triton can run, and three bugs of its CPU interpreter that the kernels work around soundly.
+"""What every Triton kernel of the package shares: where Triton can run (:func:`use_triton`, the one
+dispatch rule), the bf16 conversions (:func:`to_bf16`, :func:`from_bf16`), the SM count, and three
+bugs of Triton's CPU interpreter that the kernels work around soundly.
 
-Imported lazily by the kernel modules; ``import anvil_fast`` never imports Triton.
+Imported by the kernel modules only; ``import anvil_fast`` never imports Triton. A new kernel module
+takes its helpers from here (``from ._triton import from_bf16, round_fix, to_bf16, use_triton, ...``)
+and offers ``backend="auto" | "triton" | "torch"`` through :func:`use_triton`.
 
 The interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors with NumPy. Under triton 3.9 three
 of its bf16 operations are wrong (each checked at run time by the probes below, on every test run):
@@ -32,6 +36,12 @@ from __future__ import annotations
 import functools
 import os
 
+BACKENDS = ("auto", "triton", "torch")
+
+#: SM count assumed where no CUDA device can be asked (the interpreter, a CPU-only host): small, so
+#: persistent grids and size heuristics stay small and fast on the CPU interpreter.
+FALLBACK_SMS = 4
+
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
@@ -56,8 +66,6 @@ def interpreter_bf16_dot_is_broken() -> bool:
         return False
     import torch
 
-    from .gram import _probe_dot
-
     g = torch.Generator().manual_seed(0)
     a = torch.randn(32, 32, generator=g).to(torch.bfloat16)
     b = torch.randn(32, 32, generator=g).to(torch.bfloat16)
@@ -80,8 +88,6 @@ def interpreter_bf16_cast_truncates() -> bool:
         return False
     import torch
 
-    from .gram import _probe_cast
-
     x = torch.randn(1024, generator=torch.Generator().manual_seed(0))
     ok = []
     for fix in (False, True):
@@ -100,8 +106,6 @@ def interpreter_bf16_widen_is_wrong() -> bool:
     if not (triton_available() and interpreting()):
         return False
     import torch
-
-    from .gram import _probe_widen
 
     x = (torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 2.0 ** -128).bfloat16()
     ok = []
@@ -127,3 +131,81 @@ def round_fix() -> bool:
 def dot_f32() -> bool:
     """The ``DOT_F32`` switch for kernel launches (see the module docstring)."""
     return interpreting() and interpreter_bf16_dot_is_broken()
+
+
+def use_triton(t, backend: str, *, error: type[Exception] = ValueError) -> bool:
+    """Whether a kernel runs its Triton path on ``t``: ``backend`` "auto" runs Triton on CUDA tensors
+    (torch elsewhere), "triton" insists (on CUDA, or on CPU under the interpreter, which is how the
+    tests run the kernels), "torch" never. An unknown ``backend``, or "triton" where it cannot run,
+    raises ``error`` (each module passes its own input-error class) naming what was expected."""
+    if backend not in BACKENDS:
+        raise error(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not (triton_available() and (t.is_cuda or (interpreting() and t.device.type == "cpu"))):
+            raise error(f"backend='triton': Triton cannot run on a {t.device.type} tensor here "
+                        "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors)")
+        return True
+    return triton_available() and t.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (None: device 0), asked from the
+    device; :data:`FALLBACK_SMS` under the interpreter or without CUDA."""
+    if interpreting():
+        return FALLBACK_SMS
+    import torch
+
+    if not torch.cuda.is_available():
+        return FALLBACK_SMS
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+# ------------------------------------------------------------------------------------------------
+# Device functions shared by the kernels, and the probe kernels of the interpreter checks above.
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def from_bf16(x, WIDEN_FIX: tl.constexpr):
+        # bf16 -> fp32 (exact). WIDEN_FIX does it on the bits (the high half of the fp32 pattern): only
+        # under the interpreter, whose widening gets bf16 subnormals wrong.
+        if WIDEN_FIX:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def to_bf16(x, ROUND_FIX: tl.constexpr):
+        # fp32 -> bf16, round to nearest even. ROUND_FIX does it on the bits (add 0x7FFF plus the
+        # lowest kept bit, drop the low half): only under the interpreter, whose cast truncates.
+        if ROUND_FIX:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(tl.bfloat16)
+
+    @triton.jit
+    def _probe_dot(A, B, C, N: tl.constexpr, DOT_F32: tl.constexpr):
+        r = tl.arange(0, N)
+        a = tl.load(A + r[:, None] * N + r[None, :])
+        b = tl.load(B + r[:, None] * N + r[None, :])
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        tl.store(C + r[:, None] * N + r[None, :], tl.dot(a, b))
+
+    @triton.jit
+    def _probe_cast(A, C, N: tl.constexpr, ROUND_FIX: tl.constexpr):
+        r = tl.arange(0, N)
+        tl.store(C + r, to_bf16(tl.load(A + r), ROUND_FIX))
+
+    @triton.jit
+    def _probe_widen(A, C, N: tl.constexpr, WIDEN_FIX: tl.constexpr):
+        r = tl.arange(0, N)
+        tl.store(C + r, from_bf16(tl.load(A + r), WIDEN_FIX))

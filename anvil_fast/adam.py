@@ -18,7 +18,7 @@ A row whose ``active`` column is 0 leaves ``p``, ``m`` and ``v`` unchanged (a pa
 gradient this step). ``p`` may be fp32 or bf16 (computed in fp32, rounded once at the store).
 
 On CPU (or without Triton) the same arithmetic runs as plain torch ops (:func:`adam_torch_`); tests
-run the kernel on CPU through Triton's interpreter (``force_triton=True``; ``ROUND_FIX`` rounds the
+run the kernel on CPU through Triton's interpreter (``backend="triton"``; ``ROUND_FIX`` rounds the
 bf16 store on the bit pattern there, see :mod:`anvil_fast._triton`).
 """
 
@@ -29,13 +29,13 @@ from torch import Tensor
 
 from .bank_scalars import ADAM_COLUMNS
 
-from ._triton import round_fix, triton_available
+from ._triton import round_fix, triton_available, use_triton
 
 if triton_available():  # Triton is optional: the CPU path never needs it
     import triton
     import triton.language as tl
 
-    from .gram import _to_bf16
+    from ._triton import to_bf16
 else:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
@@ -97,16 +97,10 @@ if triton is not None:
         tl.store(m_ptr + offs, tl.where(keep, m_new, m), mask=mask)
         tl.store(v_ptr + offs, tl.where(keep, v_new, v), mask=mask)
         if BF16_P:
-            p_out = _to_bf16(p_new, ROUND_FIX)
+            p_out = to_bf16(p_new, ROUND_FIX)
         else:
             p_out = p_new.to(p_raw.dtype)
         tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
-
-
-def use_triton(t: Tensor) -> bool:
-    """The Triton kernels run on CUDA tensors; CPU tensors take the plain-torch path. (The tests
-    run the kernels on CPU through Triton's interpreter by passing ``force_triton=True``.)"""
-    return triton is not None and t.is_cuda
 
 
 def _check(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> None:
@@ -138,13 +132,14 @@ def adam_torch_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cols: list[Tensor]) 
 
 
 def adam_update_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor, row: int, *,
-                 force_triton: bool = False) -> None:
-    """Adam on one tensor (a sharded parameter's slice), its scalars from ``table[row]``."""
+                 backend: str = "auto") -> None:
+    """Adam on one tensor (a sharded parameter's slice), its scalars from ``table[row]``; ``backend``
+    as :func:`anvil_fast._triton.use_triton`."""
     _check(p, g, exp_avg, exp_avg_sq)
     n = p.numel()
     if n == 0:
         return
-    if force_triton or use_triton(p):
+    if use_triton(p, backend):
         grid = (triton.cdiv(n, BLOCK),)
         _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, table, table, row, n, SEGMENTED=False,
                            BF16_P=p.dtype == torch.bfloat16, ROUND_FIX=round_fix(), BLOCK=BLOCK)
@@ -154,7 +149,7 @@ def adam_update_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, tabl
 
 
 def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segment: Tensor, table: Tensor, *,
-                force_triton: bool = False) -> None:
+                backend: str = "auto") -> None:
     """Adam on flat buffers holding many parameters: element i uses ``table[segment[i]]``."""
     _check(p, g, exp_avg, exp_avg_sq)
     if segment.numel() != p.numel() or segment.dtype != torch.int32:
@@ -162,7 +157,7 @@ def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segme
     n = p.numel()
     if n == 0:
         return
-    if force_triton or use_triton(p):
+    if use_triton(p, backend):
         grid = (triton.cdiv(n, BLOCK),)
         _adam_kernel[grid](p, g, exp_avg, exp_avg_sq, segment, table, 0, n, SEGMENTED=True,
                            BF16_P=p.dtype == torch.bfloat16, ROUND_FIX=round_fix(), BLOCK=BLOCK)
@@ -171,4 +166,4 @@ def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segme
         adam_torch_(p, g, exp_avg, exp_avg_sq, [per_elem[:, k] for k in range(N_COLS)])
 
 
-__all__ = ["adam_row", "adam_update_", "fused_adam_", "adam_torch_", "use_triton", "N_COLS"]
+__all__ = ["adam_row", "adam_update_", "fused_adam_", "adam_torch_", "N_COLS"]

@@ -12,9 +12,9 @@ eff_wd, fast_beta, fast_weight; ``[chunk, 1, 1]`` for eff_lr), so
 
 The update, in the seed's order::
 
-    rails_lookahead   twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
+    twin_rail         twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
     cascade           normalization + Gram kernels + maps on the workspace (Triton; FAITHFUL: compiled normalize)
-    rail_equalizer    lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton; FAITHFUL: compiled)
+    equalize          lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton; FAITHFUL: compiled)
     decay + update    sign-aligned decay on the fp32 master p|mantissa  (compiled; p, mantissa in place)
 
 On a machine without CUDA or Triton the same code runs with plain-torch kernels, eagerly (see
@@ -29,12 +29,13 @@ import torch
 from torch import Tensor
 
 from anvil_ref.constants import ANVIL_MAPS, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.equalizer import lane_energy_shape, reduction_axis
 from anvil_ref.maps import load_maps
 
 from .cascade import DEFAULT_CONFIG, CascadeConfig, CascadeWorkspace, cascade_workspace, get_config
-from .equalizer import rail_equalizer, reduction_dim
-from .rails import rails_lookahead
-from .update import sign_aligned_decay_update
+from .equalizer import equalize
+from .rails import twin_rail
+from .update import sign_aligned_update
 
 
 @dataclass(eq=False)
@@ -109,8 +110,8 @@ class AnvilBank:
             raise ValueError(f"{label}: beta2 must lie in [0, 1], got {beta2}")
         shape, dev = tuple(p_slice.shape), p_slice.device
         chunk, rows, cols = shape
-        red = reduction_dim(shape)
-        lane_shape = (chunk, rows, 1) if red == -1 else (chunk, 1, cols)
+        red = reduction_axis(shape)
+        lane_shape = lane_energy_shape(shape)
         f32 = dict(dtype=torch.float32, device=dev)
 
         def given(name, t, want_shape, want_dtype):
@@ -164,16 +165,16 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
     cfg = bank.config
     # 1. Twin-rail Nesterov momentum -> the cascade's bf16 input (clamped to bf16's range in SAFE)
     #    (SAFE on CUDA: one Triton kernel that also leaves the normalization's block partials)
-    ready = rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight,
-                            x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
-                            partials=ws.partials if cfg.triton_elementwise else None, backend=backend, compile=compile)
+    ready = twin_rail(bank.grad, bank.velocity, momentum=bank.momentum, fast_beta=bank.fast_beta,
+                      fast_weight=bank.fast_weight, x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
+                      partials=ws.partials if cfg.triton_elementwise else None, backend=backend, compile=compile)
     # 2. The cascade
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile,
                           partials_ready=ready)
     # 3. Equalize per-lane update energy (guarded in SAFE)
-    v = rail_equalizer(v, bank.lane_energy, bank.beta2, bank.red_dim,
-                       guard_trips=bank.guard_trips if cfg.guard else None, compile=compile,
-                       fused=cfg.triton_elementwise, work=ws.equalizer, backend=backend)
+    v = equalize(v, bank.lane_energy, beta2=bank.beta2, red_dim=bank.red_dim,
+                 guard_trips=bank.guard_trips if cfg.guard else None, compile=compile,
+                 fused=cfg.triton_elementwise, work=ws.equalizer, backend=backend)
     # 4. Sign-aligned decay + update on the fp32 master, gated on the slow rail after this step
-    sign_aligned_decay_update(bank.p_slice, bank.mantissa, v, bank.eff_wd, bank.eff_lr, bank.velocity[1],
-                              compile=compile)
+    sign_aligned_update(bank.p_slice, bank.mantissa, v, gate=bank.velocity[1], eff_lr=bank.eff_lr,
+                        eff_wd=bank.eff_wd, compile=compile)

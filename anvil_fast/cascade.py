@@ -56,14 +56,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from anvil_ref.cascade import is_tall
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPLIT_BADDBMM_MIN_ROWS
 from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
-from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+from ._triton import use_triton
 from .equalizer import EqualizerWork
+from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
 from .normalize import NormPartials, block_partials, normalize_from_partials
-from .rails import BF16_MAX, PRESCALE_EXP_LIMIT, use_fused
+from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
 #: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).
 SAFE_MARGIN_SLACK = 2.0 ** -7
@@ -110,11 +112,6 @@ def get_config(config: CascadeConfig | str) -> CascadeConfig:
         return CONFIGS[config]
     except KeyError:
         raise ValueError(f"config: expected one of {sorted(CONFIGS)} or a CascadeConfig, got {config!r}") from None
-
-
-def is_tall(shape) -> bool:
-    """The seed's orientation rule: tall when rows > cols (square matrices take the X X^T side)."""
-    return shape[-2] > shape[-1]
 
 
 @dataclass
@@ -190,7 +187,7 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
         split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
     if not cfg.prescale:
         gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
-    if cfg.triton_elementwise and use_fused(X, backend):
+    if cfg.triton_elementwise and use_triton(X, backend):
         if ws.partials is None:
             ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
         if not partials_ready:

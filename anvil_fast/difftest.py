@@ -33,12 +33,13 @@ import torch
 from torch import Tensor
 
 import anvil_ref as R
+from anvil_ref.constants import ANVIL_DEFAULTS, RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
 from .cascade import CascadeConfig, fast_cascade, get_config
 from .eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
-from .equalizer import rail_equalizer, reduction_dim
-from .rails import rails_lookahead
-from .update import sign_aligned_decay_update
+from .equalizer import equalize
+from .rails import twin_rail
+from .update import sign_aligned_update
 
 FAMILIES = ("gaussian", "low_rank", "near_rank1", "decaying", "zero", "huge", "tiny", "well_conditioned")
 #: Families on which the eager bf16 path is also judged against the float64 reference (the second side
@@ -47,14 +48,15 @@ FAMILIES = ("gaussian", "low_rank", "near_rank1", "decaying", "zero", "huge", "t
 WELL_CONDITIONED = ("well_conditioned",)
 #: Singular values of the "well_conditioned" family: uniform in [lo, hi] (condition number <= 2).
 WELL_CONDITIONED_SV = (0.5, 1.0)
-COMPONENTS = ("momentum", "cascade", "equalizer", "update")
 
 #: Scale exponents of the "huge" and "tiny" families: 2**100 overflows fp32 squares (the seed's bf16
 #: Gram), 2**-100 underflows them.
 HUGE_EXP, TINY_EXP = 100, -100
 
-# Rail scalars used by the momentum component (an engaged step of the record).
-MOMENTUM, FAST_BETA, FAST_WEIGHT, BETA2 = 0.93, 0.85, 0.4385, 0.9
+# The record's scalars of an engaged step at the top of the momentum schedule; the update
+# component steps with the record's matrix lr and weight decay.
+MOMENTUM, FAST_BETA, FAST_WEIGHT = RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
+BETA2, LR, WEIGHT_DECAY = ANVIL_DEFAULTS["beta2"], ANVIL_DEFAULTS["lr"], ANVIL_DEFAULTS["weight_decay"]
 
 
 def make_matrix(family: str, shape: tuple[int, ...], *, seed: int = 0, device="cpu") -> Tensor:
@@ -126,7 +128,7 @@ def mean_singular_value_error(y: Tensor, ref: Tensor, x: Tensor) -> float:
         return math.inf
     u, _, vh = torch.linalg.svd(x64, full_matrices=False)
     w = u @ vh
-    k = w.shape[-1] if w.shape[-2] >= w.shape[-1] else w.shape[-2]
+    k = min(w.shape[-2:])
     t = ((y64 - r64) * w).sum(dim=(-2, -1)) / k
     rho = 2.0 ** -8 / math.sqrt(3.0) * (r64.square() * w.square()).sum(dim=(-2, -1)).sqrt() / k
     return float(torch.where(rho > 0, t.abs() / rho.clamp_min(1e-300), t.abs()).max())
@@ -199,8 +201,8 @@ def momentum_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu
     mu, fb, w = (torch.tensor(v, **f32) for v in (MOMENTUM, FAST_BETA, FAST_WEIGHT))
     v_dev, g_dev = _to(device, vel.clone(), grad)
     x_out = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    rails_lookahead(g_dev, v_dev, mu, fb, w, x_out=x_out, prescale=cfg.prescale, fused=cfg.triton_elementwise,
-                    backend=backend, compile=compile)
+    twin_rail(g_dev, v_dev, momentum=mu, fast_beta=fb, fast_weight=w, x_out=x_out, prescale=cfg.prescale,
+              fused=cfg.triton_elementwise, backend=backend, compile=compile)
     ref = R.twin_rail(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))
     look_fast = x_out.double().cpu()
     look_eager, e0, e1 = eager_rails(grad, vel[0], vel[1], momentum=float(mu), fast_beta=float(fb), fast_weight=float(w))
@@ -235,14 +237,14 @@ def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0,
     cfg = get_config(cfg)
     gen = torch.Generator().manual_seed(seed + 2)
     v = v.bfloat16().cpu()
-    red = reduction_dim(shape)
+    red = R.reduction_axis(shape)
     lane_shape = R.lane_energy_shape(shape)
     energy = v.float().square().mean(dim=red, keepdim=True) * (0.5 + torch.rand(lane_shape, generator=gen))
     ref_v, ref_e = R.equalize(v, energy, beta2=BETA2)
     vf, ef = _to(device, v.clone(), energy.clone())
     trips = torch.zeros(shape[0], dtype=torch.int32, device=device) if cfg.guard else None
-    rail_equalizer(vf, ef, BETA2, red, guard_trips=trips, compile=compile, fused=cfg.triton_elementwise,
-                   backend=backend)
+    equalize(vf, ef, beta2=BETA2, red_dim=red, guard_trips=trips, compile=compile, fused=cfg.triton_elementwise,
+             backend=backend)
     ev, ee = eager_equalizer(v, energy, beta2=BETA2)
     power = R.lane_power(v)
     eulps = err_ulps(ef, ref_e, torch.maximum(energy.double().abs(), power.abs()))
@@ -263,14 +265,14 @@ def update_row(u: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, de
     gate = torch.randn(shape, generator=gen)
     chunk = shape[0]
     mult = [0.0 if i == chunk - 1 and chunk > 2 else (2.0 if i % 2 else 1.0) for i in range(chunk)]
-    eff_lr = torch.tensor([0.023 * m for m in mult], dtype=torch.float32).reshape(-1, 1, 1)
-    eff_wd = torch.tensor(0.023 * 2.25, dtype=torch.float32)
+    eff_lr = torch.tensor([LR * m for m in mult], dtype=torch.float32).reshape(-1, 1, 1)
+    eff_wd = torch.tensor(LR * WEIGHT_DECAY, dtype=torch.float32)
     u = u.bfloat16().cpu()
     ref_w = R.sign_aligned_update(R.join_fp32(p, mant), u, gate, eff_lr=eff_lr.double(), eff_wd=float(eff_wd))
     ref_hi, ref_lo = R.store(ref_w)
     ref_bits = R.join_fp32(ref_hi, ref_lo)
     pd, md, ud, gd, ld, wd = _to(device, p.clone(), mant.clone(), u, gate, eff_lr, eff_wd)
-    sign_aligned_decay_update(pd, md, ud, wd, ld, gd, compile=compile)
+    sign_aligned_update(pd, md, ud, gate=gd, eff_lr=ld, eff_wd=wd, compile=compile)
     fast_bits = R.join_fp32(pd.cpu(), md.cpu())
     ep, em = eager_update(p, mant, u, gate, eff_wd=eff_wd, eff_lr=eff_lr)
     eager_bits = R.join_fp32(ep, em)

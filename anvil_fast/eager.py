@@ -26,6 +26,7 @@ from anvil_ref.constants import (
     RAIL_SLOW_BETA,
     SPLIT_BADDBMM_MIN_ROWS,
 )
+from anvil_ref.equalizer import reduction_axis
 from anvil_ref.maps import MapsLike, load_maps
 
 _BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -124,7 +125,7 @@ def eager_rails(grad: Tensor, v_fast: Tensor, v_slow: Tensor, *, momentum: float
 def eager_equalizer(v: Tensor, lane_energy: Tensor, *, beta2: float) -> tuple[Tensor, Tensor]:
     """The seed's equalizer in eager torch, out of place: returns (equalized bf16 V, new lane
     energy). Lanes: reduced over the columns when rows >= cols, else the rows (the seed's red_dim)."""
-    red_dim = -1 if v.size(-2) >= v.size(-1) else -2
+    red_dim = reduction_axis(v.shape)
     lane_power = v.float().square().mean(dim=red_dim, keepdim=True)
     lane_len = v.size(red_dim)
     pre_norm = (lane_power.sum(dim=(-2, -1), keepdim=True) * lane_len).sqrt()

@@ -47,17 +47,17 @@ import torch
 from torch import Tensor
 
 from anvil_ref.constants import LANE_ENERGY_FLOOR
+from anvil_ref.equalizer import reduction_axis
 
 from ._compile import maybe_compiled, want_compile
-from ._triton import round_fix, triton_available, widen_fix
+from ._triton import round_fix, triton_available, use_triton, widen_fix
 from .normalize import NORM_BLOCK, NORM_WARPS, blocks_per_matrix, matrix_slices
-from .rails import use_fused
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .gram_kernels import _from_bf16, _to_bf16
+    from ._triton import from_bf16, to_bf16
     from .rails import _lerp
 else:  # pragma: no cover - exercised only where triton is absent
     triton = None
@@ -106,7 +106,7 @@ class EqualizerWork:
     @classmethod
     def for_shape(cls, shape: tuple[int, int, int], device, red_dim: int | None = None) -> "EqualizerWork":
         chunk, rows, cols = shape
-        lanes = rows if (reduction_dim(shape) if red_dim is None else red_dim) == -1 else cols
+        lanes = rows if (reduction_axis(shape) if red_dim is None else red_dim) == -1 else cols
         return cls(lane_power=torch.zeros((chunk, lanes), dtype=torch.float32, device=device),
                    gain=torch.zeros((chunk, lanes), dtype=torch.bfloat16, device=device),
                    ok=torch.zeros((chunk,), dtype=torch.int32, device=device))
@@ -131,7 +131,7 @@ if triton is not None:
         acc = tl.zeros([LB, RB], dtype=tl.float32)
         for k in range(0, red, RB):
             m = (lane[:, None] < lanes) & (k + r[None, :] < red)
-            x = _from_bf16(tl.load(base + (k + r).to(tl.int64)[None, :] * s_red, mask=m, other=0.0), WIDEN_FIX)
+            x = from_bf16(tl.load(base + (k + r).to(tl.int64)[None, :] * s_red, mask=m, other=0.0), WIDEN_FIX)
             acc += x * x
         tl.store(lp_ptr + c * lanes + lane, tl.div_rn(tl.sum(acc, axis=1), red.to(tl.float32)), mask=lane < lanes)
 
@@ -166,7 +166,7 @@ if triton is not None:
             e = tl.where(ok, _lerp(e, lp, omb2), e)
             g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(e, floor)))
             tl.store(e_ptr + c * lanes + k + i, e, mask=m)
-            tl.store(gain_ptr + c * lanes + k + i, _to_bf16(g * ratio, ROUND_FIX), mask=m)
+            tl.store(gain_ptr + c * lanes + k + i, to_bf16(g * ratio, ROUND_FIX), mask=m)
         tl.store(ok_ptr + c, ok.to(tl.int32))
         if GUARD:
             tl.store(trips_ptr + c, tl.load(trips_ptr + c) + (1 - ok.to(tl.int32)))
@@ -181,9 +181,9 @@ if triton is not None:
         m = inner < mn
         lane = inner // cols if LANE_IS_ROW else inner % cols
         ok = tl.load(ok_ptr + c) != 0
-        g = _from_bf16(tl.load(gain_ptr + c * lanes + lane, mask=m, other=0.0), WIDEN_FIX)
-        x = _from_bf16(tl.load(v_ptr + c * mn + inner, mask=m, other=0.0), WIDEN_FIX)
-        y = tl.where(ok, _to_bf16(x * g, ROUND_FIX), _to_bf16(tl.zeros_like(x), ROUND_FIX))
+        g = from_bf16(tl.load(gain_ptr + c * lanes + lane, mask=m, other=0.0), WIDEN_FIX)
+        x = from_bf16(tl.load(v_ptr + c * mn + inner, mask=m, other=0.0), WIDEN_FIX)
+        y = tl.where(ok, to_bf16(x * g, ROUND_FIX), to_bf16(tl.zeros_like(x), ROUND_FIX))
         tl.store(v_ptr + c * mn + inner, y, mask=m)
 
 
@@ -217,21 +217,20 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
     return v
 
 
-def reduction_dim(shape) -> int:
-    """The seed's red_dim: -1 (over columns) when rows >= cols, else -2."""
-    return -1 if shape[-2] >= shape[-1] else -2
-
-
-def rail_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, *, guard_trips: Tensor | None = None,
-                   compile: bool | None = None, fused: bool = False, work: EqualizerWork | None = None,
-                   backend: str = "auto") -> Tensor:
-    """Equalize ``v`` ([chunk, rows, cols] bf16) in place and update ``lane_energy`` in place; returns
-    ``v``. With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
-    the Triton kernels where they can run (:func:`anvil_fast.rails.use_fused`), with ``work`` as
+def equalize(v: Tensor, lane_energy: Tensor, *, beta2: float, red_dim: int | None = None,
+             guard_trips: Tensor | None = None, compile: bool | None = None, fused: bool = False,
+             work: EqualizerWork | None = None, backend: str = "auto") -> Tensor:
+    """:func:`anvil_ref.equalizer.equalize` in place: equalize ``v`` ([chunk, rows, cols] bf16) and
+    update ``lane_energy``; returns ``v``. ``red_dim``: the lane-reduction axis, by default
+    :func:`anvil_ref.equalizer.reduction_axis` of ``v``'s shape (a bank passes the one it stored).
+    With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
+    the Triton kernels where they can run (:func:`anvil_fast._triton.use_triton`), with ``work`` as
     their buffers (allocated here if not given; a CUDA graph wants them allocated once)."""
+    if red_dim is None:
+        red_dim = reduction_axis(v.shape)
     if red_dim not in (-1, -2):
         raise ValueError(f"red_dim: expected -1 or -2, got {red_dim}")
-    if fused and use_fused(v, backend):
+    if fused and use_triton(v, backend):
         if work is None:
             work = EqualizerWork.for_shape(tuple(v.shape), v.device, red_dim)
         return _equalizer_fused(v, lane_energy, beta2, red_dim, guard_trips, work)

@@ -47,44 +47,15 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-from ._triton import dot_f32, interpreting, round_fix, triton_available
+from ._triton import dot_f32, interpreting, num_sms, round_fix, triton_available, use_triton
+from .gram_tune import ProblemKey, TileConfig, choose
 
 
 class GramInputError(ValueError):
     """Bad input to a Gram kernel (message: what was wrong, what was expected)."""
-
-
-class TileConfig(NamedTuple):
-    """Launch parameters of one kernel call. The symmetric kernels use square BLOCK_M x BLOCK_M
-    tiles (BLOCK_N is ignored there).
-
-    ``kernel``: ``"ptr"`` (pointer loads), ``"tma"`` (TMA descriptors; used only where the problem
-    tiles exactly and the views are 16-byte aligned, else the pointer path runs), ``"v1"`` (the first
-    kernels) or ``"cublas"`` (``aX_plus_mm`` only: ``torch.baddbmm``, the same one-rounding math).
-    ``per_sm``: 0 launches one program per tile; k > 0 launches a persistent grid of k programs per
-    SM that walk the tiles.
-    """
-
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int
-    num_warps: int
-    num_stages: int
-    GROUP_M: int = 8
-    kernel: str = "ptr"
-    per_sm: int = 0
-
-    def describe(self) -> str:
-        if self.kernel == "cublas":
-            return "cublas"
-        p = f" p{self.per_sm}" if self.per_sm else ""
-        return (f"{self.kernel} {self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} w{self.num_warps} "
-                f"s{self.num_stages}{p}")
 
 
 KERNELS = ("ptr", "tma", "v1", "cublas")
@@ -98,7 +69,6 @@ if triton_available():
     import triton
 
     from . import gram_kernels as K
-    from .gram_kernels import _probe_cast, _probe_dot, _probe_widen, _to_bf16  # noqa: F401  (used by other modules)
 
 
 def _descriptor(t2d: Tensor, block: list[int]):
@@ -119,15 +89,17 @@ def kernel_mode() -> str:
     return mode
 
 
-def default_config(kind: str, n: int, k: int, batch: int) -> TileConfig:
+def default_config(kind: str, n: int, k: int, batch: int, *, sms: int) -> TileConfig:
     """The untuned configuration (``kind``: "gram", "ba_plus_cAA" or "mm_add"; ``n`` the output's
     larger side, ``k`` the reduction length): v1's size heuristic from the first H200 sweep
     (NOTES.md), used where no tuning runs (CUDA-graph capture of a shape never called before,
-    ``ANVIL_FAST_TUNE=0``). Under the interpreter, small current-kernel tiles keep CPU tests fast."""
+    ``ANVIL_FAST_TUNE=0``). ``sms``: the device's SM count (:func:`anvil_fast._triton.num_sms`); a
+    problem with fewer 128-tiles than two waves over them takes the small tiles. Under the
+    interpreter, small current-kernel tiles keep CPU tests fast."""
     if interpreting():
         return TileConfig(32, 32, 32, 4, 1)
     tiles128 = math.ceil(n / 128)
-    small = n <= 256 or batch * tiles128 * (tiles128 + 1) // 2 < 2 * 132
+    small = n <= 256 or batch * tiles128 * (tiles128 + 1) // 2 < 2 * sms
     if kind == "mm_add":
         cfg = TileConfig(64, 128, 64, 4, 4) if small else TileConfig(128, 256, 64, 8, 3)
     else:
@@ -135,17 +107,10 @@ def default_config(kind: str, n: int, k: int, batch: int) -> TileConfig:
     return cfg._replace(kernel="v1")
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    if interpreting() or not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
 def _grid(total: int, cfg: TileConfig, t: Tensor) -> int:
     if cfg.per_sm <= 0:
         return total
-    return max(1, min(total, cfg.per_sm * _num_sms(t.device.index if t.is_cuda else None)))
+    return max(1, min(total, cfg.per_sm * num_sms(t.device.index if t.is_cuda else None)))
 
 
 def _tma_views_ok(*views: Tensor) -> bool:
@@ -211,20 +176,6 @@ def _same_device(**ts: Tensor) -> None:
     devs = {n: t.device for n, t in ts.items()}
     if len(set(devs.values())) > 1:
         raise GramInputError(f"inputs on different devices: {devs}")
-
-
-def _use_triton(t: Tensor, backend: str) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise GramInputError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "torch":
-        return False
-    runnable = triton_available() and (t.is_cuda or (interpreting() and t.device.type == "cpu"))
-    if backend == "triton":
-        if not runnable:
-            raise GramInputError(f"backend='triton': Triton cannot run on a {t.device.type} tensor here "
-                                 "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors)")
-        return True
-    return triton_available() and t.is_cuda
 
 
 def _symmetrize_lower(g: Tensor) -> Tensor:
@@ -341,7 +292,7 @@ def _launch_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, m: int, n: in
             DOT_F32=dot_f32(), ROUND_FIX=round_fix(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _choose(kind: str, key: tuple, config: TileConfig | None, launch, out: Tensor, n: int, k: int,
+def _choose(kind: str, key: ProblemKey, config: TileConfig | None, launch, out: Tensor, n: int, k: int,
             batch: int) -> TileConfig:
     """The configuration of this call: the caller's, else v1's heuristic (``ANVIL_FAST_GRAM=v1``),
     else the tuned one for this shape (tuned now if it is new; see :mod:`anvil_fast.gram_tune`)."""
@@ -350,11 +301,9 @@ def _choose(kind: str, key: tuple, config: TileConfig | None, launch, out: Tenso
             raise GramInputError(f"config.kernel: expected one of {KERNELS} ('cublas' only for aX_plus_mm), "
                                  f"got {config.kernel!r}")
         return config
-    default = default_config(kind, n, k, batch)
+    default = default_config(kind, n, k, batch, sms=num_sms(out.device.index if out.is_cuda else None))
     if interpreting() or kernel_mode() == "v1":
         return default
-    from .gram_tune import choose
-
     return choose(kind, key, launch, out, default)
 
 
@@ -371,14 +320,14 @@ def _gram(X: Tensor, out: Tensor | None, transpose: bool, backend: str, config: 
         return out
     if k == 0:
         return out.zero_()
-    if not _use_triton(X, backend):
+    if not use_triton(X, backend, error=GramInputError):
         xf = X.float()
         g = xf.mT @ xf if transpose else xf @ xf.mT
         return out.copy_(_symmetrize_lower(g))
     x3 = X.reshape(-1, rows, cols)
     o3 = out.view(-1, n, n)
     launch = functools.partial(_launch_gram, x3, o3, n, k, transpose)
-    cfg = _choose("gram", (name, n, k, x3.shape[0], X.device.index), config, launch, o3, n, k, x3.shape[0])
+    cfg = _choose("gram", ProblemKey(name, n, n, k, x3.shape[0], X.device.index), config, launch, o3, n, k, x3.shape[0])
     launch(cfg)
     return out
 
@@ -409,15 +358,15 @@ def ba_plus_cAA(A: Tensor, *, alpha: float, beta: float, out: Tensor | None = No
     n = A.shape[-1]
     if out.numel() == 0:
         return out
-    if not _use_triton(A, backend):
+    if not use_triton(A, backend, error=GramInputError):
         af = A.float()
         return out.copy_(_symmetrize_lower(alpha * (af @ af) + beta * af))
     a3 = A.reshape(-1, n, n)
     o3 = out.view(-1, n, n)
     # The tuner's candidates run with these alpha/beta too (outputs are compared, not only timed).
     launch = functools.partial(_launch_ba_plus_caa, a3, o3, n, alpha, beta)
-    cfg = _choose("ba_plus_cAA", ("ba_plus_cAA", n, a3.shape[0], A.device.index), config, launch, o3, n, n,
-                  a3.shape[0])
+    key = ProblemKey("ba_plus_cAA", n, n, n, a3.shape[0], A.device.index)
+    cfg = _choose("ba_plus_cAA", key, config, launch, o3, n, n, a3.shape[0])
     launch(cfg)
     return out
 
@@ -442,14 +391,14 @@ def aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None 
     out = _check_out(out, tuple(X.shape), X, {"X": X, "L": L, "R": R})
     if out.numel() == 0:
         return out
-    if not _use_triton(X, backend):
+    if not use_triton(X, backend, error=GramInputError):
         return out.copy_(a * X.float() + L.float() @ R.float())
     x3, l3, r3 = X.reshape(-1, m, n), L.reshape(-1, m, k), R.reshape(-1, k, n)
     o3 = out.view(-1, m, n)
     launch = functools.partial(_launch_mm_add, x3, l3, r3, o3, m, n, k, a)
     # Which operand is X (L is X: tall, R is X: wide) changes nothing in the kernel; m, n, k do.
-    cfg = _choose("mm_add", ("mm_add", m, n, k, x3.shape[0], X.device.index), config, launch, o3, max(m, n), k,
-                  x3.shape[0])
+    key = ProblemKey("mm_add", m, n, k, x3.shape[0], X.device.index)
+    cfg = _choose("mm_add", key, config, launch, o3, max(m, n), k, x3.shape[0])
     launch(cfg)
     return out
 
@@ -462,12 +411,3 @@ def _finite_float(name: str, v: object) -> float:
     if not math.isfinite(f):
         raise GramInputError(f"{name}: expected a finite number, got {f}")
     return f
-
-
-def gram_flops(rows: int, cols: int, batch: int, block: int) -> tuple[int, int]:
-    """(FLOPs of the full Gram ``2*rows*cols*min...``, FLOPs the symmetric kernel executes) for one
-    ``XXT`` / ``XTX`` of a batch of ``rows x cols`` matrices (n = the smaller side)."""
-    n, k = min(rows, cols), max(rows, cols)
-    t = math.ceil(n / block)
-    full = 2 * n * n * k * batch
-    return full, full * (t * (t + 1) // 2) // (t * t)

@@ -37,50 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _probe_dot(A, B, C, N: tl.constexpr, DOT_F32: tl.constexpr):
-    r = tl.arange(0, N)
-    a = tl.load(A + r[:, None] * N + r[None, :])
-    b = tl.load(B + r[:, None] * N + r[None, :])
-    if DOT_F32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    tl.store(C + r[:, None] * N + r[None, :], tl.dot(a, b))
-
-
-@triton.jit
-def _probe_cast(A, C, N: tl.constexpr, ROUND_FIX: tl.constexpr):
-    r = tl.arange(0, N)
-    tl.store(C + r, _to_bf16(tl.load(A + r), ROUND_FIX))
-
-
-@triton.jit
-def _probe_widen(A, C, N: tl.constexpr, WIDEN_FIX: tl.constexpr):
-    r = tl.arange(0, N)
-    tl.store(C + r, _from_bf16(tl.load(A + r), WIDEN_FIX))
-
-
-@triton.jit
-def _from_bf16(x, WIDEN_FIX: tl.constexpr):
-    # bf16 -> fp32 (exact). WIDEN_FIX does it on the bits (the high half of the fp32 pattern): only
-    # under the interpreter, whose widening gets bf16 subnormals wrong.
-    if WIDEN_FIX:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _to_bf16(x, ROUND_FIX: tl.constexpr):
-    # fp32 -> bf16, round to nearest even. ROUND_FIX does it on the bits (add 0x7FFF plus the
-    # lowest kept bit, drop the low half): only under the interpreter, whose cast truncates.
-    if ROUND_FIX:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(tl.bfloat16)
+from ._triton import from_bf16, to_bf16
 
 
 @triton.jit
@@ -110,15 +67,15 @@ def _store_tile(C, v, b, ti, tj, N, scb, scm, scn, BLOCK: tl.constexpr, EVEN: tl
                 ROUND_FIX: tl.constexpr):
     # The fp32 BLOCK x BLOCK tile v -> bf16 block (ti, tj) of matrix b of C.
     if TMA:
-        C.store([b * N + ti * BLOCK, tj * BLOCK], _to_bf16(v, ROUND_FIX))
+        C.store([b * N + ti * BLOCK, tj * BLOCK], to_bf16(v, ROUND_FIX))
     else:
         r = ti * BLOCK + tl.arange(0, BLOCK)
         c = tj * BLOCK + tl.arange(0, BLOCK)
         ptrs = C + b.to(tl.int64) * scb + r.to(tl.int64)[:, None] * scm + c.to(tl.int64)[None, :] * scn
         if EVEN:
-            tl.store(ptrs, _to_bf16(v, ROUND_FIX))
+            tl.store(ptrs, to_bf16(v, ROUND_FIX))
         else:
-            tl.store(ptrs, _to_bf16(v, ROUND_FIX), mask=(r[:, None] < N) & (c[None, :] < N))
+            tl.store(ptrs, to_bf16(v, ROUND_FIX), mask=(r[:, None] < N) & (c[None, :] < N))
 
 
 @triton.jit
@@ -247,7 +204,7 @@ def _mm_add_kernel(L, R, X, O, M, N, K, alpha,
             for k0 in range(0, K, BLOCK_K):
                 acc = _dot(L.load([b * M + pm * BLOCK_M, k0]), R.load([b * K + k0, pn * BLOCK_N]), acc, DOT_F32)
             x = X.load([b * M + pm * BLOCK_M, pn * BLOCK_N])
-            O.store([b * M + pm * BLOCK_M, pn * BLOCK_N], _to_bf16(alpha * x.to(tl.float32) + acc, ROUND_FIX))
+            O.store([b * M + pm * BLOCK_M, pn * BLOCK_N], to_bf16(alpha * x.to(tl.float32) + acc, ROUND_FIX))
         else:
             b64 = b.to(tl.int64)
             rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -272,11 +229,11 @@ def _mm_add_kernel(L, R, X, O, M, N, K, alpha,
             po = O + b64 * sob + rows64[:, None] * som + cols64[None, :] * son
             if EVEN:
                 x = tl.load(px)
-                tl.store(po, _to_bf16(alpha * x.to(tl.float32) + acc, ROUND_FIX))
+                tl.store(po, to_bf16(alpha * x.to(tl.float32) + acc, ROUND_FIX))
             else:
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
                 x = tl.load(px, mask=mask, other=0.0)
-                tl.store(po, _to_bf16(alpha * x.to(tl.float32) + acc, ROUND_FIX), mask=mask)
+                tl.store(po, to_bf16(alpha * x.to(tl.float32) + acc, ROUND_FIX), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,11 +249,11 @@ def _store_symmetric_v1(C, val, rows, cols, N, scm, scn, BLOCK: tl.constexpr, RO
     valT = tl.trans(val)
     sym = tl.where(rows[:, None] >= cols[None, :], val, valT)
     mask = (rows[:, None] < N) & (cols[None, :] < N)
-    tl.store(C + rows64[:, None] * scm + cols64[None, :] * scn, _to_bf16(sym, ROUND_FIX), mask=mask)
+    tl.store(C + rows64[:, None] * scm + cols64[None, :] * scn, to_bf16(sym, ROUND_FIX), mask=mask)
     # (i != j) written elementwise (a scalar bool mask trips the interpreter).
     off_diag = (rows[None, :] // BLOCK) != (cols[:, None] // BLOCK)
     mirror = (cols[:, None] < N) & (rows[None, :] < N) & off_diag
-    tl.store(C + cols64[:, None] * scm + rows64[None, :] * scn, _to_bf16(valT, ROUND_FIX), mask=mirror)
+    tl.store(C + cols64[:, None] * scm + rows64[None, :] * scn, to_bf16(valT, ROUND_FIX), mask=mirror)
 
 @triton.jit
 def _gram_kernel_v1(X, C, N, K, sxb, sxn, sxk, scb, scm, scn,
@@ -400,6 +357,6 @@ def _mm_add_kernel_v1(L, R, X, O, M, N, K, alpha,
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(X + rows64[:, None] * sxm + cols64[None, :] * sxn, mask=mask, other=0.0)
     val = alpha * x.to(tl.float32) + acc
-    tl.store(O + rows64[:, None] * som + cols64[None, :] * son, _to_bf16(val, ROUND_FIX), mask=mask)
+    tl.store(O + rows64[:, None] * som + cols64[None, :] * son, to_bf16(val, ROUND_FIX), mask=mask)
 
 

@@ -27,12 +27,61 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from .gram import TileConfig, _num_sms
+from ._triton import num_sms
+
+
+class TileConfig(NamedTuple):
+    """Launch parameters of one kernel call. The symmetric kernels use square BLOCK_M x BLOCK_M
+    tiles (BLOCK_N is ignored there).
+
+    ``kernel``: ``"ptr"`` (pointer loads), ``"tma"`` (TMA descriptors; used only where the problem
+    tiles exactly and the views are 16-byte aligned, else the pointer path runs), ``"v1"`` (the first
+    kernels) or ``"cublas"`` (``aX_plus_mm`` only: ``torch.baddbmm``, the same one-rounding math).
+    ``per_sm``: 0 launches one program per tile; k > 0 launches a persistent grid of k programs per
+    SM that walk the tiles.
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+    GROUP_M: int = 8
+    kernel: str = "ptr"
+    per_sm: int = 0
+
+    def describe(self) -> str:
+        if self.kernel == "cublas":
+            return "cublas"
+        p = f" p{self.per_sm}" if self.per_sm else ""
+        return (f"{self.kernel} {self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} w{self.num_warps} "
+                f"s{self.num_stages}{p}")
+
+
+class ProblemKey(NamedTuple):
+    """What a tuned choice is remembered by: the operation (``"XXT"``, ``"XTX"``, ``"ba_plus_cAA"``,
+    ``"mm_add"``), the product's sizes ``[m, k] @ [k, n]`` per matrix (a Gram of an ``n x k`` operand
+    has ``m = n``; ``A @ A`` has ``m = n = k``), the batch, and the CUDA device index."""
+
+    op: str
+    m: int
+    n: int
+    k: int
+    batch: int
+    device: int | None
+
+    def flops(self) -> int:
+        """FLOPs of the full products (the symmetric kernels execute about half of a Gram's)."""
+        return 2 * self.m * self.n * self.k * self.batch
+
+    def describe(self) -> str:
+        return f"{self.op} m={self.m} n={self.n} k={self.k} batch={self.batch}"
+
 
 T = TileConfig
 
@@ -67,7 +116,7 @@ MM_CANDIDATES: tuple[TileConfig, ...] = (  # (no pointer 128 x 256: it spills; v
 
 #: Every tuning decision of this process: dicts with key, results [(config, us | None, note)], chosen.
 RECORDS: list[dict] = []
-_CHOICES: dict[tuple, TileConfig] = {}
+_CHOICES: dict[ProblemKey, TileConfig] = {}
 
 
 #: Problems below this many FLOPs (of the full product) keep the untuned default: a few microseconds
@@ -89,41 +138,26 @@ def cublas_allowed() -> bool:
     return os.environ.get("ANVIL_FAST_TUNE_CUBLAS", "0") == "1"
 
 
-def problem_flops(kind: str, key: tuple) -> int:
-    if kind == "gram":
-        return 2 * key[1] * key[1] * key[2] * key[3]
-    if kind == "ba_plus_cAA":
-        return 2 * key[1] ** 3 * key[2]
-    return 2 * key[1] * key[2] * key[3] * key[4]
-
-
-def _even(kind: str, cfg: TileConfig, key: tuple) -> bool:
-    if kind == "gram":
-        n, k = key[1], key[2]
-        return n % cfg.BLOCK_M == 0 and k % cfg.BLOCK_K == 0
-    if kind == "ba_plus_cAA":
-        n = key[1]
-        return n % cfg.BLOCK_M == 0 and n % cfg.BLOCK_K == 0
-    m, n, k = key[1], key[2], key[3]
-    return m % cfg.BLOCK_M == 0 and n % cfg.BLOCK_N == 0 and k % cfg.BLOCK_K == 0
-
-
-def _tiles(kind: str, cfg: TileConfig, key: tuple) -> int:
+def _even(kind: str, cfg: TileConfig, key: ProblemKey) -> bool:
     if kind == "mm_add":
-        m, n, batch = key[1], key[2], key[4]
-        return -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N) * batch
-    n, batch = key[1], key[-2]
-    t = -(-n // cfg.BLOCK_M)
-    return t * (t + 1) // 2 * batch
+        return key.m % cfg.BLOCK_M == 0 and key.n % cfg.BLOCK_N == 0 and key.k % cfg.BLOCK_K == 0
+    return key.n % cfg.BLOCK_M == 0 and key.k % cfg.BLOCK_K == 0  # square tiles of the symmetric output
 
 
-def candidates(kind: str, key: tuple, sms: int) -> list[TileConfig]:
+def _tiles(kind: str, cfg: TileConfig, key: ProblemKey) -> int:
+    if kind == "mm_add":
+        return -(-key.m // cfg.BLOCK_M) * -(-key.n // cfg.BLOCK_N) * key.batch
+    t = -(-key.n // cfg.BLOCK_M)
+    return t * (t + 1) // 2 * key.batch  # lower tiles only
+
+
+def candidates(kind: str, key: ProblemKey, sms: int) -> list[TileConfig]:
     """The candidates that differ for this problem: TMA only where it applies (else it would run the
     pointer path again), persistent grids only where there are more tiles than programs, no tile
     more than twice the problem's side, no configuration that spills registers (sm_90a resource
     report of each candidate, compiled with ``tools/gram_sm90_report.py``)."""
     out = []
-    side = key[1] if kind != "mm_add" else min(key[1], key[2])
+    side = min(key.m, key.n)
     for c in (MM_CANDIDATES if kind == "mm_add" else SYM_CANDIDATES):
         if c.kernel == "cublas":
             if cublas_allowed():
@@ -141,9 +175,10 @@ def candidates(kind: str, key: tuple, sms: int) -> list[TileConfig]:
     return out
 
 
-def _time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
+def time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
     """GPU time of one ``fn()``: replays of a CUDA graph of back-to-back calls (event timing of
-    eager calls if capture fails), median of 5."""
+    eager calls if capture fails), median of 5. The benchmarks time kernels with it too
+    (:mod:`anvil_fast.bench.common`), so their tables show what the tuner compared."""
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
@@ -189,8 +224,8 @@ def _agrees(y: Tensor, ref: Tensor) -> tuple[bool, str]:
     return ok, f"{ndiff} entries differ, max |diff| {err:.3g} (max |ref| {scale:.3g})"
 
 
-def tune(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Tensor, reference: TileConfig, *,
-         cands: list[TileConfig] | None = None, timer: Callable[[Callable[[], None]], float] = _time_us,
+def tune(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out: Tensor, reference: TileConfig, *,
+         cands: list[TileConfig] | None = None, timer: Callable[[Callable[[], None]], float] = time_us,
          sync: Callable[[], None] | None = None) -> tuple[TileConfig, dict]:
     """Run, check and time every candidate (and the reference) on this call's tensors; return the
     fastest agreeing one and the record. ``launch(cfg)`` computes the call into ``out``; ``cands``
@@ -201,7 +236,7 @@ def tune(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Tenso
     ref = out.clone()
     results = []
     if cands is None:
-        cands = candidates(kind, key, _num_sms(out.device.index))
+        cands = candidates(kind, key, num_sms(out.device.index))
     for cfg in [reference, *cands]:
         try:
             launch(cfg)
@@ -218,7 +253,7 @@ def tune(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Tenso
     return best, {"kind": kind, "key": key, "results": results, "chosen": best}
 
 
-def choose(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Tensor,
+def choose(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out: Tensor,
            default: TileConfig) -> TileConfig:
     """The configuration for ``key``: the tuned one, tuning now if the key is new (not while a CUDA
     graph is being captured, not below MIN_TUNE_FLOPS, and not with ``ANVIL_FAST_TUNE=0``: then
@@ -226,7 +261,7 @@ def choose(kind: str, key: tuple, launch: Callable[[TileConfig], None], out: Ten
     got = _CHOICES.get(key)
     if got is not None:
         return got
-    if (not tuning_enabled() or problem_flops(kind, key) < MIN_TUNE_FLOPS
+    if (not tuning_enabled() or key.flops() < MIN_TUNE_FLOPS
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return default
     best, record = tune(kind, key, launch, out, default)
@@ -246,7 +281,7 @@ def report_lines() -> list[str]:
     lines = []
     for r in RECORDS:
         base = next((us for c, us, _ in r["results"] if c.kernel == "v1" and us is not None), None)
-        lines.append(f"tune {r['kind']} {r['key'][:-1]}: chosen {r['chosen'].describe()}")
+        lines.append(f"tune {r['key'].describe()}: chosen {r['chosen'].describe()}")
         for cfg, us, note in r["results"]:
             t = f"{us:8.1f} us" if us is not None else "       -   "
             rel = f"  x{base / us:4.2f} vs v1" if (us and base) else ""

@@ -55,7 +55,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .gram_kernels import _from_bf16, _to_bf16
+    from ._triton import from_bf16, to_bf16
 else:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
@@ -125,7 +125,7 @@ if triton is not None:
         c = tl.program_id(1).to(tl.int64)
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < mn
-        x = _from_bf16(tl.load(x_ptr + c * mn + offs, mask=m, other=0.0), WIDEN_FIX)
+        x = from_bf16(tl.load(x_ptr + c * mn + offs, mask=m, other=0.0), WIDEN_FIX)
         amax, ss = _block_partials(x, LIMIT)
         tl.store(pa_ptr + c * nb + b, amax)
         tl.store(ps_ptr + c * nb + b, ss)
@@ -160,8 +160,8 @@ if triton is not None:
         m = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK) < mn
         s = tl.load(s_ptr + c)
         d = tl.load(d_ptr + c)
-        x = _from_bf16(tl.load(x_ptr + offs, mask=m, other=0.0), WIDEN_FIX)
-        tl.store(x_ptr + offs, _to_bf16(tl.div_rn(x * s, d), ROUND_FIX), mask=m)
+        x = from_bf16(tl.load(x_ptr + offs, mask=m, other=0.0), WIDEN_FIX)
+        tl.store(x_ptr + offs, to_bf16(tl.div_rn(x * s, d), ROUND_FIX), mask=m)
 
 
 def _check_x(X: Tensor, p: NormPartials) -> tuple[int, int, int]:

@@ -56,7 +56,6 @@ Departures from the seed, each for a reason:
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
@@ -73,13 +72,14 @@ from anvil_ref.constants import (
     LM_HEAD_LABEL,
     SPARSE_UPDATE_LABEL,
 )
+from anvil_ref.equalizer import lane_energy_shape
 
 from .adam import adam_row, adam_update_
 from .bank_scalars import ADAM_COLUMNS, BankScalarStaging
 from .comms import DONE, Comms, Handle, resolve_comms
 from .replicated_adam import ReplicatedAdam
 from .transpose import transpose_add, transpose_copy
-from .update import join_master, split_master
+from .update import join_fp32_, split_fp32_
 
 
 STATE_FORMAT = "anvil_fast.AnvilAndAdam/1"
@@ -125,16 +125,6 @@ class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or infinity (raised by the opt-in check before anything is written)."""
 
 
-def _bank_api():
-    """The kernels' AnvilBank and anvil_bank_update (anvil_fast.bank)."""
-    try:
-        from . import bank
-    except ImportError as exc:  # pragma: no cover - only while anvil_fast.bank is missing
-        raise ImportError("anvil_fast.bank (AnvilBank, anvil_bank_update) is needed for the ANVIL "
-                          f"bank update: {exc}") from exc
-    return bank
-
-
 def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
     # Tensor.reshape is a method; the seed shadows it with a tuple attribute on bank parameters.
     r = param.__dict__.get("reshape") if hasattr(param, "__dict__") else None
@@ -144,34 +134,6 @@ def _reshape_of(param: Tensor, entry: Mapping) -> tuple[int, ...] | None:
     return tuple(r) if r is not None else None
 
 
-def _halves(master: Tensor) -> tuple[Tensor, Tensor]:
-    # An fp32's bit pattern, little-endian, is the int16 pair (low half, high half): the halves are
-    # strided int16 views, so splitting and joining are two plain copies each (one pass over the
-    # bytes, no integer arithmetic) instead of the shift-and-mask form of anvil_fast.update.
-    pairs = master.view(torch.int16).view(*master.shape, 2)
-    return pairs[..., 1], pairs[..., 0]
-
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
-    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact)."""
-    h, l_ = _halves(master) if _LITTLE_ENDIAN else split_master(master)
-    hi.view(torch.int16).copy_(h)
-    lo.view(torch.int16).copy_(l_)
-
-
-def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
-    """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
-    if not _LITTLE_ENDIAN:  # pragma: no cover - every CUDA host is little-endian
-        master.copy_(join_master(hi.view(torch.int16), lo.view(torch.int16)))
-        return
-    h, l_ = _halves(master)
-    h.copy_(hi.view(torch.int16))
-    l_.copy_(lo.view(torch.int16))
-
-
 def _plain_cfg(cfg: ParamConfig) -> dict[str, Any]:
     """A config as plain containers (``torch.load(..., weights_only=True)`` refuses a frozenset)."""
     out = asdict(cfg)
@@ -179,6 +141,124 @@ def _plain_cfg(cfg: ParamConfig) -> dict[str, Any]:
     return out
 
 
+# ====================================================================================== classify
+@dataclass
+class Classified:
+    """The parameters as the table describes them, checked (:func:`classify_params`)."""
+
+    labels: list[str]  #: in the parameters' order
+    scatter_order: list[str]
+    work_order: list[str]
+    params: dict[str, Tensor]  #: label -> parameter
+    names: dict[str, str]  #: label -> the caller's name
+    param_cfgs: dict[str, ParamConfig]
+    device: torch.device
+    tied: bool  #: embed and lm_head start tied
+
+
+def classify_params(named_params: Iterable[tuple[str, Tensor]], param_table: Mapping[str, Mapping], *,
+                    scatter_order: Sequence[str] | None, work_order: Sequence[str] | None, adam_defaults: Mapping,
+                    anvil_defaults: Mapping, world_size: int, rank: int, allow_fp32_banks: bool,
+                    tie_embeddings: bool | None) -> Classified:
+    """Read every parameter's label, table entry and tensor and check them all (labels, orders,
+    one device, contiguous floating-point tensors, bf16 banks, the tied pair) before anything is
+    allocated or written; raises :class:`~anvil_ref.config.ConfigError` naming the culprit."""
+    named = list(named_params)
+    for name, p in named:
+        if getattr(p, "label", None) is None:
+            raise ConfigError(f"parameter {name!r} has no .label attribute (its param_table key)")
+    labels = check_labels([p.label for _, p in named], param_table)
+    if not labels:
+        raise ConfigError("AnvilAndAdam needs at least one parameter")
+    scatter = check_order("scatter_order", scatter_order, labels)
+    work = check_order("work_order", work_order, labels)
+    params: dict[str, Tensor] = {p.label: p for _, p in named}
+    names: dict[str, str] = {p.label: name for name, p in named}
+    devices = {p.device for p in params.values()}
+    if len(devices) != 1:
+        raise ConfigError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    param_cfgs: dict[str, ParamConfig] = {}
+    for label, p in params.items():
+        entry = param_table[label]
+        cfg = build_param_config(label, entry, shape=tuple(p.shape), reshape=_reshape_of(p, entry),
+                                 frozen_matrices=set(getattr(p, "frozen_matrices", ()) or ()) |
+                                 set(entry.get("frozen_matrices", ()) if isinstance(entry, Mapping) else ()),
+                                 adam_defaults=adam_defaults, anvil_defaults=anvil_defaults,
+                                 world_size=world_size, rank=rank)
+        if not p.is_contiguous():
+            raise ConfigError(f"{label}: parameters must be contiguous (shards and flat buffers are views)")
+        if not p.dtype.is_floating_point:
+            raise ConfigError(f"{label}: parameters must be floating point, got {p.dtype}")
+        if cfg.optim == "anvil":
+            ok = (torch.bfloat16, torch.float32) if allow_fp32_banks else (torch.bfloat16,)
+            if p.dtype not in ok:
+                raise ConfigError(f"{label}: ANVIL banks must be bfloat16 (the fp32 master is the bf16 "
+                                  f"parameter + a uint16 mantissa), got {p.dtype}"
+                                  + ("" if allow_fp32_banks else "; convert it, or pass "
+                                     "allow_fp32_banks=True to keep a float32 parameter"))
+        param_cfgs[label] = cfg
+    tied = _check_tying(params, param_cfgs, tie_embeddings)
+    return Classified(labels=labels, scatter_order=scatter, work_order=work, params=params, names=names,
+                      param_cfgs=param_cfgs, device=devices.pop(), tied=tied)
+
+
+def _check_tying(params: Mapping[str, Tensor], param_cfgs: Mapping[str, ParamConfig],
+                 tie_embeddings: bool | None) -> bool:
+    if tie_embeddings is None:
+        tie_embeddings = EMBED_LABEL in params and LM_HEAD_LABEL in params
+    if not tie_embeddings:
+        return False
+    if EMBED_LABEL not in params or LM_HEAD_LABEL not in params:
+        raise ConfigError(f"tie_embeddings needs both {EMBED_LABEL!r} and {LM_HEAD_LABEL!r} parameters")
+    e, h = params[EMBED_LABEL], params[LM_HEAD_LABEL]
+    if e.ndim != 2 or tuple(e.shape) != tuple(h.shape)[::-1]:
+        raise ConfigError(f"tied {EMBED_LABEL} {tuple(e.shape)} and {LM_HEAD_LABEL} {tuple(h.shape)} "
+                          "must be 2-D transposes of each other")
+    if param_cfgs[EMBED_LABEL].optim != "adam" or param_cfgs[LM_HEAD_LABEL].optim != "adam":
+        raise ConfigError("tied embed and lm_head must both be Adam parameters")
+    return True
+
+
+# ====================================================================================== plan
+@dataclass
+class RowPlan:
+    """Which label goes where (:func:`plan_rows`), in the parameters' order."""
+
+    adam_labels: list[str]
+    adam_row: dict[str, int]  #: label -> its row of the Adam scalar table
+    replicated_labels: list[str]  #: the Adam labels on the replicated flat buffers
+    bank_labels: list[str]
+
+
+def plan_rows(labels: Sequence[str], param_cfgs: Mapping[str, ParamConfig]) -> RowPlan:
+    adam = [l for l in labels if param_cfgs[l].optim == "adam"]
+    return RowPlan(adam_labels=adam, adam_row={label: i for i, label in enumerate(adam)},
+                   replicated_labels=[l for l in adam if param_cfgs[l].comms == "replicated"],
+                   bank_labels=[l for l in labels if param_cfgs[l].optim == "anvil"])
+
+
+# ====================================================================================== build
+def new_param_states(params: Mapping[str, Tensor], param_cfgs: Mapping[str, ParamConfig],
+                     device: torch.device) -> dict[str, dict[str, Any]]:
+    """Zeroed optimizer state for this rank: Adam's moments (a chunk of a sharded parameter, the whole
+    of a replicated one); a bank's two rails, lane energy and mantissa for its chunk of matrices."""
+    states: dict[str, dict[str, Any]] = {}
+    for label, cfg in param_cfgs.items():
+        p = params[label]
+        if cfg.optim == "adam":
+            shape = (cfg.chunk_size, *p.shape[1:]) if cfg.comms == "sharded" else tuple(p.shape)
+            z = torch.zeros(shape, dtype=torch.float32, device=device)
+            states[label] = dict(step=0, exp_avg=z, exp_avg_sq=torch.zeros_like(z))
+        else:
+            chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
+            states[label] = dict(
+                velocity=torch.zeros((2, *chunk_shape), dtype=torch.float32, device=device),
+                lane_energy=torch.zeros(lane_energy_shape(chunk_shape), dtype=torch.float32, device=device),
+                mantissa=torch.zeros(chunk_shape, dtype=torch.uint16, device=device))
+    return states
+
+
+# ====================================================================================== the optimizer
 class AnvilAndAdam:
     """ANVIL for the banks + Adam for the rest, with the seed's explicit comms schedule.
 
@@ -214,109 +294,58 @@ class AnvilAndAdam:
         self.param_table = param_table
         self.check_finite = bool(check_finite)
 
-        # ---- read and check everything before touching any parameter
-        named = list(named_params)
-        for name, p in named:
-            if getattr(p, "label", None) is None:
-                raise ConfigError(f"parameter {name!r} has no .label attribute (its param_table key)")
-        labels = check_labels([p.label for _, p in named], param_table)
-        if not labels:
-            raise ConfigError("AnvilAndAdam needs at least one parameter")
-        self.scatter_order = check_order("scatter_order", scatter_order, labels)
-        self.work_order = check_order("work_order", work_order, labels)
-        self.labels = labels
-        self.params: dict[str, Tensor] = {p.label: p for _, p in named}
-        self.names: dict[str, str] = {p.label: name for name, p in named}
-        self.param_cfgs: dict[str, ParamConfig] = {}
-        devices = {p.device for p in self.params.values()}
-        if len(devices) != 1:
-            raise ConfigError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop()
-        for label, p in self.params.items():
-            entry = param_table[label]
-            cfg = build_param_config(label, entry, shape=tuple(p.shape), reshape=_reshape_of(p, entry),
-                                     frozen_matrices=set(getattr(p, "frozen_matrices", ()) or ()) |
-                                     set(entry.get("frozen_matrices", ()) if isinstance(entry, Mapping) else ()),
-                                     adam_defaults=self.adam_defaults, anvil_defaults=self.anvil_defaults,
-                                     world_size=self.world_size, rank=self.rank)
-            if not p.is_contiguous():
-                raise ConfigError(f"{label}: parameters must be contiguous (shards and flat buffers are views)")
-            if not p.dtype.is_floating_point:
-                raise ConfigError(f"{label}: parameters must be floating point, got {p.dtype}")
-            if cfg.optim == "anvil":
-                ok = (torch.bfloat16, torch.float32) if allow_fp32_banks else (torch.bfloat16,)
-                if p.dtype not in ok:
-                    raise ConfigError(f"{label}: ANVIL banks must be bfloat16 (the fp32 master is the bf16 "
-                                      f"parameter + a uint16 mantissa), got {p.dtype}"
-                                      + ("" if allow_fp32_banks else "; convert it, or pass "
-                                         "allow_fp32_banks=True to keep a float32 parameter"))
-            self.param_cfgs[label] = cfg
-        if tie_embeddings is None:
-            tie_embeddings = EMBED_LABEL in self.params and LM_HEAD_LABEL in self.params
-        self.tied = bool(tie_embeddings)
-        if self.tied:
-            if EMBED_LABEL not in self.params or LM_HEAD_LABEL not in self.params:
-                raise ConfigError(f"tie_embeddings needs both {EMBED_LABEL!r} and {LM_HEAD_LABEL!r} parameters")
-            e, h = self.params[EMBED_LABEL], self.params[LM_HEAD_LABEL]
-            if e.ndim != 2 or tuple(e.shape) != tuple(h.shape)[::-1]:
-                raise ConfigError(f"tied {EMBED_LABEL} {tuple(e.shape)} and {LM_HEAD_LABEL} {tuple(h.shape)} "
-                                  "must be 2-D transposes of each other")
-            if self.param_cfgs[EMBED_LABEL].optim != "adam" or self.param_cfgs[LM_HEAD_LABEL].optim != "adam":
-                raise ConfigError("tied embed and lm_head must both be Adam parameters")
-        if bank_update is None and any(c.optim == "anvil" for c in self.param_cfgs.values()):
-            bank_update = _bank_api().anvil_bank_update
+        # read and check everything before touching any parameter
+        c = classify_params(named_params, param_table, scatter_order=scatter_order, work_order=work_order,
+                            adam_defaults=self.adam_defaults, anvil_defaults=self.anvil_defaults,
+                            world_size=self.world_size, rank=self.rank, allow_fp32_banks=allow_fp32_banks,
+                            tie_embeddings=tie_embeddings)
+        self.labels, self.scatter_order, self.work_order = c.labels, c.scatter_order, c.work_order
+        self.params, self.names, self.param_cfgs = c.params, c.names, c.param_cfgs
+        self.device, self.tied = c.device, c.tied
+        if bank_update is None and any(cfg.optim == "anvil" for cfg in self.param_cfgs.values()):
+            from .bank import anvil_bank_update as bank_update
         self.bank_update = bank_update
 
-        # ---- state (new tensors only)
-        self.param_states: dict[str, dict[str, Any]] = {}
-        for label, cfg in self.param_cfgs.items():
-            p = self.params[label]
-            if cfg.optim == "adam":
-                shape = (cfg.chunk_size, *p.shape[1:]) if cfg.comms == "sharded" else tuple(p.shape)
-                z = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                self.param_states[label] = dict(step=0, exp_avg=z, exp_avg_sq=torch.zeros_like(z))
-            else:
-                chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
-                rows, cols = chunk_shape[-2:]
-                lane = (cfg.chunk_size, rows, 1) if rows >= cols else (cfg.chunk_size, 1, cols)
-                self.param_states[label] = dict(
-                    velocity=torch.zeros((2, *chunk_shape), dtype=torch.float32, device=self.device),
-                    lane_energy=torch.zeros(lane, dtype=torch.float32, device=self.device),
-                    mantissa=torch.zeros(chunk_shape, dtype=torch.uint16, device=self.device))
-        self._fp32_bank_slices: dict[str, Tensor] = {}
+        rows = plan_rows(self.labels, self.param_cfgs)
+        self.adam_labels, self.adam_row = rows.adam_labels, rows.adam_row
+        self.replicated_labels, self.bank_labels = rows.replicated_labels, rows.bank_labels
 
-        # ---- Adam table rows (one per Adam parameter) and the replicated flat buffers
-        self.adam_labels = [l for l in self.labels if self.param_cfgs[l].optim == "adam"]
-        self.adam_row = {label: i for i, label in enumerate(self.adam_labels)}
-        self.replicated_labels = [l for l in self.adam_labels if self.param_cfgs[l].comms == "replicated"]
+        self.param_states = new_param_states(self.params, self.param_cfgs, self.device)
+        self._fp32_bank_slices: dict[str, Tensor] = {}
         self.replicated = ReplicatedAdam(
             [(l, self.params[l], self.param_states[l], self.adam_row[l]) for l in self.replicated_labels],
             self.device, self.comms) if self.replicated_labels else None
+        self._build_banks(bank_config, maps)
+        self._init_step_state()
 
-        # ---- banks: persistent buffers + device scalars, one staging buffer for every scalar
-        self.bank_labels = [l for l in self.labels if self.param_cfgs[l].optim == "anvil"]
+    def _build_banks(self, bank_config: Any, maps: Any) -> None:
+        """One staging buffer for every device scalar, then each bank over the live state tensors."""
         self.staging = BankScalarStaging([self.param_cfgs[l].chunk_size for l in self.bank_labels],
                                          self.device, adam_rows=len(self.adam_labels))
         self.adam_table = self.staging.adam_table()
         self._shard_staging = BankScalarStaging([], self.device, adam_rows=1)  # adam_update_shard
         self.banks: dict[str, Any] = {}
-        if self.bank_labels:
-            AnvilBank = _bank_api().AnvilBank
-            extra = {} if bank_config is None else {"config": bank_config}
-            if maps is not None:
-                extra["maps"] = maps
-            for i, label in enumerate(self.bank_labels):
-                cfg = self.param_cfgs[label]
-                chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
-                if self.params[label].dtype == torch.float32:
-                    self._fp32_bank_slices[label] = torch.empty(chunk_shape, dtype=torch.bfloat16, device=self.device)
-                live = self.live_bank_state(label)
-                self.banks[label] = AnvilBank.create(
-                    label, live["p_slice"], beta2=cfg.beta2, velocity=live["velocity"],
-                    lane_energy=live["lane_energy"], mantissa=live["mantissa"],
-                    grad=torch.zeros(chunk_shape, dtype=torch.bfloat16, device=self.device),
-                    scalars=self.staging.scalars(i), eff_lr=self.staging.eff_lr(i), **extra)
+        if not self.bank_labels:
+            return
+        from .bank import AnvilBank
 
+        extra = {} if bank_config is None else {"config": bank_config}
+        if maps is not None:
+            extra["maps"] = maps
+        for i, label in enumerate(self.bank_labels):
+            cfg = self.param_cfgs[label]
+            chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
+            if self.params[label].dtype == torch.float32:
+                self._fp32_bank_slices[label] = torch.empty(chunk_shape, dtype=torch.bfloat16, device=self.device)
+            live = self.live_bank_state(label)
+            self.banks[label] = AnvilBank.create(
+                label, live["p_slice"], beta2=cfg.beta2, velocity=live["velocity"],
+                lane_energy=live["lane_energy"], mantissa=live["mantissa"],
+                grad=torch.zeros(chunk_shape, dtype=torch.bfloat16, device=self.device),
+                scalars=self.staging.scalars(i), eff_lr=self.staging.eff_lr(i), **extra)
+
+    def _init_step_state(self) -> None:
+        """The rails before :meth:`set_rails`, and the per-step caches (host tables, index maps)."""
         self.fast_beta, self.fast_weight = 0.0, 1.0
         self.split_embed = False
         self._label_index = {l: i for i, l in enumerate(self.labels)}
@@ -853,5 +882,4 @@ class AnvilAndAdam:
             p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype).clone()
 
 
-__all__ = ["AnvilAndAdam", "StepPlan", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError",
-           "split_fp32_", "join_fp32_"]
+__all__ = ["AnvilAndAdam", "StepPlan", "SparseUpdate", "SPARSE_UPDATE_LABEL", "NonFiniteGradientError"]

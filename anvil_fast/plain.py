@@ -13,8 +13,8 @@ from torch import Tensor
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, RAIL_SLOW_BETA
 
 from ._compile import maybe_compiled
-from .equalizer import rail_equalizer
-from .update import sign_aligned_decay_update
+from .equalizer import equalize
+from .update import sign_aligned_update
 
 
 def _plain_cascade(grad_chunk: Tensor, velocity: Tensor, momentum_t: Tensor, split_baddbmm: bool,
@@ -54,6 +54,6 @@ def plain_cascade(bank, *, compile: bool = True) -> Tensor:
 def plain_bank_update(bank, *, compile: bool = True) -> None:
     """The seed's anvil_bank_update with the plain cascade."""
     v = plain_cascade(bank, compile=compile)
-    v = rail_equalizer(v, bank.lane_energy, bank.beta2, bank.red_dim, compile=compile)
-    sign_aligned_decay_update(bank.p_slice, bank.mantissa, v, bank.eff_wd, bank.eff_lr, bank.velocity[1],
-                              compile=compile)
+    v = equalize(v, bank.lane_energy, beta2=bank.beta2, red_dim=bank.red_dim, compile=compile)
+    sign_aligned_update(bank.p_slice, bank.mantissa, v, gate=bank.velocity[1], eff_lr=bank.eff_lr,
+                        eff_wd=bank.eff_wd, compile=compile)

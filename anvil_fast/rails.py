@@ -43,8 +43,7 @@ from torch import Tensor
 from anvil_ref.constants import RAIL_SLOW_BETA
 
 from ._compile import maybe_compiled, want_compile
-from ._triton import round_fix, triton_available, widen_fix
-from .gram import _use_triton
+from ._triton import round_fix, triton_available, use_triton, widen_fix
 from .normalize import NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix, matrix_slices
 
 #: Clamp of the prescale exponent, so that ``2**-e`` and ``eps * 2**-e`` stay finite in fp32.
@@ -56,7 +55,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .gram_kernels import _from_bf16, _to_bf16
+    from ._triton import from_bf16, to_bf16
     from .normalize import _block_partials
 else:  # pragma: no cover - exercised only where triton is absent
     triton = None
@@ -98,7 +97,7 @@ if triton is not None:
         w = tl.load(w_ptr)
         g_raw = tl.load(g_ptr + offs, mask=m, other=0.0)
         if g_raw.dtype == tl.bfloat16:
-            g = _from_bf16(g_raw, WIDEN_FIX)
+            g = from_bf16(g_raw, WIDEN_FIX)
         else:
             g = g_raw.to(tl.float32)
         v0 = _lerp(tl.load(v0_ptr + offs, mask=m, other=0.0), g, fw)
@@ -109,19 +108,12 @@ if triton is not None:
         if CLAMP:
             x = tl.minimum(tl.maximum(x, -bf16_max, propagate_nan=tl.PropagateNan.ALL), bf16_max,
                            propagate_nan=tl.PropagateNan.ALL)
-        xb = _to_bf16(x, ROUND_FIX)
+        xb = to_bf16(x, ROUND_FIX)
         tl.store(x_ptr + offs, xb, mask=m)
         if PARTIALS:
-            amax, ss = _block_partials(tl.where(m, _from_bf16(xb, WIDEN_FIX), 0.0), LIMIT)
+            amax, ss = _block_partials(tl.where(m, from_bf16(xb, WIDEN_FIX), 0.0), LIMIT)
             tl.store(pa_ptr + c * nb + b, amax)
             tl.store(ps_ptr + c * nb + b, ss)
-
-
-def use_fused(t: Tensor, backend: str) -> bool:
-    """Whether the Triton kernels run for ``t``: the Gram kernels' rule (:mod:`anvil_fast.gram`): on
-    CUDA with ``backend`` "auto" or "triton"; on CPU only for "triton" under Triton's interpreter
-    (tests); "torch" never. A backend that cannot run raises."""
-    return _use_triton(t, backend)
 
 
 def _check_fused(grad: Tensor, velocity: Tensor, x_out: Tensor, partials: NormPartials | None) -> None:
@@ -156,20 +148,22 @@ def _rails_fused(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t
                                    WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
 
 
-def rails_lookahead(grad: Tensor, velocity: Tensor, momentum_t: Tensor, fast_beta_t: Tensor,
-                    fast_weight_t: Tensor, *, x_out: Tensor, prescale: bool = False, fused: bool = False,
-                    partials: NormPartials | None = None, backend: str = "auto",
-                    compile: bool | None = None) -> bool:
-    """One twin-rail step in place on ``velocity`` ([2, *chunk] fp32), writing the cascade's bf16
-    input into ``x_out`` ([*chunk] bf16; clamped to bf16's finite range when ``prescale``).
-    ``grad`` is the bf16 (or fp32) gradient; it is not written.
+def twin_rail(grad: Tensor, velocity: Tensor, *, momentum: Tensor, fast_beta: Tensor, fast_weight: Tensor,
+              x_out: Tensor, prescale: bool = False, fused: bool = False, partials: NormPartials | None = None,
+              backend: str = "auto", compile: bool | None = None) -> bool:
+    """:func:`anvil_ref.rails.twin_rail` in place: one twin-rail step on ``velocity`` ([2, *chunk]
+    fp32), writing the lookahead, the cascade's bf16 input, into ``x_out`` ([*chunk] bf16; clamped
+    to bf16's finite range when ``prescale``). ``grad`` is the bf16 (or fp32) gradient; it is not
+    written. ``momentum``, ``fast_beta``, ``fast_weight``: 0-D fp32 device tensors, keyword-only as
+    in the reference (three same-typed rates: a positional swap would run).
 
-    ``fused``: run the Triton kernel where it can run (:func:`use_fused`), else the compiled torch
-    code. ``partials``: with the kernel, also write X's normalization partials there. Returns True
-    when the partials were written (the caller's normalization may then skip its own pass)."""
-    if fused and use_fused(x_out, backend):
-        _rails_fused(grad, velocity, momentum_t, fast_beta_t, fast_weight_t, x_out, bool(prescale), partials)
+    ``fused``: run the Triton kernel where ``backend`` lets it (:func:`anvil_fast._triton.use_triton`),
+    else the compiled torch code. ``partials``: with the kernel, also write X's normalization
+    partials there. Returns True when the partials were written (the caller's normalization may
+    then skip its own pass)."""
+    if fused and use_triton(x_out, backend):
+        _rails_fused(grad, velocity, momentum, fast_beta, fast_weight, x_out, bool(prescale), partials)
         return partials is not None
     fn = maybe_compiled(_rails_lookahead, want_compile(compile, grad))
-    fn(grad, velocity, momentum_t, fast_beta_t, fast_weight_t, x_out, bool(prescale))
+    fn(grad, velocity, momentum, fast_beta, fast_weight, x_out, bool(prescale))
     return False

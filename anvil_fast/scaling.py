@@ -14,7 +14,7 @@
       single-process fast run's (anvil_fast/tolerances.py's rule: at most 2x + 2**-8).
 
 ``python -m anvil_fast.scaling gpu --worlds 1,2``
-    NCCL, one process per GPU, the benchmark's GPT-2-small layout (:mod:`.bench_optimizer`), bank
+    NCCL, one process per GPU, the benchmark's GPT-2-small layout (:mod:`anvil_fast.bench.optimizer`), bank
     updates compiled (``--graphs``: and captured in CUDA graphs), untied Adam steps:
 
     * step time at each world size with communication (DistComms) and without (NullComms: the same
@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .bench_optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
+from .bench.optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
 from .distributed import all_digests, replica_digest, spawn
 
 STEPS = 20
@@ -253,7 +253,7 @@ def _comm_only(opt, grads):
 
 
 def _gpu_rank(rank: int, world: int, steps: int, n_time: int, graphs: bool = False) -> dict:
-    from .bench_optimizer import make_grads, step_fn
+    from .bench.optimizer import make_grads, step_fn
     from .comms import LocalComms, NullComms
 
     dev = torch.device("cuda", rank)

@@ -13,7 +13,7 @@ memory (``tl.trans``), and writes it along ``dst``'s rows (coalesced). Offsets a
 results are bitwise those of ``dst.add_(src.T)`` / ``dst.copy_(src.T)`` in torch (one fp32 add and
 one rounding per element), which the tests check.
 
-On CPU (or without Triton) the torch expressions above run instead; ``force_triton=True`` runs the
+On CPU (or without Triton) the torch expressions above run instead; ``backend="triton"`` runs the
 kernel anyway (on CPU under ``TRITON_INTERPRET=1``, as the tests do; there the fp32 -> bf16 store
 rounds on the bit pattern, ``ROUND_FIX`` of :mod:`anvil_fast._triton`, because the interpreter's
 own cast truncates).
@@ -24,15 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .adam import use_triton
-
-from ._triton import round_fix, triton_available
+from ._triton import round_fix, triton_available, use_triton
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .gram import _to_bf16
+    from ._triton import to_bf16
 else:  # pragma: no cover
     triton = None
 
@@ -55,7 +53,7 @@ if triton is not None:
             d = tl.load(d_ptr, mask=mask_t, other=0.0)
             val = d.to(tl.float32) + xt.to(tl.float32)
             if BF16_OUT:
-                out = _to_bf16(val, ROUND_FIX)
+                out = to_bf16(val, ROUND_FIX)
             else:
                 out = val.to(dst.dtype.element_ty)
         else:
@@ -80,24 +78,24 @@ def _launch(src: Tensor, dst: Tensor, add: bool) -> None:
 
 
 @torch.no_grad()
-def transpose_add(src: Tensor, dst: Tensor, *, force_triton: bool = False) -> None:
+def transpose_add(src: Tensor, dst: Tensor, *, backend: str = "auto") -> None:
     """``dst += src^T`` in place (src [R, C], dst [C, R]; any strides)."""
     _check(src, dst, "transpose_add")
     if src.numel() == 0:
         return
-    if force_triton or use_triton(dst):
+    if use_triton(dst, backend):
         _launch(src, dst, True)
     else:
         dst.add_(src.T)
 
 
 @torch.no_grad()
-def transpose_copy(src: Tensor, dst: Tensor, *, force_triton: bool = False) -> None:
+def transpose_copy(src: Tensor, dst: Tensor, *, backend: str = "auto") -> None:
     """``dst = src^T`` in place (src [R, C], dst [C, R]; any strides)."""
     _check(src, dst, "transpose_copy")
     if src.numel() == 0:
         return
-    if force_triton or use_triton(dst):
+    if use_triton(dst, backend):
         _launch(src, dst, False)
     else:
         dst.copy_(src.T)

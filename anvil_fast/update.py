@@ -28,20 +28,23 @@ gives the master. Tests check it against :func:`anvil_ref.storage.join_fp32` / `
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
 from ._compile import maybe_compiled, want_compile
 
 
-def join_master(p16: Tensor, m16: Tensor) -> Tensor:
-    """fp32 master from the int16 views of the parameter and the mantissa (bit-exact)."""
+def join_fp32(p16: Tensor, m16: Tensor) -> Tensor:
+    """fp32 master from the int16 views of the parameter and the mantissa (bit-exact;
+    :func:`anvil_ref.storage.join_fp32` in int32 arithmetic that ``torch.compile`` and both devices run)."""
     raw = p16.to(torch.int32) * 65536 + (m16.to(torch.int32) & 0xFFFF)
     return raw.view(torch.float32)
 
 
-def split_master(w: Tensor) -> tuple[Tensor, Tensor]:
-    """(hi, lo) int16 halves of an fp32 tensor's bit pattern."""
+def split_fp32(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) int16 halves of an fp32 tensor's bit pattern (:func:`anvil_ref.storage.split_fp32`)."""
     raw = w.view(torch.int32)
     hi = (raw >> 16).to(torch.int16)
     lo = raw & 0xFFFF
@@ -49,15 +52,44 @@ def split_master(w: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
+def _halves(master: Tensor) -> tuple[Tensor, Tensor]:
+    # An fp32's bit pattern, little-endian, is the int16 pair (low half, high half): the halves are
+    # strided int16 views, so splitting and joining are two plain copies each (one pass over the
+    # bytes, no integer arithmetic) instead of the shift-and-mask form above.
+    pairs = master.view(torch.int16).view(*master.shape, 2)
+    return pairs[..., 1], pairs[..., 0]
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact), in place: the
+    drop-in's split of an fp32 parameter into a bank's parameter and mantissa."""
+    h, l_ = _halves(master) if _LITTLE_ENDIAN else split_fp32(master)
+    hi.view(torch.int16).copy_(h)
+    lo.view(torch.int16).copy_(l_)
+
+
+def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
+    """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
+    if not _LITTLE_ENDIAN:  # pragma: no cover - every CUDA host is little-endian
+        master.copy_(join_fp32(hi.view(torch.int16), lo.view(torch.int16)))
+        return
+    h, l_ = _halves(master)
+    h.copy_(hi.view(torch.int16))
+    l_.copy_(lo.view(torch.int16))
+
+
 def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
                                gate_src: Tensor) -> None:
     update = update.float()
     wd_factor = wd_tensor.to(torch.float32)
     lr_factor = lr_tensor.to(torch.float32)
-    w = join_master(p16, m16)
+    w = join_fp32(p16, m16)
     aligned = (gate_src.float() * w) >= 0
     w_new = w - (w * aligned * wd_factor * lr_factor) - (update * lr_factor)
-    hi, lo = split_master(w_new)
+    hi, lo = split_fp32(w_new)
     p16.copy_(hi)
     m16.copy_(lo)
 
@@ -68,11 +100,13 @@ def _int16_view(t: Tensor, name: str) -> Tensor:
     return t.view(torch.int16)
 
 
-def sign_aligned_decay_update(p: Tensor, mantissa: Tensor, update: Tensor, eff_wd: Tensor, eff_lr: Tensor,
-                              gate: Tensor, *, compile: bool | None = None) -> None:
-    """In place on ``p`` (the bf16 parameter slice, or its uint16 view) and ``mantissa`` (uint16):
-    ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr`` on the fp32 master ``W``.
-    ``eff_wd`` is a 0-D fp32 tensor, ``eff_lr`` ``[chunk, 1, 1]`` fp32, ``gate`` fp32 like ``p``."""
+def sign_aligned_update(p: Tensor, mantissa: Tensor, update: Tensor, *, gate: Tensor, eff_lr: Tensor, eff_wd: Tensor,
+                        compile: bool | None = None) -> None:
+    """:func:`anvil_ref.update.sign_aligned_update` in place on ``p`` (the bf16 parameter slice, or
+    its uint16 view) and ``mantissa`` (uint16), which together hold the fp32 master ``W``:
+    ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr``. ``eff_wd`` is a 0-D fp32 tensor,
+    ``eff_lr`` ``[chunk, 1, 1]`` fp32, ``gate`` fp32 like ``p``. The gate and the two rates are
+    keyword-only: each pair has the same type, so a positional swap would run and be wrong."""
     if p.shape != mantissa.shape or p.shape != update.shape or p.shape != gate.shape:
         raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa {tuple(mantissa.shape)}, "
                          f"update {tuple(update.shape)}, gate {tuple(gate.shape)}")

@@ -24,8 +24,9 @@ Modules, in the order the update applies them:
 
 Where the seed's comments and its code disagree
 -----------------------------------------------
-The seed is ``../shared/seed/000_daf7e65d362a51dc.txt``; where its comments and code disagree the
-code is the specification. Every such place found, and the choice made:
+The seed is the record's optimizer source (its ``AnvilAndAdam``, ``_rail_equalizer``, ...), whose
+names this package's docstrings cite; where its comments and code disagree the code is the
+specification. Every such place found, and the choice made:
 
 1. **Equalizer lanes.** ``_rail_equalizer``'s docstring says lanes are "reduced over red_dim, the
    longer matrix dimension", and ``_init_state`` says the lane energy is "reduced along the longer

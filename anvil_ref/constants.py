@@ -1,9 +1,9 @@
 """The constants of ANVIL (record #360), defined once for the whole project.
 
 Every other module -- anvil_fast, derive_maps, tests, papers -- imports these names from here;
-none of them restates a value. The values are copied from the seed
-(``../shared/seed/000_daf7e65d362a51dc.txt``) and from the public facts about the record that the
-seed's README lists; each comment says which.
+none of them restates a value. The values are copied from the seed (the record's optimizer
+source) and from the public facts about the record that the seed's README lists; each comment says
+which.
 """
 
 from __future__ import annotations
@@ -74,10 +74,13 @@ SPARSE_UPDATE_LABEL: str = "value_embeds"
 # ---------------------------------------------------------------------------------------------
 # Hyper-parameter defaults of the record's lineage: matrix lr 0.023, equalizer beta2 0.9, Adam lr
 # 0.008 with eps 1e-10 (seed README); momentum 0.95 (overwritten every step by the rail schedule)
-# and the weight decays 2.25 (ANVIL) and 0.005 (Adam) from the record's public training.py.
+# and the weight decays 2.25 (ANVIL) and 0.005 (Adam) from the record's public training.py. Adam's
+# betas (0.9, 0.95) are the drop-in's default for every Adam parameter: the seed's labelled table
+# names betas per label instead, so AnvilAndAdam never reads this entry.
 
 ANVIL_DEFAULTS: dict[str, float] = dict(lr=0.023, momentum=0.95, beta2=0.9, weight_decay=2.25)
-ADAM_DEFAULTS: dict[str, float] = dict(lr=0.008, eps=1e-10, weight_decay=0.005)
+ADAM_DEFAULTS: dict[str, float | tuple[float, float]] = dict(lr=0.008, eps=1e-10, weight_decay=0.005,
+                                                             betas=(0.9, 0.95))
 
 __all__ = [
     "ANVIL_MAPS", "FROBENIUS_MARGIN", "FROBENIUS_EPS", "SPLIT_BADDBMM_MIN_ROWS",

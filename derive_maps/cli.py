@@ -26,9 +26,6 @@ from pathlib import Path
 
 from .errors import DeriveMapsError
 
-FORMATS = ("text", "json", "latex", "markdown")
-
-
 def _add_format(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json", dest="fmt", action="store_const", const="json",

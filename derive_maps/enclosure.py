@@ -75,10 +75,6 @@ def _d2p(s: Interval, t: Interval, k: MapConsts) -> Interval:
     return iv_mul(s, k.b6.plus(k.c20.times(t)))
 
 
-def _whole(shape) -> Interval:
-    return np.full(shape, -np.inf, dtype=DTYPE), np.full(shape, np.inf, dtype=DTYPE)
-
-
 def _blow(a: Interval, blown: np.ndarray) -> Interval:
     if not blown.any():
         return a

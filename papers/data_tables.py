@@ -69,10 +69,11 @@ def near_rank1_table() -> str:
     lines += [line for line in (RESULTS / "anvil_fast_h200/run1/near_rank1.log").read_text().splitlines()
               if line.startswith(("totals:", "device cuda"))]
     return ("```\n" + "\n".join(lines) + "\n```\n\n*Source: `results/anvil_fast_h200/run1/near_rank1.log`, "
-            "written by `python3 -m anvil_fast.near_rank1 --count 500` on one H200 (run 1, before the kernel "
+            "written by `python3 -m anvil_fast.near_rank1 --count 500` on one H200 (before the kernel "
             "tuning, the prescale move and the fused rails and normalization, which do not change these paths' "
-            "roundings except SAFE's first Gram and fp32 trace summation order; SAFE was re-measured after the last "
-            "of them in run 5: " + quote_inline(f"{NEAR_RANK1_RUN}/near_rank1.log", "totals:") + ").*")
+            "roundings except SAFE's first Gram and fp32 trace summation order; SAFE re-measured with all of them, "
+            f"`results/{NEAR_RANK1_RUN}/near_rank1.log`: "
+            + quote_inline(f"{NEAR_RANK1_RUN}/near_rank1.log", "totals:") + ").*")
 
 
 def quote_inline(path: str, prefix: str) -> str:

@@ -97,12 +97,12 @@ HYPER = [dict(lr=0.04, beta1=0.9, beta2=0.99, eps=1e-10, weight_decay=0.5, wd_mu
 _INTERP = __import__("os").environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.parametrize("device,force_triton", [
-    ("cpu", False),  # the plain-torch fallback
-    pytest.param("cpu", True, marks=pytest.mark.skipif(not _INTERP, reason="CPU kernel: interpreter only")),
-    pytest.param("cuda", False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device,backend", [
+    ("cpu", "auto"),  # the plain-torch fallback
+    pytest.param("cpu", "triton", marks=pytest.mark.skipif(not _INTERP, reason="CPU kernel: interpreter only")),
+    pytest.param("cuda", "auto", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_adam_matches_reference(device, force_triton, dtype):
+def test_fast_adam_matches_reference(device, backend, dtype):
     rng = np.random.default_rng(3)
     n = 3000
     seg = rng.integers(0, 3, n)
@@ -115,7 +115,7 @@ def test_fast_adam_matches_reference(device, force_triton, dtype):
     table = torch.tensor(rows, dtype=torch.float32)
     p0, m0, v0 = p.clone(), m.clone(), v.clone()
     p, g, m, v, table = (t.to(device) for t in (p, g, m, v, table))
-    fused_adam_(p, g, m, v, torch.from_numpy(seg).int().to(device), table, force_triton=force_triton)
+    fused_adam_(p, g, m, v, torch.from_numpy(seg).int().to(device), table, backend=backend)
     p, g, m, v = (t.cpu() for t in (p, g, m, v))
     for k, h in enumerate(HYPER):
         sel = seg == k
@@ -139,19 +139,19 @@ def test_fast_adam_matches_reference(device, force_triton, dtype):
     assert torch.equal(p[off], p0[off]) and torch.equal(m[off], m0[off]) and torch.equal(v[off], v0[off])
 
 
-@pytest.mark.parametrize("device,force_triton", [
-    ("cpu", False),  # the plain-torch fallback
-    pytest.param("cpu", True, marks=pytest.mark.skipif(not _INTERP, reason="CPU kernel: interpreter only")),
-    pytest.param("cuda", False, marks=pytest.mark.gpu)])
-def test_fast_adam_single_row_equals_fused_and_cautious_decay_is_strict(device, force_triton):
+@pytest.mark.parametrize("device,backend", [
+    ("cpu", "auto"),  # the plain-torch fallback
+    pytest.param("cpu", "triton", marks=pytest.mark.skipif(not _INTERP, reason="CPU kernel: interpreter only")),
+    pytest.param("cuda", "auto", marks=pytest.mark.gpu)])
+def test_fast_adam_single_row_equals_fused_and_cautious_decay_is_strict(device, backend):
     h = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.2, wd_mul=3.0, step=1)
     table = torch.tensor([adam_row(**h)], dtype=torch.float32, device=device)
     p = torch.tensor([1.0, 1.0, -1.0, 0.5], device=device)
     g = torch.tensor([2.0, -2.0, 0.0, 1.0], device=device)
     m, v = torch.zeros(4, device=device), torch.zeros(4, device=device)
     p2, m2, v2 = p.clone(), m.clone(), v.clone()
-    adam_update_(p, g, m, v, table, 0, force_triton=force_triton)
-    fused_adam_(p2, g, m2, v2, torch.zeros(4, dtype=torch.int32, device=device), table, force_triton=force_triton)
+    adam_update_(p, g, m, v, table, 0, backend=backend)
+    fused_adam_(p2, g, m2, v2, torch.zeros(4, dtype=torch.int32, device=device), table, backend=backend)
     assert torch.equal(p, p2) and torch.equal(m, m2) and torch.equal(v, v2)
     p = p.cpu()
     assert p[2] == -1.0  # g = 0: u = 0, u * p = 0 is not > 0, no decay

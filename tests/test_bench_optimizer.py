@@ -1,4 +1,4 @@
-"""anvil_fast.bench_optimizer: the benchmark's layout and plumbing (timings come only from the GPU)."""
+"""anvil_fast.bench.optimizer: the benchmark's layout and plumbing (timings come only from the GPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from anvil_fast import bench_optimizer as B
+from anvil_fast.bench import optimizer as B
 
 
 def test_gpt2_small_layout():

@@ -111,13 +111,14 @@ def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
     import anvil_fast.difftest as mod
 
     if component == "momentum":
-        rails, eager = mod.rails_lookahead, mod.eager_rails
-        monkeypatch.setattr(mod, "rails_lookahead", lambda g, v, mu, fb, w, **kw: rails(g, v, mu, fb, w * 1.01, **kw))
+        rails, eager = mod.twin_rail, mod.eager_rails
+        monkeypatch.setattr(mod, "twin_rail",
+                            lambda g, v, *, fast_weight, **kw: rails(g, v, fast_weight=fast_weight * 1.01, **kw))
         monkeypatch.setattr(mod, "eager_rails", lambda *a, fast_weight, **kw: eager(*a, fast_weight=fast_weight * 1.01, **kw))
         row, _ = D.momentum_row((3, 40, 24), "gaussian", SAFE, compile=False)
     else:
-        eq, eager = mod.rail_equalizer, mod.eager_equalizer
-        monkeypatch.setattr(mod, "rail_equalizer", lambda v, e, b2, *a, **kw: eq(v, e, 1 - (1 - b2) * 1.01, *a, **kw))
+        eq, eager = mod.equalize, mod.eager_equalizer
+        monkeypatch.setattr(mod, "equalize", lambda v, e, *, beta2, **kw: eq(v, e, beta2=1 - (1 - beta2) * 1.01, **kw))
         monkeypatch.setattr(mod, "eager_equalizer", lambda v, e, *, beta2: eager(v, e, beta2=1 - (1 - beta2) * 1.01))
         _, ref_y = D.cascade_row((3, 40, 24), "gaussian", SAFE, compile=False)
         row, _ = D.equalizer_row(ref_y, (3, 40, 24), "gaussian", SAFE, compile=False)
@@ -128,9 +129,9 @@ def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
 def test_the_harness_catches_a_wrong_update(monkeypatch):
     import anvil_fast.difftest as mod
 
-    real = mod.sign_aligned_decay_update
-    monkeypatch.setattr(mod, "sign_aligned_decay_update",
-                        lambda p, m, u, wd, lr, g, **kw: real(p, m, u, wd * 1.001, lr, g, **kw))
+    real = mod.sign_aligned_update
+    monkeypatch.setattr(mod, "sign_aligned_update",
+                        lambda p, m, u, *, eff_wd, **kw: real(p, m, u, eff_wd=eff_wd * 1.001, **kw))
     row = D.update_row(torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(101)), (2, 16, 8), "gaussian", SAFE, compile=False)
     assert not check("update", fast=row.fast, eager=row.eager, floor=row.floor)
 

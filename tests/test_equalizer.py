@@ -112,14 +112,14 @@ def test_triton_equalizer_matches_reference(shape, triton_dev):
 def _equalize_both(v, energy, dev, *, guard=True):
     import torch
 
-    from anvil_fast.equalizer import rail_equalizer, reduction_dim
+    from anvil_fast.equalizer import equalize as fast_equalize
 
-    red = reduction_dim(v.shape)
+    red = reduction_axis(v.shape)
     out = []
     for fused_, backend in ((True, "triton"), (False, "torch")):
         vf, ef = v.clone().to(dev if fused_ else "cpu"), energy.clone().to(dev if fused_ else "cpu")
         trips = torch.zeros(v.shape[0], dtype=torch.int32, device=vf.device) if guard else None
-        rail_equalizer(vf, ef, 0.95, red, guard_trips=trips, compile=False, fused=fused_, backend=backend)
+        fast_equalize(vf, ef, beta2=0.95, red_dim=red, guard_trips=trips, compile=False, fused=fused_, backend=backend)
         out.append((vf.cpu(), ef.cpu(), None if trips is None else trips.cpu()))
     return out
 
@@ -156,14 +156,42 @@ def test_triton_equalizer_does_not_depend_on_the_bank_size(triton_dev):
     # bank (the sharded optimizer equals the one-process run bit for bit only then).
     import torch
 
-    from anvil_fast.equalizer import rail_equalizer
+    from anvil_fast.equalizer import equalize as fast_equalize
 
     shape = (4, 40, 24)
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(3)), margin=1.05).bfloat16().to(triton_dev)
     e = v.float().square().mean(dim=-1, keepdim=True)
     whole, we, wt = v.clone(), e.clone(), torch.zeros(4, dtype=torch.int32, device=v.device)
-    rail_equalizer(whole, we, 0.9, -1, guard_trips=wt, fused=True, backend="triton")
+    fast_equalize(whole, we, beta2=0.9, red_dim=-1, guard_trips=wt, fused=True, backend="triton")
     for s in (slice(0, 1), slice(1, 4)):
         part, pe, pt = v[s].clone(), e[s].clone(), torch.zeros(s.stop - s.start, dtype=torch.int32, device=v.device)
-        rail_equalizer(part, pe, 0.9, -1, guard_trips=pt, fused=True, backend="triton")
+        fast_equalize(part, pe, beta2=0.9, red_dim=-1, guard_trips=pt, fused=True, backend="triton")
         assert torch.equal(part, whole[s]) and torch.equal(pe, we[s])
+
+
+def test_fast_equalizer_has_the_reference_name_and_keyword_only_beta2():
+    import inspect
+
+    from anvil_fast import equalizer as FE
+    from anvil_ref import equalizer as RE
+
+    for fn in (FE.equalize, RE.equalize):
+        assert inspect.signature(fn).parameters["beta2"].kind == inspect.Parameter.KEYWORD_ONLY, fn.__module__
+
+
+def test_fast_equalizer_defaults_to_the_reference_lane_rule():
+    # A wide bank: lanes are columns (reduction over rows, axis -2); the default must pick it.
+    import torch
+
+    from anvil_fast.equalizer import equalize as fast_equalize
+
+    v = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(41)).bfloat16()
+    e = torch.ones(2, 1, 5)
+    by_default, explicit = v.clone(), v.clone()
+    e1, e2 = e.clone(), e.clone()
+    fast_equalize(by_default, e1, beta2=0.5, compile=False)
+    fast_equalize(explicit, e2, beta2=0.5, red_dim=reduction_axis(v.shape), compile=False)
+    assert reduction_axis(v.shape) == -2
+    assert torch.equal(by_default, explicit) and torch.equal(e1, e2)
+    ref_v, ref_e = equalize(v.double().numpy(), e.double().numpy(), beta2=0.5)
+    np.testing.assert_allclose(e1.double().numpy(), ref_e, rtol=1e-6)

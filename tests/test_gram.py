@@ -175,8 +175,8 @@ def test_tuner_drops_failures_and_disagreements_and_keeps_the_fastest():
 
     times = {ref: 10.0, slow: 8.0, fast: 5.0, ulp: 6.0, wrong: 1.0}
     timer = lambda fn: (fn(), times[last[-1]])[1]  # noqa: E731
-    best, rec = GT.tune("gram", ("XXT", 64, 64, 1, None), launch, out, ref, cands=[slow, fast, ulp, wrong, boom],
-                        timer=timer, sync=lambda: None)
+    best, rec = GT.tune("gram", GT.ProblemKey("XXT", 64, 64, 64, 1, None), launch, out, ref,
+                        cands=[slow, fast, ulp, wrong, boom], timer=timer, sync=lambda: None)
     assert best == fast
     by = {cfg: (us, note) for cfg, us, note in rec["results"]}
     assert by[wrong][0] is None and by[wrong][1].startswith("REJECTED")
@@ -197,31 +197,31 @@ def test_tuner_caches_per_key_and_steps_aside_when_disabled(monkeypatch):
     monkeypatch.setattr(GT, "RECORDS", [])
     default = T(32, 32, 32, 4, 1, kernel="v1")
     out = torch.zeros(2)
-    big = ("XXT", 768, 768, 8, None)
+    big = GT.ProblemKey("XXT", 768, 768, 768, 8, None)
     for _ in range(2):
         assert GT.choose("gram", big, None, out, default).kernel == "tma"
     assert calls == [big] and len(GT.RECORDS) == 1
     # a few microseconds of work: not worth tuning
-    assert GT.choose("gram", ("XXT", 96, 96, 4, None), None, out, default) == default and calls == [big]
+    assert GT.choose("gram", GT.ProblemKey("XXT", 96, 96, 96, 4, None), None, out, default) == default and calls == [big]
     monkeypatch.setenv("ANVIL_FAST_TUNE", "0")
-    assert GT.choose("gram", ("XXT", 768, 768, 16, None), None, out, default) == default and calls == [big]
+    assert GT.choose("gram", GT.ProblemKey("XXT", 768, 768, 768, 16, None), None, out, default) == default and calls == [big]
 
 
 def test_tuner_candidates_fit_the_problem(monkeypatch):
     from anvil_fast import gram_tune as GT
 
-    big = GT.candidates("gram", ("XXT", 768, 768, 64, 0), 132)
+    big = GT.candidates("gram", GT.ProblemKey("XXT", 768, 768, 768, 64, 0), 132)
     assert any(c.kernel == "tma" and c.per_sm for c in big) and all(c.kernel != "cublas" for c in big)
     # 300 is not a multiple of any tile: no TMA; 4 matrices of 3 x 3 tiles: no persistent grid
-    odd = GT.candidates("gram", ("XXT", 300, 200, 4, 0), 132)
+    odd = GT.candidates("gram", GT.ProblemKey("XXT", 300, 300, 200, 4, 0), 132)
     assert odd and all(c.kernel == "ptr" and not c.per_sm for c in odd)
-    tiny = GT.candidates("ba_plus_cAA", ("ba_plus_cAA", 17, 3, 0), 132)
+    tiny = GT.candidates("ba_plus_cAA", GT.ProblemKey("ba_plus_cAA", 17, 17, 17, 3, 0), 132)
     assert tiny and all(c.BLOCK_M == 64 for c in tiny)
-    mm = GT.candidates("mm_add", ("mm_add", 2816, 768, 768, 24, 0), 132)
+    mm = GT.candidates("mm_add", GT.ProblemKey("mm_add", 2816, 768, 768, 24, 0), 132)
     assert all(c.kernel != "cublas" for c in mm) and any(c.kernel == "tma" for c in mm)  # bit-reproducible default
     monkeypatch.setenv("ANVIL_FAST_TUNE_CUBLAS", "1")
-    assert GT.candidates("mm_add", ("mm_add", 2816, 768, 768, 24, 0), 132)[-1].kernel == "cublas"
-    assert not [c for c in GT.candidates("ba_plus_cAA", ("ba_plus_cAA", 768, 64, 0), 132)
+    assert GT.candidates("mm_add", GT.ProblemKey("mm_add", 2816, 768, 768, 24, 0), 132)[-1].kernel == "cublas"
+    assert not [c for c in GT.candidates("ba_plus_cAA", GT.ProblemKey("ba_plus_cAA", 768, 768, 768, 64, 0), 132)
                 if c.BLOCK_M == 128 and c.num_warps == 4]
 
 

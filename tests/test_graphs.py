@@ -269,8 +269,7 @@ def test_step_graph_address_check_names_rebound_tensors():
 def test_fp32_split_join_are_the_bit_halves():
     """split_fp32_/join_fp32_ against anvil_fast.update's shift-and-mask definition, on bit
     patterns covering signs, zeros, subnormals, infinities and NaN payloads."""
-    from anvil_fast.optimizer import join_fp32_, split_fp32_
-    from anvil_fast.update import join_master, split_master
+    from anvil_fast.update import join_fp32, join_fp32_, split_fp32, split_fp32_
 
     g = torch.Generator().manual_seed(5)
     raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 7, 5), generator=g, dtype=torch.int64).to(torch.int32)
@@ -281,12 +280,12 @@ def test_fp32_split_join_are_the_bit_halves():
     hi = torch.empty(master.shape, dtype=torch.bfloat16)
     lo = torch.empty(master.shape, dtype=torch.uint16)
     split_fp32_(master, hi, lo)
-    want_hi, want_lo = split_master(master)
+    want_hi, want_lo = split_fp32(master)
     assert torch.equal(hi.view(torch.int16), want_hi) and torch.equal(lo.view(torch.int16), want_lo)
     back = torch.empty_like(master)
     join_fp32_(hi, lo, back)
     assert torch.equal(back.view(torch.int32), raw)
-    assert torch.equal(join_master(want_hi, want_lo).view(torch.int32), raw)
+    assert torch.equal(join_fp32(want_hi, want_lo).view(torch.int32), raw)
 
 
 def test_nonfinite_labels_on_buffers():

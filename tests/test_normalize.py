@@ -124,7 +124,8 @@ def test_partials_checks_shapes(triton_dev):
 def test_launches_sliced_over_the_matrix_axis_give_the_same_bits(triton_dev, monkeypatch):
     # CUDA limits grid axis 1 (the matrix index) to 65535: the element-wise kernels launch in slices
     # of that many matrices. With the limit lowered to 2, five matrices take three launches.
-    from anvil_fast.equalizer import EqualizerWork, rail_equalizer
+    from anvil_fast.equalizer import EqualizerWork
+    from anvil_fast.equalizer import equalize as fast_equalize
 
     N, SAFE, _ = _mods()
     shape = (5, 24, 40)
@@ -138,7 +139,7 @@ def test_launches_sliced_over_the_matrix_axis_give_the_same_bits(triton_dev, mon
         N.normalize_from_partials(xs, s, p, margin=SAFE.margin(), eps=1e-7, limit=LIMIT)
         e = xs.float().square().mean(dim=-2, keepdim=True)
         trips = torch.zeros(5, dtype=torch.int32, device=triton_dev)
-        rail_equalizer(xs, e, 0.9, -2, guard_trips=trips, fused=True, work=EqualizerWork.for_shape(shape, triton_dev),
+        fast_equalize(xs, e, beta2=0.9, red_dim=-2, guard_trips=trips, fused=True, work=EqualizerWork.for_shape(shape, triton_dev),
                        backend="triton")
         outs.append((xs, p.amax, p.sumsq, s, e))
     for a, b in zip(*outs):

@@ -112,3 +112,68 @@ def test_a_label_used_twice_is_refused():
     a.label = b.label = "x"
     with pytest.raises(ConfigError, match="more than one parameter"):
         AnvilAndAdam([("a", a), ("b", b)], {"x": {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.95]}})
+
+
+# ---- the constructor's steps, each alone: classify (read and check), plan (rows), build (state)
+
+def _labelled(label, shape, dtype=torch.float32, reshape=None):
+    p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+    p.label = label
+    if reshape is not None:
+        p.reshape = reshape
+    return p
+
+
+_TABLE = {"qk_bank": {"optim": "anvil", "comms": "sharded"},
+          "embed": {"optim": "adam", "comms": "sharded", "adam_betas": [0.5, 0.95]},
+          "lm_head": {"optim": "adam", "comms": "sharded", "adam_betas": [0.5, 0.95]},
+          "gain": {"optim": "adam", "comms": "replicated", "adam_betas": [0.9, 0.99]}}
+
+
+def _classify(named, **kw):
+    from anvil_fast.optimizer import classify_params
+
+    args = dict(scatter_order=None, work_order=None, adam_defaults=A.ADAM_DEFAULTS, anvil_defaults=A.ANVIL_DEFAULTS,
+                world_size=1, rank=0, allow_fp32_banks=False, tie_embeddings=None)
+    return classify_params(named, _TABLE, **{**args, **kw})
+
+
+def test_classify_reads_labels_orders_and_the_tied_pair_without_allocating():
+    named = [("b", _labelled("qk_bank", (32, 12), torch.bfloat16, BANK_RESHAPE)), ("h", _labelled("lm_head", (4, 16))),
+             ("e", _labelled("embed", (16, 4))), ("g", _labelled("gain", (3,)))]
+    c = _classify(named, work_order=["gain", "embed", "lm_head", "qk_bank"])
+    assert c.labels == ["qk_bank", "lm_head", "embed", "gain"] == c.scatter_order
+    assert c.work_order == ["gain", "embed", "lm_head", "qk_bank"]
+    assert c.names == {"qk_bank": "b", "lm_head": "h", "embed": "e", "gain": "g"}
+    assert c.tied and c.device == torch.device("cpu") and c.param_cfgs["qk_bank"].reshape == BANK_RESHAPE
+    assert not _classify(named, tie_embeddings=False).tied
+
+
+@pytest.mark.parametrize("named,kw,match", [
+    ([("b", _labelled("qk_bank", (32, 12), torch.float32, BANK_RESHAPE))], {}, "allow_fp32_banks=True"),
+    ([("h", _labelled("lm_head", (4, 16))), ("e", _labelled("embed", (4, 16)))], {}, "2-D transposes"),
+    ([("g", _labelled("gain", (3,)))], {"tie_embeddings": True}, "needs both"),
+    ([("g", _labelled("gain", (3,))), ("m", _labelled("embed", (16, 4)).to("meta"))], {"tie_embeddings": False},
+     "one device"),
+])
+def test_classify_refuses_before_anything_is_built(named, kw, match):
+    for _, p in named:
+        if getattr(p, "label", None) is None:  # .to() returns a new tensor without the attribute
+            p.label = "embed"
+    with pytest.raises(ConfigError, match=match):
+        _classify(named, **kw)
+
+
+def test_plan_rows_and_new_state_follow_the_parameters_order():
+    from anvil_fast.optimizer import new_param_states, plan_rows
+
+    named = [("g", _labelled("gain", (3,))), ("b", _labelled("qk_bank", (32, 12), torch.bfloat16, BANK_RESHAPE)),
+             ("e", _labelled("embed", (16, 4)))]
+    c = _classify(named)
+    rows = plan_rows(c.labels, c.param_cfgs)
+    assert rows.adam_labels == ["gain", "embed"] and rows.adam_row == {"gain": 0, "embed": 1}
+    assert rows.replicated_labels == ["gain"] and rows.bank_labels == ["qk_bank"]
+    st = new_param_states(c.params, c.param_cfgs, c.device)
+    assert st["qk_bank"]["velocity"].shape == (2, *BANK_RESHAPE) and st["qk_bank"]["mantissa"].dtype == torch.uint16
+    assert st["qk_bank"]["lane_energy"].shape == (4, 1, 12)  # 8 x 12 matrices are wide: one lane per column
+    assert st["gain"]["exp_avg"].shape == (3,) and st["embed"]["step"] == 0

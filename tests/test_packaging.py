@@ -77,6 +77,10 @@ def test_setup_cfg_declares_the_packages_and_extras():
     cfg.read(ROOT / "setup.cfg")
     pkgs = {s.strip() for s in cfg["options"]["packages"].split(",")}
     assert {"anvil_ref", "anvil_fast", "derive_maps"} <= pkgs
+    # every sub-package is declared too, or an installed package lacks it
+    subpackages = {".".join(p.parent.relative_to(ROOT).parts) for top in ("anvil_ref", "anvil_fast", "derive_maps")
+                   for p in (ROOT / top).rglob("__init__.py")}
+    assert subpackages <= pkgs, subpackages - pkgs
     assert "pytest" in cfg["options.extras_require"]["test"]
     reqs = cfg["options"]["install_requires"]
     assert "torch>=2.9" in reqs and "jax" not in reqs
@@ -92,3 +96,121 @@ def test_main_job_runs():
     for row in rows:
         lo, hi = (float(v) for v in re.findall(r"([0-9.e+-]+)\.\.\s*([0-9.e+-]+)", row)[-1])
         assert 0.99 < lo <= hi < 1.01  # the cascade drives the spectrum to ~1
+
+
+PACKAGES = ("anvil_ref", "anvil_fast", "derive_maps")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its source (top level or inside a
+    function: a deferred import still ties the two modules together)."""
+    paths = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                deps |= {base} | {f"{base}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d in paths and d != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_reports_a_cycle_by_its_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_import_graph_sees_relative_and_deferred_imports():
+    graph = package_import_graph()
+    assert "anvil_fast._triton" in graph["anvil_fast.gram"]  # top level, relative
+    assert "anvil_fast.bank" in graph["anvil_fast.bench.bank"]  # inside a function, two dots up
+    assert "anvil_ref.constants" in graph["anvil_fast.bench.bank"]  # absolute
+
+
+def test_no_import_cycles_in_the_packages():
+    cycles = import_cycles(package_import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+#: Words that narrate the project's history or point outside the repository. A comment, a CLI string
+#: or the paper says why something is as it is; history belongs in git, results/ folder names are data.
+HISTORY_PHRASES = re.compile(r"\brun [0-9]+\b|\bissues? ?#?[0-9]+|\bthe issue's\b|\bfirst version\b|\bpreviously\b|"
+                             r"\bunchanged from\b|METHOD\.md|device notes|\.\./shared/", re.IGNORECASE)
+
+
+def history_sources():
+    for pkg in ("anvil_ref", "anvil_fast", "derive_maps", "tools", "papers", "tests"):
+        for p in sorted((ROOT / pkg).rglob("*")):
+            if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts and p != Path(__file__).resolve():
+                yield p
+    yield ROOT / "papers" / "anvil.template.md"
+    yield ROOT / "README.md"
+    yield ROOT / "tests" / "README.md"
+
+
+def test_the_history_grep_catches_each_phrase():
+    for text in ("as in run 3", "Issue 5's measurements", "(issue 3)", "the issue's statements", "unchanged from the "
+                 "first version", "previously", "METHOD.md of the device notes", "../shared/seed/x.txt"):
+        assert HISTORY_PHRASES.search(text), text
+    for text in ("results/anvil_fast_h200/run3/bench.log", "run the tests", "a known issue of the interpreter"):
+        assert not HISTORY_PHRASES.search(text), text
+
+
+def test_sources_do_not_narrate_history():
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in history_sources() if p.is_file()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY_PHRASES.search(line)]
+    assert not hits, "\n".join(hits)
+
+
+def test_every_anvil_fast_module_is_in_its_module_map():
+    import pkgutil
+
+    import anvil_fast
+
+    doc = anvil_fast.__doc__
+    missing = [m.name for m in pkgutil.iter_modules(anvil_fast.__path__)
+               if f"``{m.name}``" not in doc and f"``{m.name}/``" not in doc]
+    assert not missing, f"anvil_fast/__init__.py's module map lacks {missing}"
+    public = {m.name for m in pkgutil.iter_modules(anvil_fast.__path__) if not m.name.startswith("_")}
+    assert public - {"gram_kernels"} <= set(dir(anvil_fast))  # gram_kernels needs Triton at import

@@ -152,14 +152,15 @@ def _rails_inputs(shape, dev, seed=0):
 def _run_rails(grad, vel, scalars, *, fused, prescale=True, with_partials=True):
     dev = scalars[0].device
     from anvil_fast.normalize import NormPartials
-    from anvil_fast.rails import rails_lookahead
+    from anvil_fast.rails import twin_rail as fast_twin_rail
 
     shape = tuple(grad.shape)
     v = vel.clone().to(dev)
     x = torch.empty(shape, dtype=torch.bfloat16, device=dev)
     p = NormPartials.for_shape(shape, dev) if with_partials else None
-    wrote = rails_lookahead(grad.to(dev), v, *scalars, x_out=x, prescale=prescale, fused=fused, partials=p,
-                            backend="triton" if fused else "torch", compile=False)
+    mu, fb, w = scalars
+    wrote = fast_twin_rail(grad.to(dev), v, momentum=mu, fast_beta=fb, fast_weight=w, x_out=x, prescale=prescale,
+                           fused=fused, partials=p, backend="triton" if fused else "torch", compile=False)
     assert wrote == (fused and with_partials)
     return v.cpu(), x.cpu(), p
 
@@ -210,7 +211,18 @@ def test_fused_rails_check_their_input(triton_dev):
         _run_rails(grad, vel[:, :, :, :4], sc, fused=True)
     with pytest.raises(ValueError, match="grad"):
         _run_rails(grad.half(), vel, sc, fused=True)
-    from anvil_fast.rails import use_fused
+    from anvil_fast._triton import use_triton
 
     with pytest.raises(ValueError, match="backend"):
-        use_fused(grad, "cuda")
+        use_triton(grad, "cuda")
+
+
+def test_fast_twin_rail_has_the_reference_name_and_keyword_only_rates():
+    import inspect
+
+    from anvil_fast import rails as FR
+    from anvil_ref import rails as RR
+
+    for fn in (FR.twin_rail, RR.twin_rail):
+        params = inspect.signature(fn).parameters
+        assert all(params[k].kind == inspect.Parameter.KEYWORD_ONLY for k in ("momentum", "fast_beta", "fast_weight"))

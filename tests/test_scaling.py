@@ -1,5 +1,5 @@
-"""anvil_fast.scaling on CPU: the seed's 8-way sharding, 8 gloo processes, 20 steps (issue 5's
-equivalence; the GPU timings come from `python -m anvil_fast.scaling gpu` on the device)."""
+"""anvil_fast.scaling on CPU: the seed's 8-way sharding, 8 gloo processes, 20 steps (sharded and
+one-process steps agree; the GPU timings come from `python -m anvil_fast.scaling gpu` on the device)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """anvil_fast.transpose: the tied embedding's transpose_add / transpose_copy.
 
-The Triton kernel runs here through the CPU interpreter (``force_triton=True``; conftest sets
+The Triton kernel runs here through the CPU interpreter (``backend="triton"``; conftest sets
 TRITON_INTERPRET=1 without CUDA), and must equal torch's ``dst.add_(src.T)`` / ``dst.copy_(src.T)``
 bit for bit (one fp32 add, one rounding). What only the GPU covers: the compiled kernel's shared-
 memory transpose and native bf16 cast (the same tests run there with the gpu marker)."""
@@ -29,10 +29,10 @@ def test_kernel_equals_torch_bitwise(device, dtype, shape):
     dst = torch.randn(shape[::-1], generator=g).to(dtype).to(device)
     want_add = dst.clone().add_(src.T)
     got = dst.clone()
-    transpose_add(src, got, force_triton=True)
+    transpose_add(src, got, backend="triton")
     assert torch.equal(got, want_add)
     out = torch.full(shape[::-1], float("nan"), dtype=dtype, device=device)  # every element written
-    transpose_copy(src, out, force_triton=True)
+    transpose_copy(src, out, backend="triton")
     assert torch.equal(out, src.T)
 
 
@@ -43,11 +43,11 @@ def test_strided_operands_and_mixed_dtypes(device):
     src = big[:, 10:70]  # row stride 100
     dst_big = torch.zeros(60, 80, device=device)
     dst = dst_big[:, 5:45]  # row stride 80
-    transpose_copy(src, dst, force_triton=True)
+    transpose_copy(src, dst, backend="triton")
     assert torch.equal(dst, src.T) and torch.count_nonzero(dst_big[:, :5]) == 0
     acc = torch.randn(60, 40, generator=g).bfloat16().to(device)
     want = acc.clone().add_(src.T)  # fp32 source into a bf16 destination: one rounding
-    transpose_add(src, acc, force_triton=True)
+    transpose_add(src, acc, backend="triton")
     assert torch.equal(acc, want)
 
 

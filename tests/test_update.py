@@ -100,13 +100,32 @@ def test_fast_update_matches_reference():
 def test_fast_master_join_split_is_bit_exact():
     import torch
 
-    from anvil_fast.update import join_master, split_master
+    from anvil_fast import update as F
     from anvil_ref.storage import join_fp32
 
     hi = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     for lo_val in (0, 1, 0x7FFF, 0x8000, 0xFFFF, 12345):
         lo = torch.full_like(hi, lo_val - (65536 if lo_val >= 32768 else 0))
-        w = join_master(hi, lo)
+        w = F.join_fp32(hi, lo)
         assert torch.equal(w.view(torch.int32), join_fp32(hi.view(torch.uint16), lo.view(torch.uint16)).view(torch.int32))
-        h2, l2 = split_master(w)
+        h2, l2 = F.split_fp32(w)
         assert torch.equal(h2, hi) and torch.equal(l2, lo)
+
+
+def test_fast_update_has_the_reference_name_and_keyword_only_gate_and_rates():
+    # eff_lr and eff_wd (and update and gate) have the same type: passed by position a swap would run.
+    import inspect
+
+    import torch
+
+    from anvil_fast import update as F
+    from anvil_ref import update as RU
+
+    for fn in (F.sign_aligned_update, RU.sign_aligned_update):
+        kinds = {n: p.kind for n, p in inspect.signature(fn).parameters.items()}
+        assert kinds["eff_lr"] == kinds["eff_wd"] == inspect.Parameter.KEYWORD_ONLY, fn.__module__
+    assert inspect.signature(F.sign_aligned_update).parameters["gate"].kind == inspect.Parameter.KEYWORD_ONLY
+    p, m = torch.zeros(1, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 2, 2, dtype=torch.uint16)
+    u = g = torch.zeros(1, 2, 2)
+    with pytest.raises(TypeError):
+        F.sign_aligned_update(p, m, u, g, torch.zeros(1, 1, 1), torch.zeros(()))

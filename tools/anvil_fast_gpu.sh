@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session for anvil_fast (issue 6), run from the repository root on the device machine, every
+# One GPU session for anvil_fast, run from the repository root on the device machine, every
 # stage logged under $OUT and bounded so the whole script ends before DEADLINE seconds:
 #   1. GPU tests of the kernels, the bank, the difftest and the near-rank-1 study (kernel candidates
 #      compile here; Triton's on-disk cache hands them to the benchmark),
@@ -7,8 +7,8 @@
 #      rerun with the v1 kernels (ANVIL_FAST_GRAM=v1) if it fails outright,
 #   3. the rest of the GPU suite with whatever time is left.
 # DIFF=1 / NR1=1 add the difftest table and the near-rank-1 study before the benchmark.
-# Run 3 (results/anvil_fast_h200/run3, DEADLINE=395): stage 1 took 100 s, the benchmark 86 s; stage 2
-# did not finish in its then 90 s (killed inside tests/test_difftest.py), hence 150 s now.
+# Stage budgets: with DEADLINE=395 (results/anvil_fast_h200/run3) stage 1 took 100 s and the benchmark
+# 86 s; stage 2 needs about 150 s (90 s ended it inside tests/test_difftest.py).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/anvil_fast_out}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session for the fast optimizer (issues 4 and 5) on the two-GPU kind, from the repository
+# One GPU session for the fast optimizer on the two-GPU kind, from the repository
 # root: the optimizer benchmark (GPU 0), the optimizer's GPU tests (one GPU and two-process NCCL),
 # and the two-GPU scaling table. Each stage is logged under $OUT and has its own time limit.
 set -o pipefail

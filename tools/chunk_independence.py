@@ -53,22 +53,23 @@ def _halves(bank, config):
 def phases(bank, compile_post=None) -> dict[str, torch.Tensor]:
     """Run one update phase by phase, returning a copy of each phase's output."""
     from anvil_fast.cascade import cascade_workspace
-    from anvil_fast.equalizer import rail_equalizer
-    from anvil_fast.rails import rails_lookahead
-    from anvil_fast.update import sign_aligned_decay_update
+    from anvil_fast.equalizer import equalize
+    from anvil_fast.rails import twin_rail
+    from anvil_fast.update import sign_aligned_update
 
     ws, cfg, out = bank.workspace, bank.config, {}
-    ready = rails_lookahead(bank.grad, bank.velocity, bank.momentum, bank.fast_beta, bank.fast_weight, x_out=ws.X,
-                            prescale=cfg.prescale, fused=cfg.triton_elementwise, partials=ws.partials)
+    ready = twin_rail(bank.grad, bank.velocity, momentum=bank.momentum, fast_beta=bank.fast_beta,
+                      fast_weight=bank.fast_weight, x_out=ws.X, prescale=cfg.prescale, fused=cfg.triton_elementwise,
+                      partials=ws.partials)
     out["rails: velocity"], out["rails: X"] = bank.velocity.clone(), ws.X.clone()
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, partials_ready=ready)
     out["cascade"] = v.clone()
-    v = rail_equalizer(v, bank.lane_energy, bank.beta2, bank.red_dim,
-                       guard_trips=bank.guard_trips if cfg.guard else None, compile=compile_post,
-                       fused=cfg.triton_elementwise, work=ws.equalizer)
+    v = equalize(v, bank.lane_energy, beta2=bank.beta2, red_dim=bank.red_dim,
+                 guard_trips=bank.guard_trips if cfg.guard else None, compile=compile_post,
+                 fused=cfg.triton_elementwise, work=ws.equalizer)
     out["equalizer: v"], out["equalizer: lane energy"] = v.clone(), bank.lane_energy.clone()
-    sign_aligned_decay_update(bank.p_slice, bank.mantissa, v, bank.eff_wd, bank.eff_lr, bank.velocity[1],
-                              compile=compile_post)
+    sign_aligned_update(bank.p_slice, bank.mantissa, v, gate=bank.velocity[1], eff_lr=bank.eff_lr,
+                        eff_wd=bank.eff_wd, compile=compile_post)
     out["update: p"], out["update: mantissa"] = bank.p_slice.clone(), bank.mantissa.clone()
     return out
 

@@ -98,7 +98,7 @@ def elementwise() -> None:
     N.block_partials(x, p, limit=RL.PRESCALE_EXP_LIMIT)
     N.normalize_from_partials(x, torch.empty(shape[0], 1, 1), p, margin=1.05, eps=1e-7, limit=RL.PRESCALE_EXP_LIMIT)
     for shp in (shape, (72, 256, 768)):  # tall (lanes = rows) and wide (lanes = columns)
-        red = EQ.reduction_dim(shp)
+        red = EQ.reduction_axis(shp)
         xv = torch.empty(shp, dtype=torch.bfloat16)
         work = EQ.EqualizerWork.for_shape(shp, "cpu")
         EQ._equalizer_fused(xv, torch.empty(work.lane_power.shape), 0.95, red, torch.zeros(shp[0], dtype=torch.int32),
@@ -113,7 +113,7 @@ def main(which: list[str]) -> None:
     from anvil_fast import gram_kernels as K
     from anvil_fast import gram_tune as GT
 
-    G._use_triton = lambda t, backend: True  # CPU tensors stand in for CUDA ones; nothing is launched
+    G.use_triton = lambda t, backend, error=None: True  # CPU tensors stand in for CUDA ones; nothing is launched
     for name in ("_gram_kernel", "_ba_plus_caa_kernel", "_mm_add_kernel"):
         setattr(K, name, _Compile(getattr(K, name)))
     X = torch.empty(64, 768, 768, dtype=torch.bfloat16)

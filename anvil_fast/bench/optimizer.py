@@ -32,9 +32,9 @@ events, L2 flushed between repetitions, after a warm-up that includes compilatio
   hidden matrices as 2-D bf16 parameters + ``torch.optim.AdamW(fused=True)`` on the rest.
 
 The floor of the fast step: the banks' cascade FLOPs as the symmetric kernels execute them
-(:func:`anvil_fast.bench.flops`) at the bf16 matmul peak measured in the same run, plus the bytes the
+(:func:`anvil_fast.bench.common.flops`) at the bf16 matmul peak measured in the same run, plus the bytes the
 step must move at the measured copy bandwidth: per bank element the element-wise phases' bytes
-(:data:`anvil_fast.bench.ELEMENTWISE_BYTES`, 44 B) + 4 B for the gradient's copy into the bank's
+(:data:`anvil_fast.bench.common.ELEMENTWISE_BYTES`, 44 B) + 4 B for the gradient's copy into the bank's
 persistent buffer; per Adam element 28 B (p, m, v read and written, g read, fp32).
 """
 
@@ -47,10 +47,18 @@ from collections.abc import Callable
 
 import torch
 
-from anvil_ref.constants import EMBED_LABEL, LM_HEAD_LABEL
+from anvil_ref.constants import ADAM_DEFAULTS, EMBED_LABEL, LM_HEAD_LABEL, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
+
+from .common import ELEMENTWISE_BYTES, bench_ms, flops, measure_peaks
+
+#: do_bench's warm-up per variant (ms).
+WARMUP_MS = 100
 
 #: label -> (shape, bank reshape or None, dtype, table entry)
 Layout = dict[str, tuple[tuple[int, ...], tuple[int, int, int] | None, torch.dtype, dict]]
+
+#: One line for ``python -m anvil_fast.bench --help``.
+SUMMARY = "one AnvilAndAdam step on a GPT-2-small layout vs torch Muon + fused AdamW (GPU)"
 
 
 def gpt2_small_layout(*, n_layer: int = 12, width: int = 768, vocab: int = 50304, heads: int = 6,
@@ -115,17 +123,15 @@ def n_params(layout: Layout, *, tied: bool = False) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def _bench(fn: Callable[[], object], rep_ms: int) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median"))
+    return bench_ms(fn, rep_ms=rep_ms, warmup=WARMUP_MS)
 
 
 def fast_optimizer(layout: Layout, device, *, comms=None, graphs: bool = True, untie: bool = True, seed: int = 0):
-    from .optimizer import AnvilAndAdam
+    from ..optimizer import AnvilAndAdam
 
     params = make_params(layout, device, seed=seed)
     opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms)
-    opt.set_rails(0.85, 0.4385)
+    opt.set_rails(RAIL_FAST_BETA, RAIL_FAST_WEIGHT)
     if graphs:
         opt.use_cuda_graphs()
     if untie:
@@ -158,7 +164,8 @@ def baseline(layout: Layout, device, seed: int = 0):
         p.grad = (1e-3 * torch.randn(p.shape, device=device, generator=g)).to(p.dtype)
         grads.append(p.grad)
     muon = torch.optim.Muon(muon_params, lr=0.02, weight_decay=0.0)
-    adamw = torch.optim.AdamW(adam_params, lr=0.008, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
+    adamw = torch.optim.AdamW(adam_params, lr=ADAM_DEFAULTS["lr"], betas=ADAM_DEFAULTS["betas"],
+                                  eps=ADAM_DEFAULTS["eps"], weight_decay=0.0, fused=True)
 
     def run():
         muon.step()
@@ -169,8 +176,6 @@ def baseline(layout: Layout, device, seed: int = 0):
 def floor_ms(layout: Layout, tflops: float, gbs: float, *, world_size: int = 1, tied: bool = False) -> tuple[float, float, float]:
     """(matmul ms at the measured peak, memory ms at the measured bandwidth, their sum) for one
     Adam step of the fast path on this rank."""
-    from .bench import ELEMENTWISE_BYTES, flops
-
     fl, bank_bytes, adam_bytes = 0.0, 0.0, 0.0
     for label, (shape, reshape, _, entry) in layout.items():
         if reshape is not None:
@@ -192,8 +197,6 @@ def run(a: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("anvil_fast.bench optimizer: needs a CUDA device (timings come only from GPU runs)")
         return 2
-    from .bench import measure_peaks
-
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     layout = gpt2_small_layout()

@@ -8,9 +8,9 @@ set once; after ``--warmup`` steps (compilation, autotuning, graph capture), ``o
 is timed step by step with CUDA events until ``--rep-ms`` of steps have run; the table shows the
 median (and the median host time of one call, which exceeds the device time when the step is
 launch-bound). The floor is the bytes the step must move at the copy bandwidth measured in the same
-run plus the cascade's executed FLOPs at the measured bf16 peak (:func:`anvil_fast.bench.measure_peaks`,
-:func:`anvil_fast.bench.flops`): per bank element 6 B of gradient copy and cast (fp32 read, bf16
-write), the bank update's element-wise bytes (:data:`anvil_fast.bench.ELEMENTWISE_BYTES`) and 16 B
+run plus the cascade's executed FLOPs at the measured bf16 peak (:func:`anvil_fast.bench.common.measure_peaks`,
+:func:`anvil_fast.bench.common.flops`): per bank element 6 B of gradient copy and cast (fp32 read, bf16
+write), the bank update's element-wise bytes (:data:`anvil_fast.bench.common.ELEMENTWISE_BYTES`) and 16 B
 to split the fp32 master into its bf16 and mantissa halves and join it back; per Adam element 8 B
 of gradient copy and 28 B of Adam. The phase table times each phase of the default ANVIL step
 alone (eagerly, and captured in a CUDA graph where it can be), with its share of their sum.
@@ -29,7 +29,10 @@ from typing import Callable
 
 import torch
 
-from .gpt import GPTConfig
+from anvil_ref.constants import ADAM_DEFAULTS
+
+from ..gpt import GPTConfig
+from .common import ELEMENTWISE_BYTES, flops, graphed, measure_peaks
 
 VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "muon_adamw", "adamw")
 VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cuda_graphs=True",
@@ -38,6 +41,9 @@ VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cu
 #: The CPU smoke mode's model: one block, width unequal to the context length.
 SMOKE = GPTConfig(n_layer=1, n_embd=32, n_head=2, ctx=16)
 GRAD_SCALE = 1e-3
+
+#: One line for ``python -m anvil_fast.bench --help``.
+SUMMARY = "the drop-in ANVIL's step on the package's GPT vs Muon + AdamW and AdamW alone (--device cpu: smoke run)"
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -52,7 +58,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _model(size: str, device):
-    from .gpt import build
+    from ..gpt import build
 
     return build(SMOKE if size == "smoke" else size, seed=0, device=device)
 
@@ -71,7 +77,7 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
     """The variant's optimizer over ``model``; returns its ``step``."""
     fused = dict(fused=True) if device.type == "cuda" else {}
     if name.startswith("anvil"):
-        from .dropin import ANVIL
+        from ..dropin import ANVIL
 
         kw = {"anvil_graphs": dict(cuda_graphs=True), "anvil_eager": dict(cuda_graphs=False)}.get(name, {})
         return ANVIL(model, **kw)
@@ -80,8 +86,8 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
             raise RuntimeError(f"torch.optim.Muon needs torch >= 2.9, this is {torch.__version__}")
         named = list(model.named_parameters())
         muon = torch.optim.Muon([p for n, p in named if _hidden(n, p)], lr=0.02, weight_decay=0.0)
-        adamw = torch.optim.AdamW([p for n, p in named if not _hidden(n, p)], lr=0.008, betas=(0.9, 0.95),
-                                  eps=1e-10, weight_decay=0.0, **fused)
+        adamw = torch.optim.AdamW([p for n, p in named if not _hidden(n, p)], lr=ADAM_DEFAULTS["lr"],
+                                  betas=ADAM_DEFAULTS["betas"], eps=ADAM_DEFAULTS["eps"], weight_decay=0.0, **fused)
 
         class Both:
             def step(self):
@@ -89,8 +95,8 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
                 adamw.step()
         return Both()
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=0.008, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0,
-                                 **fused)
+        return torch.optim.AdamW(model.parameters(), lr=ADAM_DEFAULTS["lr"], betas=ADAM_DEFAULTS["betas"],
+                                 eps=ADAM_DEFAULTS["eps"], weight_decay=0.0, **fused)
     raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -124,8 +130,6 @@ def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min
 
 def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
     """(memory ms, matmul ms) of one default ANVIL step (module docstring)."""
-    from .bench import ELEMENTWISE_BYTES, flops
-
     inner = opt.inner
     fl, nbytes = 0.0, 0.0
     for label in inner.bank_labels:
@@ -167,12 +171,10 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
     out = []
     for name, fn, graphable in rows:
         eager = time_fn(fn, device, rep_ms=rep_ms, warmup=warmup, min_calls=min_calls)[0]
-        graphed = None
+        graphed_ms = None
         if graphable and device.type == "cuda":
-            from .bench import _graphed
-
-            graphed = time_fn(_graphed(fn), device, rep_ms=rep_ms, warmup=warmup)[0]
-        out.append((name, eager, graphed))
+            graphed_ms = time_fn(graphed(fn), device, rep_ms=rep_ms, warmup=warmup)[0]
+        out.append((name, eager, graphed_ms))
     return out
 
 
@@ -225,8 +227,6 @@ def run(a: argparse.Namespace) -> int:
         tflops = gbs = None
         print(f"CPU smoke mode (torch {torch.__version__}): times are not measurements", flush=True)
     else:
-        from .bench import measure_peaks
-
         torch.backends.cuda.matmul.allow_tf32 = False
         tflops, gbs = measure_peaks()
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 8192^3 matmul "

@@ -1,0 +1,52 @@
+"""anvil_fast.bench: the registry every command goes through, and the one FLOP count the tables use
+(timings come only from the GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from anvil_fast import bench
+from anvil_fast.bench import common
+
+
+def test_every_registered_command_has_its_interface():
+    assert set(bench.COMMANDS) >= {"bank", "optimizer", "dropin"}
+    for name in bench.COMMANDS:
+        mod = bench.command_module(name)
+        assert callable(mod.add_args) and callable(mod.run), name
+        assert isinstance(mod.SUMMARY, str) and "\n" not in mod.SUMMARY, name
+        mod.add_args(argparse.ArgumentParser())
+
+
+def test_one_line_registers_a_command(monkeypatch, capsys):
+    # A stand-in command module: this test file itself, registered by absolute name.
+    monkeypatch.setitem(bench.COMMANDS, "probe", __name__)
+    assert bench.main(["probe", "--answer", "7"]) == 7
+    assert "probe" in capsys.readouterr().out
+
+
+SUMMARY = "a command that only echoes its argument"
+
+
+def add_args(ap):
+    ap.add_argument("--answer", type=int, required=True)
+
+
+def run(a):
+    print("probe", a.answer)
+    return a.answer
+
+
+@pytest.mark.parametrize("shape,k,K", [((2, 256, 768), 256, 768), ((3, 768, 256), 256, 768), ((1, 300, 300), 300, 300)])
+def test_cascade_flops_count_full_and_lower_tile_products(shape, k, K):
+    c = shape[0]
+    t = -(-k // 128)
+    lower = t * (t + 1) / 2 / t ** 2
+    plain = 6 * (4 * k * k * K + 2 * k ** 3) * c  # per map: Gram 2k^2K, A@A 2k^3, X@B 2k^2K
+    executed = 6 * (lower * (2 * k * k * K + 2 * k ** 3) + 2 * k * k * K) * c
+    got = common.flops(shape)
+    assert got[0] == pytest.approx(plain, rel=1e-15) and got[1] == pytest.approx(executed, rel=1e-15)
+    mf = common.map_flops(shape)
+    assert mf.gram[1] == pytest.approx(lower * 2 * k * k * K * c, rel=1e-15) and mf.axb[0] == mf.axb[1]
