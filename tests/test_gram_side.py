@@ -93,3 +93,194 @@ def test_reference_bad_input():
         gram_side_cascade(np.ones((0, 3)))
     with pytest.raises(ReferenceInputError, match="both 0"):
         gram_side_cascade(np.ones((3, 2)), margin=0.0, eps=0.0)
+
+
+# ------------------------------------------------------------------ fast path (CPU)
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from anvil_fast import difftest as D  # noqa: E402
+from anvil_fast.cascade import (GRAM_SIDE, GRAM_SIDE_RESTARTS, SAFE, CascadeConfig, CascadeWorkspace,  # noqa: E402
+                                cascade_workspace, fast_cascade, get_config)
+from anvil_fast.gram import GramInputError  # noqa: E402
+from anvil_fast.gram_side import (GRAM_SIDE_MIN_ASPECT, STUDY_ALLOWANCE, choose_schedule,  # noqa: E402
+                                  eager_gram_side_cascade, fast_gram_side, sym_aX_plus_mm, uses_gram_side)
+from anvil_fast.near_rank1 import EXPLODED, near_rank1, top_singular_value  # noqa: E402
+
+STUDY_JSON = Path(__file__).resolve().parents[1] / "papers" / "data" / "gram_side_study.json"
+
+
+def _bf16(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_config_is_registered_and_validated():
+    assert get_config("gram_side") is GRAM_SIDE and GRAM_SIDE.gram_side == GRAM_SIDE_RESTARTS
+    # SAFE's normalization, margin and guard are kept
+    assert (GRAM_SIDE.fp32_trace, GRAM_SIDE.prescale, GRAM_SIDE.margin(), GRAM_SIDE.guard) == \
+        (SAFE.fp32_trace, SAFE.prescale, SAFE.margin(), SAFE.guard)
+    with pytest.raises(ValueError, match="prescale"):
+        CascadeConfig("x", fp32_trace=True, prescale=False, margin_slack=0.0, fused_axb=True, guard=True,
+                      gram_side=(3,))
+    with pytest.raises(ValueError, match="tuple"):
+        dataclasses.replace(GRAM_SIDE, gram_side=[3])
+
+
+@pytest.mark.parametrize("shape,want", [((24, 2816, 768), True), ((24, 768, 3072), True), ((768, 768), False),
+                                        ((1000, 600), False), ((1536, 768), True), ((1535, 768), False),
+                                        ((1, 256), True)])
+def test_dispatch_rule(shape, want):
+    assert uses_gram_side(shape) is want
+    assert GRAM_SIDE_MIN_ASPECT == 2.0  # the documented default until the bank benchmark sets it
+
+
+def test_sym_aX_plus_mm_torch_and_interpreted_kernel():
+    n = 40  # not a multiple of the interpreter's 32-tiles: partial tiles are masked
+    A = _bf16((2, n, n), 1)
+    A = ((A.float() + A.float().mT) / 2).bfloat16()
+    B = ((A.float() @ A.float()) * 0.1).bfloat16()  # a polynomial in A: B P is symmetric in exact arithmetic
+    P = (2.0 * A.float() + B.float() @ A.float()).bfloat16()
+    got = sym_aX_plus_mm(P, B, P, a=1.5, backend="torch")
+    want = 1.5 * P.float() + B.float() @ P.float()
+    assert torch.equal(got, got.mT)  # exactly symmetric
+    low = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    assert torch.equal(got[:, low], want.bfloat16()[:, low])  # the lower triangle, rounded once
+    from anvil_fast._triton import interpreting
+
+    if interpreting():
+        assert torch.equal(sym_aX_plus_mm(P, B, P, a=1.5, backend="triton"), got)
+
+
+def test_sym_aX_plus_mm_bad_input():
+    a = _bf16((2, 8, 8), 0)
+    with pytest.raises(GramInputError, match="square"):
+        sym_aX_plus_mm(a, a, _bf16((2, 8, 4), 1), a=1.0)
+    with pytest.raises(GramInputError, match="finite"):
+        sym_aX_plus_mm(a, a, a, a=float("nan"))
+    with pytest.raises(GramInputError, match="overlap"):
+        sym_aX_plus_mm(a, a, a, a=1.0, out=a)
+
+
+@pytest.mark.parametrize("shape", [(2, 72, 24), (2, 24, 72)], ids=["tall", "wide"])
+@pytest.mark.parametrize("sched", [(), (3,), (2, 4)], ids=str)
+def test_interpreted_kernels_equal_torch_fallback(shape, sched):
+    from anvil_fast._triton import interpreting
+
+    if not interpreting():
+        pytest.skip("needs Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)")
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fast_gram_side(x, restarts=sched, backend="triton"),
+                       fast_gram_side(x, restarts=sched, backend="torch"))
+
+
+def test_dispatch_in_cascade_workspace():
+    tall = torch.randn(2, 72, 24, generator=torch.Generator().manual_seed(4))
+    square = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(fast_cascade(tall, config="gram_side", backend="torch"), fast_gram_side(tall, backend="torch"))
+    assert not torch.equal(fast_cascade(tall, config="gram_side", backend="torch"),
+                           fast_cascade(tall, config=SAFE, backend="torch"))
+    assert torch.equal(fast_cascade(square, config="gram_side", backend="torch"),
+                       fast_cascade(square, config=SAFE, backend="torch"))
+
+
+def test_workspace_reuse_gives_the_same_result():
+    x = _bf16((3, 64, 16), 5)
+    ws = CascadeWorkspace.for_shape(tuple(x.shape), "cpu")
+    outs = []
+    for _ in range(2):
+        ws.X.copy_(x)
+        outs.append(cascade_workspace(ws, config=GRAM_SIDE, backend="torch").clone())
+    assert ws.gram_side is not None and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("family", ["gaussian", "well_conditioned", "decaying", "near_rank1", "zero", "huge", "tiny"])
+@pytest.mark.parametrize("shape", [(3, 64, 24), (3, 24, 64)], ids=["tall", "wide"])
+def test_difftest_rows_within_tolerances(shape, family):
+    row, ref = D.cascade_row(shape, family, GRAM_SIDE, backend="torch")
+    assert row.verdict() == "ok", row
+    if family == "zero":
+        assert row.fast == 0.0
+    if family in ("gaussian", "well_conditioned"):
+        # the path is accurate, not merely close to its eager twin: within the bf16 cascade's own error
+        assert row.fast <= 0.02, row
+
+
+def test_difftest_rule_catches_a_wrong_restart():
+    # a fast path that forgot to reset R at the restart (R := R Q_3 ... on top of X_0 R) is far outside
+    shape = (3, 64, 24)
+    x = D.make_matrix("gaussian", shape, seed=0)
+    ref = A.cascade(x.bfloat16(), margin=GRAM_SIDE.margin())
+    good = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin())
+    bad = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin(), restarts=())
+    from anvil_fast.tolerances import bf16_bound
+    assert D.rel_err(fast_gram_side(x, backend="torch"), ref) <= bf16_bound(D.rel_err(good, ref))
+    # the schedule changes the rounding only, never the math: both are within the rule of each other...
+    assert D.rel_err(bad, ref) <= bf16_bound(D.rel_err(good, ref)) or GRAM_SIDE_RESTARTS == ()
+    # ...while a missing map (the math) is not
+    wrong = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin(), maps=A.ANVIL_MAPS[:5], restarts=(3,))
+    assert D.rel_err(wrong, ref) > bf16_bound(D.rel_err(good, ref))
+
+
+def test_zero_and_extreme_scales():
+    z = fast_gram_side(torch.zeros(2, 48, 16), backend="torch")
+    assert torch.equal(z, torch.zeros_like(z))
+    for e in (100, -100):
+        x = torch.randn(2, 48, 16, generator=torch.Generator().manual_seed(6)) * 2.0 ** e
+        y = fast_gram_side(x, backend="torch")
+        assert torch.isfinite(y.float()).all() and top_singular_value(y).max() <= 1.01
+
+
+def test_near_rank1_never_explodes_cpu():
+    x = near_rank1(24, 96, 32, seed=7)
+    sig = top_singular_value(fast_cascade(x, config=GRAM_SIDE, backend="torch"))
+    assert torch.isfinite(sig).all() and sig.max() <= EXPLODED, sig.max()
+    # and the check can fail: no restart at all explodes on the same inputs
+    assert top_singular_value(fast_gram_side(x, restarts=(), backend="torch")).max() > EXPLODED
+
+
+def test_bank_update_with_gram_side_is_chunk_independent():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "chunk_independence", Path(__file__).resolve().parents[1] / "tools" / "chunk_independence.py")
+    ci = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ci)
+    rows = ci.compare((4, 72, 24), GRAM_SIDE, "cpu", compile_post=False)
+    assert rows and all(same for _, same, _ in rows), rows
+
+
+@pytest.mark.gpu
+def test_gram_side_gpu():
+    for shape in [(4, 2816, 768), (4, 768, 3072), (8, 256, 768)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(8)).cuda()
+        y = fast_cascade(x, config=GRAM_SIDE)
+        ref = A.cascade(x.cpu().bfloat16(), margin=GRAM_SIDE.margin())
+        e = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin())
+        from anvil_fast.tolerances import bf16_bound
+        assert D.rel_err(y, ref) <= bf16_bound(D.rel_err(e, ref)), shape
+        # the Triton kernels against the same path's torch fallback on the same GPU: one draw of the same error
+        t = fast_gram_side(x, backend="torch")
+        assert D.rel_err(y, ref) <= bf16_bound(D.rel_err(t, ref)), shape
+    x = near_rank1(64, 2816, 768, seed=7, device="cuda")
+    assert top_singular_value(fast_cascade(x, config=GRAM_SIDE)).max() <= EXPLODED
+
+
+# ------------------------------------------------------------------ the study's rule and the default
+def test_choose_schedule_rule():
+    rows = [{"restarts": [], "excess_max": 0.0, "exploded": 3},
+            {"restarts": [3], "excess_max": 0.5, "exploded": 0},
+            {"restarts": [4], "excess_max": 0.1 * STUDY_ALLOWANCE, "exploded": 0},
+            {"restarts": [5], "excess_max": 0.0, "exploded": 0},
+            {"restarts": [2, 4], "excess_max": -1.0, "exploded": 0}]
+    assert choose_schedule(rows) == (5,)  # fewest restarts first, then the smallest excess
+    assert choose_schedule(rows[:3] + rows[4:]) == (4,)
+    assert choose_schedule([rows[0], rows[1], rows[4]]) == (2, 4)
+    with pytest.raises(RuntimeError, match="no restart schedule"):
+        choose_schedule(rows[:2])
+
+
+def test_default_schedule_is_the_studys_choice():
+    res = json.loads(STUDY_JSON.read_text())
+    assert tuple(res["chosen"]) == GRAM_SIDE_RESTARTS
+    assert tuple(choose_schedule(res["schedules"])) == GRAM_SIDE_RESTARTS
