@@ -112,9 +112,9 @@ class CascadeConfig:
 FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
 SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True,
                     triton_elementwise=True)
-#: The Gram side's default restart schedule: one restart before map 3, the schedule that
+#: The Gram side's default restart schedule: one restart before map 4, the schedule that
 #: ``python -m anvil_fast.gram_side study`` picks (papers/data/gram_side_study.md states the rule).
-GRAM_SIDE_RESTARTS: tuple[int, ...] = (3,)
+GRAM_SIDE_RESTARTS: tuple[int, ...] = (4,)
 #: SAFE with the maps run on the short side of tall and wide banks (:mod:`anvil_fast.gram_side`).
 GRAM_SIDE = CascadeConfig("gram_side", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True,
                           guard=True, triton_elementwise=True, gram_side=GRAM_SIDE_RESTARTS)

@@ -149,7 +149,14 @@ def test_sym_aX_plus_mm_torch_and_interpreted_kernel():
     from anvil_fast._triton import interpreting
 
     if interpreting():
-        assert torch.equal(sym_aX_plus_mm(P, B, P, a=1.5, backend="triton"), got)
+        # The kernel sums the same fp32 products in another order (32-wide K tiles): the sums differ by
+        # <= n * 2**-24 relative, which moves a bf16 rounding only for values that close to a rounding
+        # boundary, a share ~ n * 2**-24 / 2**-8 = n * 2**-16 (6e-4 here), and then by one ulp.
+        tri = sym_aX_plus_mm(P, B, P, a=1.5, backend="triton")
+        assert torch.equal(tri, tri.mT)
+        assert float((tri == got).double().mean()) >= 0.99
+        ulp = torch.exp2(torch.floor(torch.log2(got.float().abs().clamp_min(2.0 ** -126))) - 7)
+        assert bool(((tri.float() - got.float()).abs() <= ulp).all())
 
 
 def test_sym_aX_plus_mm_bad_input():
@@ -164,14 +171,19 @@ def test_sym_aX_plus_mm_bad_input():
 
 @pytest.mark.parametrize("shape", [(2, 72, 24), (2, 24, 72)], ids=["tall", "wide"])
 @pytest.mark.parametrize("sched", [(), (3,), (2, 4)], ids=str)
-def test_interpreted_kernels_equal_torch_fallback(shape, sched):
+def test_interpreted_kernels_against_torch_fallback(shape, sched):
+    # The kernels sum in another order than the torch fallback, and the Gram side carries a differing
+    # last bit into every later product, so the two are two draws of one error: the factor rule.
     from anvil_fast._triton import interpreting
+    from anvil_fast.tolerances import bf16_bound
 
     if not interpreting():
         pytest.skip("needs Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(fast_gram_side(x, restarts=sched, backend="triton"),
-                       fast_gram_side(x, restarts=sched, backend="torch"))
+    ref = A.cascade(x.bfloat16(), margin=GRAM_SIDE.margin())
+    tri = D.rel_err(fast_gram_side(x, restarts=sched, backend="triton"), ref)
+    tor = D.rel_err(fast_gram_side(x, restarts=sched, backend="torch"), ref)
+    assert tri <= bf16_bound(tor) and tor <= bf16_bound(tri), (tri, tor)
 
 
 def test_dispatch_in_cascade_workspace():
@@ -228,7 +240,8 @@ def test_zero_and_extreme_scales():
     for e in (100, -100):
         x = torch.randn(2, 48, 16, generator=torch.Generator().manual_seed(6)) * 2.0 ** e
         y = fast_gram_side(x, backend="torch")
-        assert torch.isfinite(y.float()).all() and top_singular_value(y).max() <= 1.01
+        # finite, nothing overflowed or exploded (at 2**-100 the input is far below eps: a tiny output)
+        assert torch.isfinite(y.float()).all() and top_singular_value(y).max() <= EXPLODED
 
 
 def test_near_rank1_never_explodes_cpu():
