@@ -297,3 +297,21 @@ def test_default_schedule_is_the_studys_choice():
     res = json.loads(STUDY_JSON.read_text())
     assert tuple(res["chosen"]) == GRAM_SIDE_RESTARTS
     assert tuple(choose_schedule(res["schedules"])) == GRAM_SIDE_RESTARTS
+
+
+def test_cascade_flops_by_hand():
+    from anvil_fast.gram_side import cascade_flops
+
+    # m = 8, n = 2, one tile (block >= n: a symmetric product costs a full one), K = 6 maps.
+    m, n = 8, 2
+    gram, sq, long = 2 * m * n * n, 2 * n ** 3, 2 * m * n * n
+    standard = 6 * (gram + sq + long)
+    # no restart: first Gram; 6 x B; R updated on maps 2..6; P and Q P on maps 1..5; the output X_1 R
+    none = gram + 6 * sq + 5 * sq + 5 * 2 * sq + long
+    # restart before map 4: R fresh at maps 1 and 4 (updates on 2, 3, 5, 6); no A update after map 3
+    # (map 4 re-forms it) nor after map 6; the restart's X_0 R and Gram
+    one = gram + 6 * sq + 4 * sq + 4 * 2 * sq + (long + gram) + long
+    got0, got1 = cascade_flops(m, n, restarts=(), block=128), cascade_flops(m, n, restarts=(4,), block=128)
+    assert (got0["standard"], got0["gram_side"]) == (standard, none)
+    assert (got1["standard"], got1["gram_side"]) == (standard, one)
+    assert cascade_flops(n, m, restarts=(4,), block=128) == got1  # wide: the mirrored count
