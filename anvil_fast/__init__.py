@@ -32,9 +32,10 @@ _LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradien
          # the bank update and its parts (anvil_fast.bank, .cascade, .gram)
          "AnvilBank": ".bank", "anvil_bank_update": ".bank",
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
+         "GRAM_SIDE": ".cascade",
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
 _SUBMODULES = ("dropin", "optimizer", "bank", "cascade", "gram", "rails", "equalizer", "update", "adam",
-               "replicated_adam", "comms", "graphs", "gpt", "bench")
+               "replicated_adam", "comms", "graphs", "gpt", "bench", "gram_side")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 
