@@ -119,17 +119,23 @@ update (1); per restart ``X_0 R`` and its Gram (2); the output ``X_0 R`` (1): 26
 ANVIL's six maps (a restart removes three roundings and adds three). Unlike the standard cascade's
 iterates, R's roundings are not contracted by later maps (the output is X_0 R, not a map of a
 re-formed Gram), so "gain <= 1" is an assumption here, held up by the measurements (CPU, 4x64x24,
-4x24x64, 2x96x32, 2x128x48, the default restart before map 4): eager on well-conditioned input
-0.0065-0.0084 against ``sqrt(26) * RHO`` = 0.0115, and its mean singular-value error 5.2-14.5 against
-``4 * sqrt(26)`` = 20.4 (other schedules shift the mean singular value more: up to 71 units with a
-restart before map 5, 30-52 before map 3; R kept in fp32 halves it -- the schedule is part of what
-this bound judges). One check of the standard cascade does not apply: shared bits. The output is one
-product with R, and R differs from eager's after the first rounding that differs anywhere upstream
-(nothing re-forms a Gram from X to pull the two back together), so an output element matches
-eager's bits only by chance (measured 0.01-0.28 against SAME_BITS 0.5). The Gram side's own kernel
-(the symmetric ``a Y + B Y``) is instead checked against its torch fallback under Triton's
-interpreter element by element (tests/test_gram_side.py: >= 99% identical, the rest one ulp apart,
-the share an fp32 summation order predicts).
+4x24x64, 2x96x32, 2x128x48, 3x64x24, 3x24x64, 8x48x16, the default restart before map 4): eager on
+well-conditioned input 0.0065-0.0089 (seeds 0-5) against ``sqrt(26) * RHO`` = 0.0115. Two checks of the standard
+cascade do not apply to it:
+
+* shared bits: the output is one product with R, and R differs from eager's after the first
+  rounding that differs anywhere upstream (nothing re-forms a Gram from X to pull the two back
+  together), so an output element matches eager's bits only by chance (measured 0.01-0.28 against
+  SAME_BITS 0.5). The Gram side's own kernel (the symmetric ``a Y + B Y``) is instead checked against
+  its torch fallback under Triton's interpreter element by element (tests/test_gram_side.py: >= 99%
+  identical, the rest one ulp apart, the share an fp32 summation order predicts).
+* the mean singular-value error: its premise (roundings that average out of the mean because every
+  later map contracts them) fails for R, and the Gram side shifts the mean singular value by 5-32
+  units of one output rounding (default schedule; seeds 0-5 on 3x64x24, 3x24x64, 8x48x16), 30-71
+  with a restart before map 3 or 5, against ``4 * sqrt(26)`` = 20.4 -- the size of the +1% on c the
+  check exists to catch, so it cannot tell the two apart here. A wrong coefficient or map is caught
+  instead by anvil_ref.gram_side's float64 equality with anvil_ref.cascade (to ~1e-13), the eager
+  Frobenius bound above and the factor rule (tests/test_gram_side.py: five maps instead of six fail it).
 """
 
 from __future__ import annotations
@@ -189,20 +195,20 @@ def cascade_sv_bound(roundings: int = CASCADE_ROUNDINGS) -> float:
 
 def check_eager(component: str, *, eager: float, floor: float, eager_sv: float | None = None,
                 well_conditioned: bool = False, shape: tuple[int, ...] | None = None, split: bool = False,
-                roundings: int | None = None) -> bool:
+                roundings: int | None = None, sv: bool = True) -> bool:
     """Eager against float64: momentum and equalizer on every input, the cascade on WELL_CONDITIONED
     input (its Frobenius error with ``split``'s rounding count, or ``roundings`` where given (the Gram
-    side), and its mean singular-value error (bound from the same count) for matrices of ``shape`` no
-    larger than CASCADE_SV_MAX_DIM; ``shape`` None: judged)."""
+    side), and, with ``sv`` (not for the Gram side, see above), its mean singular-value error for
+    matrices of ``shape`` no larger than CASCADE_SV_MAX_DIM; ``shape`` None: judged)."""
     if eager != eager or eager == float("inf"):
         return False
     if component == "cascade":
         if not well_conditioned:
             return True
-        n = roundings if roundings is not None else CASCADE_ROUNDINGS_SPLIT if split else CASCADE_ROUNDINGS
-        if shape is None or max(shape[-2:]) <= CASCADE_SV_MAX_DIM:
-            if eager_sv is None or not eager_sv <= cascade_sv_bound(CASCADE_ROUNDINGS if roundings is None else n):
+        if sv and (shape is None or max(shape[-2:]) <= CASCADE_SV_MAX_DIM):
+            if eager_sv is None or not eager_sv <= cascade_sv_bound():
                 return False
+        n = roundings if roundings is not None else CASCADE_ROUNDINGS_SPLIT if split else CASCADE_ROUNDINGS
         return eager <= eager_bound(component, floor=floor, roundings=n)
     return eager <= eager_bound(component, floor=floor)
 
@@ -225,8 +231,8 @@ def check_row(row, *, same_backend: bool = True) -> bool:
 
     split = row.config == "faithful" and row.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
     if roundings is not None:
-        return check_eager(row.component, eager=row.eager, floor=row.floor, eager_sv=row.eager_sv,
-                           well_conditioned=row.well_conditioned, shape=tuple(row.shape), roundings=roundings)
+        return check_eager(row.component, eager=row.eager, floor=row.floor, well_conditioned=row.well_conditioned,
+                           roundings=roundings, sv=False)
     return check_eager(row.component, eager=row.eager, floor=row.floor, eager_sv=row.eager_sv,
                        well_conditioned=row.well_conditioned, shape=tuple(row.shape), split=split)
 
