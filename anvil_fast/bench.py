@@ -260,7 +260,8 @@ def gram_side_rows(shapes, *, rep_ms: int) -> list[dict]:
             if cfg is SAFE:
                 casc = lambda: cascade_workspace(ws, maps=b.maps, config=SAFE, partials_ready=ready)  # noqa: E731
             else:
-                casc = lambda: gram_side_workspace(ws, maps=b.maps, config=GRAM_SIDE, partials_ready=ready)  # noqa: E731
+                casc = lambda: gram_side_workspace(ws, maps=b.maps, config=GRAM_SIDE,  # noqa: E731
+                                                   partials_ready=ready)
             r[f"{cfg.name}_casc"] = _bench(_graphed(casc), rep_ms=rep_ms)
             r[f"{cfg.name}_update"] = _bench(_graphed(lambda: anvil_bank_update(b)), rep_ms=rep_ms)
             del b, ws
