@@ -68,10 +68,12 @@ _LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradien
          # the bank update and its parts (anvil_fast.bank, .cascade, .gram)
          "AnvilBank": ".bank", "anvil_bank_update": ".bank",
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
+         "GRAM_SIDE": ".cascade",
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
 _SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
-               "tolerances", "difftest", "near_rank1", "safety", "eager", "plain", "scaling", "gpt", "bench")
+               "tolerances", "difftest", "near_rank1", "safety", "eager", "plain", "scaling", "gpt", "bench",
+               "gram_side")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

@@ -12,7 +12,7 @@ Per matrix, with ``G`` = :func:`~anvil_fast.gram.XTX` for tall X (rows > cols) a
         B <- ba_plus_cAA(A, alpha=c, beta=b)   B = b A + c A^2
         X <- a X + X B  (tall)  |  a X + B X  (wide/square)
 
-Two configurations (:class:`CascadeConfig`):
+Three configurations (:class:`CascadeConfig`):
 
 ``FAITHFUL`` -- the seed's operations and roundings: the trace is read off the bf16-rounded first
 Gram; ``a X + X B`` is one ``baddbmm``, or ``bmm`` then ``add_`` (two roundings) for banks with more
@@ -28,7 +28,10 @@ than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-
 4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.gram.aX_plus_mm`: one rounding, no extra
    pass over X), and the equalizer's guard is on (:mod:`anvil_fast.equalizer`).
 
-and the twin rails, the normalization and the equalizer run as Triton kernels on CUDA
+``GRAM_SIDE`` -- SAFE, with the maps run on the short side (``A_{k+1} = Q_k A_k Q_k``, restarted at
+GRAM_SIDE_RESTARTS) for banks whose aspect ratio makes it pay: :mod:`anvil_fast.gram_side`.
+
+In SAFE the twin rails, the normalization and the equalizer run as Triton kernels on CUDA
 (``triton_elementwise``; :mod:`anvil_fast.rails`, :mod:`anvil_fast.normalize`,
 :mod:`anvil_fast.equalizer`): the same operations, with fp32 sums in another (fixed) order -- for
 speed (fewer passes over memory) and so that a matrix's update does not depend on how many
@@ -85,6 +88,9 @@ class CascadeConfig:
     #: :mod:`anvil_fast.normalize`, :mod:`anvil_fast.equalizer`) where they can run (else the seed's
     #: compiled torch code)
     triton_elementwise: bool = False
+    #: the Gram-side cascade's restart schedule (map numbers, 1-based; :mod:`anvil_fast.gram_side`), run
+    #: on banks whose aspect ratio passes :func:`anvil_fast.gram_side.uses_gram_side`; None: never
+    gram_side: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.prescale and not self.fp32_trace:
@@ -93,6 +99,13 @@ class CascadeConfig:
         if self.triton_elementwise and not self.prescale:
             raise ValueError(f"config {self.name!r}: the fused normalization kernels implement the prescaled "
                              "one (set prescale=True, or triton_elementwise=False)")
+        if self.gram_side is not None:
+            if not (self.prescale and self.fused_axb):
+                raise ValueError(f"config {self.name!r}: the Gram side keeps SAFE's prescaled normalization and "
+                                 "one-rounding products (set prescale=True and fused_axb=True)")
+            if not isinstance(self.gram_side, tuple):
+                raise ValueError(f"config {self.name!r}: gram_side must be a tuple of map numbers, "
+                                 f"got {self.gram_side!r}")
 
     def margin(self, base: float = FROBENIUS_MARGIN) -> float:
         return base * (1.0 + self.margin_slack)
@@ -101,8 +114,14 @@ class CascadeConfig:
 FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
 SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True,
                     triton_elementwise=True)
+#: The Gram side's default restart schedule: one restart before map 4, the schedule that
+#: ``python -m anvil_fast.gram_side study`` picks (papers/data/gram_side_study.md states the rule).
+GRAM_SIDE_RESTARTS: tuple[int, ...] = (4,)
+#: SAFE with the maps run on the short side of tall and wide banks (:mod:`anvil_fast.gram_side`).
+GRAM_SIDE = CascadeConfig("gram_side", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True,
+                          guard=True, triton_elementwise=True, gram_side=GRAM_SIDE_RESTARTS)
 DEFAULT_CONFIG = SAFE
-CONFIGS = {c.name: c for c in (FAITHFUL, SAFE)}
+CONFIGS = {c.name: c for c in (FAITHFUL, SAFE, GRAM_SIDE)}
 
 
 def get_config(config: CascadeConfig | str) -> CascadeConfig:
@@ -128,6 +147,8 @@ class CascadeWorkspace:
     scale: Tensor = field(repr=False)
     partials: NormPartials | None = field(default=None, repr=False)
     equalizer: EqualizerWork | None = field(default=None, repr=False)
+    #: the Gram side's square buffers (:class:`anvil_fast.gram_side.GramSideWork`), allocated at its first run
+    gram_side: object | None = field(default=None, repr=False)
 
     @classmethod
     def for_shape(cls, shape: tuple[int, ...], device) -> "CascadeWorkspace":
@@ -170,6 +191,23 @@ def _safe_cast(x: Tensor, x_out: Tensor, prescale: bool) -> None:
     x_out.copy_(x.float().clamp(-BF16_MAX, BF16_MAX) if prescale else x)
 
 
+def normalize_workspace(ws: CascadeWorkspace, cfg: CascadeConfig, *, margin: float, eps: float, backend: str,
+                        compile: bool | None, partials_ready: bool) -> None:
+    """The configuration's Frobenius normalization of ``ws.X`` in place (``ws.scale``: the prescale
+    factor; FAITHFUL also rescales the first Gram already in ``ws.A``)."""
+    X = ws.X
+    if cfg.triton_elementwise and use_triton(X, backend):
+        if ws.partials is None:
+            ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
+        if not partials_ready:
+            block_partials(X, ws.partials, limit=PRESCALE_EXP_LIMIT)
+        normalize_from_partials(X, ws.scale, ws.partials, margin=cfg.margin(margin), eps=float(eps),
+                                limit=PRESCALE_EXP_LIMIT)
+    else:
+        norm = maybe_compiled(_normalize, want_compile(compile, X))
+        norm(X, ws.A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
+
+
 def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
                       split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
                       backend: str = "auto", compile: bool | None = None, partials_ready: bool = False) -> Tensor:
@@ -181,22 +219,20 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
     cfg = get_config(config)
     maps_ = load_maps(maps)
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
+    if cfg.gram_side is not None:
+        from .gram_side import gram_side_workspace, uses_gram_side
+
+        if uses_gram_side(X.shape):
+            return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
+                                       compile=compile, partials_ready=partials_ready)
     tall = is_tall(X.shape)
     gram = XTX if tall else XXT
     if split is None:
         split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
     if not cfg.prescale:
         gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
-    if cfg.triton_elementwise and use_triton(X, backend):
-        if ws.partials is None:
-            ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
-        if not partials_ready:
-            block_partials(X, ws.partials, limit=PRESCALE_EXP_LIMIT)
-        normalize_from_partials(X, ws.scale, ws.partials, margin=cfg.margin(margin), eps=float(eps),
-                                limit=PRESCALE_EXP_LIMIT)
-    else:
-        norm = maybe_compiled(_normalize, want_compile(compile, X))
-        norm(X, A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
+    normalize_workspace(ws, cfg, margin=margin, eps=eps, backend=backend, compile=compile,
+                        partials_ready=partials_ready)
     for k, (a, b, c) in enumerate(maps_):
         if k > 0 or cfg.prescale:
             # With the prescale the first Gram is taken of the normalized X_1: the unnormalized X

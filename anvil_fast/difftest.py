@@ -40,6 +40,7 @@ from .eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_updat
 from .equalizer import equalize
 from .rails import twin_rail
 from .update import sign_aligned_update
+from .gram_side import eager_gram_side_cascade, uses_gram_side
 
 FAMILIES = ("gaussian", "low_rank", "near_rank1", "decaying", "zero", "huge", "tiny", "well_conditioned")
 #: Families on which the eager bf16 path is also judged against the float64 reference (the second side
@@ -222,8 +223,11 @@ def cascade_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu"
     x = make_matrix(family, shape, seed=seed)
     y = fast_cascade(x.to(device), config=cfg, compile=compile, backend=backend)
     ref = R.cascade(x.bfloat16(), margin=cfg.margin())
-    e = eager_bf16_cascade(x.to(device), margin=cfg.margin(), fp32_trace=cfg.fp32_trace, prescale=cfg.prescale,
-                           split=False if cfg.fused_axb else None)
+    if cfg.gram_side is not None and uses_gram_side(shape):
+        e = eager_gram_side_cascade(x.to(device), restarts=cfg.gram_side, margin=cfg.margin())
+    else:
+        e = eager_bf16_cascade(x.to(device), margin=cfg.margin(), fp32_trace=cfg.fp32_trace, prescale=cfg.prescale,
+                               split=False if cfg.fused_axb else None)
     wc = family in WELL_CONDITIONED
     sv = mean_singular_value_error(e, ref, x.bfloat16()) if wc else None
     return Row("cascade", shape, family, cfg.name, rel_err(y, ref), rel_err(ref.bfloat16(), ref), rel_err(e, ref),

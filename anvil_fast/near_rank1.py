@@ -12,6 +12,8 @@ Paths (rows of the table):
 ``+fp32-trace``      FAITHFUL with the trace from the fp32 sum of squares (ablation)
 ``+slack``           FAITHFUL with the margin widened by SAFE_MARGIN_SLACK (ablation)
 ``fast-safe``        anvil_fast.cascade with SAFE (the default)
+``fast-gram-side``   anvil_fast.cascade with GRAM_SIDE (the Gram side on shapes its dispatch rule picks,
+                     else SAFE)
 
 Columns: how many outputs have top singular value > 1.1 ("exploded") or a non-finite entry; the
 largest and the median top singular value; and the mechanism -- ``dtr``, the relative error of the
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 
-from .cascade import FAITHFUL, SAFE, SAFE_MARGIN_SLACK, fast_cascade
+from .cascade import FAITHFUL, GRAM_SIDE, SAFE, SAFE_MARGIN_SLACK, fast_cascade
 from .eager import eager_bf16_cascade
 
 NOISE = 1e-4
@@ -94,6 +96,7 @@ def paths(device) -> dict:
     for name, cfg in ABLATIONS.items():
         p[name] = (lambda c: (lambda x: fast_cascade(x, config=c)))(cfg)
     p["fast-safe"] = lambda x: fast_cascade(x, config=SAFE)
+    p["fast-gram-side"] = lambda x: fast_cascade(x, config=GRAM_SIDE)
     return p
 
 

@@ -13,6 +13,7 @@ Modules, in the order the update applies them:
 ``constants``      ANVIL_MAPS, rail betas and engage step, margin and eps, defaults (defined once)
 ``rails``          twin-rail momentum, Nesterov lookahead, the rail schedule (``rail_scalars``)
 ``cascade``        Frobenius normalization, the quintic maps, ``composite``, ``cascade``
+``gram_side``      the same maps on the short side with restarts, ``gram_side_cascade``
 ``equalizer``      the lane-energy equalizer
 ``update``         effective rates, per-matrix multipliers, sign-aligned decay
 ``storage``        the fast path's bf16 + uint16-mantissa storage of an fp32 master
@@ -70,6 +71,7 @@ from .cascade import cascade, composite, frobenius_normalize, frobenius_scale, g
 from .config import ConfigError, ParamConfig, build_param_config, check_labels, check_order
 from .constants import *  # noqa: F401,F403  (the constants are part of the public API)
 from .constants import __all__ as _constants_all
+from .gram_side import gram_side_cascade
 from .equalizer import EqualizeResult, equalize, lane_energy_shape, lane_gain, lane_power, reduction_axis
 from .maps import available_map_sets, load_maps, validate_maps
 from .optimizer import ParamSpec, ReferenceAnvilAndAdam
@@ -90,7 +92,7 @@ __all__ = list(_constants_all) + [
     "ReferenceInputError", "ConfigError",
     "AdamResult", "adam_moments", "adam_step_size", "adam_update",
     "cascade", "composite", "frobenius_normalize", "frobenius_scale", "gram", "is_tall", "quintic",
-    "quintic_map",
+    "quintic_map", "gram_side_cascade",
     "ParamConfig", "build_param_config", "check_labels", "check_order",
     "EqualizeResult", "equalize", "lane_energy_shape", "lane_gain", "lane_power", "reduction_axis",
     "available_map_sets", "load_maps", "validate_maps",

@@ -16,6 +16,8 @@ name               optimizer
 ``anvil``          ``anvil_fast.ANVIL(model, rails="record", total_steps=steps)``: SAFE (the default
                    bank configuration) with the record's twin rails.
 ``anvil_faithful`` the same with ``bank_config="faithful"`` (the seed's exact roundings).
+``anvil_gram_side`` the same with ``bank_config="gram_side"`` (the maps on the short side of tall and
+                   wide banks, :mod:`anvil_fast.gram_side`; SAFE elsewhere).
 ``anvil_derived``  the same with ``maps="anvil_express"``.
 ``anvil_polar``    the same with ``maps="polar_express_paper6"``.
 ``anvil_nesterov`` the same with ``rails="nesterov"`` (plain Nesterov momentum, no twin rails).
@@ -129,6 +131,8 @@ REGISTRY: dict[str, Contender] = {c.name: c for c in (
     Contender("anvil", "anvil_fast.ANVIL SAFE, record rails", build_anvil, dict(_RECORD)),
     Contender("anvil_faithful", "anvil_fast.ANVIL FAITHFUL, record rails", build_anvil,
               {**_RECORD, "bank_config": "faithful"}),
+    Contender("anvil_gram_side", "anvil_fast.ANVIL GRAM_SIDE, record rails", build_anvil,
+              {**_RECORD, "bank_config": "gram_side"}),
     Contender("anvil_derived", f"anvil_fast.ANVIL SAFE, record rails, maps={DERIVED_MAPS}", build_anvil,
               {**_RECORD, "maps": DERIVED_MAPS}),
     Contender("anvil_polar", f"anvil_fast.ANVIL SAFE, record rails, maps={POLAR_MAPS}", build_anvil,

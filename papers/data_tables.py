@@ -146,4 +146,5 @@ TABLES: dict[str, Callable[[], str]] = {
     "optimizer_gpu_tests": optimizer_gpu_tests,
     "scaling_cpu": lambda: include_markdown("scaling_cpu_8ranks.md"),
     "scaling_gpu": scaling_gpu,
+    "gram_side_study": lambda: include_markdown("gram_side_study.md"),
 }

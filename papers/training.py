@@ -28,11 +28,12 @@ ANCHOR_ADAM_STEPS = 5625
 ANCHOR_SOURCE = "modded-nanogpt optimization benchmark (github.com/KellerJordan/modded-nanogpt)"
 
 #: The contenders' order in tables and the figure.
-ORDER = ("adamw", "muon", "anvil", "anvil_faithful", "anvil_derived", "anvil_polar", "anvil_nesterov",
-         "anvil_defaults")
+ORDER = ("adamw", "muon", "anvil", "anvil_faithful", "anvil_gram_side", "anvil_derived", "anvil_polar",
+         "anvil_nesterov", "anvil_defaults")
 #: The pairs the verdict table answers: (a, b, question).
 PAIRS = (
     ("anvil", "anvil_faithful", "SAFE vs FAITHFUL"),
+    ("anvil_gram_side", "anvil", "Gram-side cascade vs SAFE"),
     ("anvil_derived", "anvil", "derived map set (anvil_express) vs ANVIL_MAPS"),
     ("anvil_polar", "anvil", "Polar Express coefficients vs ANVIL_MAPS"),
     ("anvil_nesterov", "anvil", "plain Nesterov vs the record's twin rails"),

@@ -137,6 +137,12 @@ MUTANTS: list[Mutant] = [
       "        val = alpha * acc + beta * aij.to(tl.float32)\n        _store_symmetric(C, val,",
       "        val = beta * acc + alpha * aij.to(tl.float32)\n        _store_symmetric(C, val,",
       "tests/test_gram.py"),
+    # ---- the Gram-side cascade
+    M("ref gram side: R not reset at a restart", "anvil_ref/gram_side.py",
+      "            ak = gram(x0)\n            r = np.broadcast_to(np.eye(ak.shape[-1]), ak.shape).copy()\n",
+      "            ak = gram(x0)\n", "tests/test_gram_side.py"),
+    M("fast gram side: a*P dropped from Q (Q A)", "anvil_fast/gram_side.py",
+      "val = acc + alpha * xij.to(tl.float32)", "val = acc", "tests/test_gram_side.py"),
     # ---- Adam
     M("fast adam kernel: gate > turned into >=", "anvil_fast/adam.py",
       "u = u + tl.where(u * p > 0, p * eff_wd, 0.0)", "u = u + tl.where(u * p >= 0, p * eff_wd, 0.0)",

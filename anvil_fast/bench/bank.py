@@ -3,7 +3,8 @@ with the baselines (the seed's update with a torch.compile'd plain-matmul cascad
 and captured in a CUDA graph), against the roofline measured in the same run. Also prints every
 per-shape tuning decision of :mod:`anvil_fast.gram_tune` (each candidate's time, made during the
 warm-up, outside every timed region) and a phase table: each phase of the update captured alone,
-and one map's kernels next to cuBLAS.
+and one map's kernels next to cuBLAS; then the Gram-side table (GRAM_SIDE next to SAFE,
+:func:`gram_side_rows`).
 
 Method: the bf16 matmul peak (8192^3, random data) and the device-to-device copy bandwidth are
 measured first (:func:`anvil_fast.bench.common.measure_peaks`); every timing is the median of
@@ -191,9 +192,65 @@ def format_bank(rows, tflops: float, gbs: float) -> str:
     return "\n".join(lines)
 
 
+#: Gram-side rows of the bank table: the five bank shapes and GPT-2-small's MLP banks, both sides.
+GRAM_SIDE_SHAPES = SHAPES + ((24, 3072, 768), (24, 768, 3072))
+
+
+def gram_side_rows(shapes, *, rep_ms: int) -> list[dict]:
+    """SAFE next to GRAM_SIDE per shape, graphed: the cascade phase (normalization + maps, after the
+    rails) with the Gram side forced whatever the dispatch rule says, and the whole bank update with
+    the dispatch rule (GRAM_SIDE's update is SAFE's where it does not pick the Gram side)."""
+    from ..bank import anvil_bank_update
+    from ..cascade import GRAM_SIDE, SAFE, cascade_workspace
+    from ..gram_side import cascade_flops, gram_side_workspace, uses_gram_side
+    from ..rails import twin_rail
+
+    rows = []
+    for shape in shapes:
+        r = {"shape": shape, "dispatch": uses_gram_side(shape), "flop_ratio": cascade_flops(*shape[-2:])["ratio"]}
+        for cfg in (SAFE, GRAM_SIDE):
+            b = _make_bank(shape, cfg)
+            anvil_bank_update(b)  # allocates the workspace (and the Gram side's buffers) before capture
+            ws = b.workspace
+            ready = twin_rail(b.grad, b.velocity, momentum=b.momentum, fast_beta=b.fast_beta,
+                              fast_weight=b.fast_weight, x_out=ws.X, prescale=cfg.prescale,
+                              fused=cfg.triton_elementwise, partials=ws.partials)
+            if cfg is SAFE:
+                casc = lambda: cascade_workspace(ws, maps=b.maps, config=SAFE, partials_ready=ready)  # noqa: E731
+            else:
+                casc = lambda: gram_side_workspace(ws, maps=b.maps, config=GRAM_SIDE,  # noqa: E731
+                                                   partials_ready=ready)
+            r[f"{cfg.name}_casc"] = _bench(graphed(casc), rep_ms=rep_ms)
+            r[f"{cfg.name}_update"] = _bench(graphed(lambda: anvil_bank_update(b)), rep_ms=rep_ms)
+            del b, ws
+        torch.cuda.empty_cache()
+        rows.append(r)
+    return rows
+
+
+def format_gram_side(rows) -> str:
+    head = (f"{'shape':<14} {'aspect':>6} {'gram?':>5} {'FLOPs x':>7} | {'casc safe':>9} {'casc gram':>9} {'x':>5} | "
+            f"{'upd safe':>8} {'upd gram':>8} {'x':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        c, m, n = r["shape"]
+        lines.append(f"{'x'.join(map(str, r['shape'])):<14} {max(m, n) / min(m, n):>6.2f} "
+                     f"{'yes' if r['dispatch'] else 'no':>5} {r['flop_ratio']:>7.2f} | {r['safe_casc']:>9.3f} "
+                     f"{r['gram_side_casc']:>9.3f} {r['safe_casc'] / r['gram_side_casc']:>5.2f} | "
+                     f"{r['safe_update']:>8.3f} {r['gram_side_update']:>8.3f} "
+                     f"{r['safe_update'] / r['gram_side_update']:>5.2f}")
+    lines.append("Gram side (GRAM_SIDE, anvil_fast.gram_side) next to SAFE, ms, graphed. casc = normalization + maps "
+                 "after the rails, the Gram side forced on every shape; upd = whole bank update with the dispatch "
+                 "rule (gram? = uses_gram_side); FLOPs x = SAFE's / the Gram side's (cascade_flops); x = SAFE / Gram "
+                 "side. The dispatch threshold should sit where casc x crosses 1.")
+    return "\n".join(lines)
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
+    ap.add_argument("--gram-side-shapes", default=",".join("x".join(map(str, s)) for s in GRAM_SIDE_SHAPES),
+                    help="shapes of the Gram-side table ('' skips it; default: %(default)s)")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -212,8 +269,10 @@ def run(a: argparse.Namespace) -> int:
           f"bf16 8192^3 matmul {tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s (read + write); "
           f"kernels {kernel_mode()}, tuning {'on' if tuning_enabled() else 'off'}", flush=True)
     rows = bank_rows(shapes, rep_ms=a.rep_ms)
+    gs_shapes = [tuple(int(v) for v in s.split("x")) for s in a.gram_side_shapes.split(",") if s]
+    gs_rows = gram_side_rows(gs_shapes, rep_ms=a.rep_ms) if gs_shapes else []
     for part in (lambda: "\n".join(report_lines()), lambda: format_phases(rows, tflops, gbs),
-                 lambda: format_bank(rows, tflops, gbs)):
+                 lambda: format_bank(rows, tflops, gbs), lambda: format_gram_side(gs_rows) if gs_rows else ""):
         try:
             print(part(), flush=True)
         except Exception as e:  # pragma: no cover - one failing table must not hide the others
@@ -221,4 +280,5 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["SHAPES", "add_args", "run", "bank_rows", "format_bank", "format_phases"]
+__all__ = ["SHAPES", "add_args", "run", "bank_rows", "format_bank", "format_phases", "GRAM_SIDE_SHAPES",
+           "gram_side_rows", "format_gram_side"]
