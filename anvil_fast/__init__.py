@@ -22,7 +22,10 @@ module                  concept
 ``graphs``              the bank updates and the whole step as CUDA graphs, and their staleness check
 **the update's parts**
 ``rails``               twin-rail momentum + Nesterov lookahead (Triton element-wise kernel)
-``cascade``             the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE, FAITHFUL)
+``cascade``             the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE, FAITHFUL,
+                        GRAM_SIDE) and both drivers: the standard one and the Gram side's
+``gram_side``           the Gram-side cascade's own parts: ``sym_aX_plus_mm``, restart schedule, dispatch
+                        rule by bank shape, eager form, FLOP count
 ``normalize``           SAFE's Frobenius normalization from per-block partials (Triton)
 ``gram``                the symmetric Gram kernels' entry points (``XXT``, ``XTX``, ``ba_plus_cAA``,
                         ``aX_plus_mm``); ``gram_kernels``: their Triton code; ``gram_tune``: the
@@ -38,6 +41,7 @@ module                  concept
 **studies and baselines**
 ``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors
 ``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study; ``safety``: SAFE's headroom
+``gram_side_study``     ``python -m anvil_fast.gram_side_study``: the Gram side's error study (its schedule)
 ``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
 ``plain``               the benchmark's baseline: the seed's update with library matmuls
 ``scaling``             ``python -m anvil_fast.scaling``: equivalence and step time at several ranks
@@ -73,7 +77,7 @@ _LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradien
 _SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "safety", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side")
+               "gram_side", "gram_side_study")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

@@ -54,6 +54,7 @@ relative perturbation of up to 4e-3 (~ one bf16 ulp) of every singular value at 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -61,12 +62,14 @@ from torch import Tensor
 
 from anvil_ref.cascade import is_tall
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.gram_side import check_restarts
 from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
 from ._triton import use_triton
 from .equalizer import EqualizerWork
 from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, _apply_r, sym_aX_plus_mm, uses_gram_side
 from .normalize import NormPartials, block_partials, normalize_from_partials
 from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
@@ -114,9 +117,6 @@ class CascadeConfig:
 FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
 SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True,
                     triton_elementwise=True)
-#: The Gram side's default restart schedule: one restart before map 4, the schedule that
-#: ``python -m anvil_fast.gram_side study`` picks (papers/data/gram_side_study.md states the rule).
-GRAM_SIDE_RESTARTS: tuple[int, ...] = (4,)
 #: SAFE with the maps run on the short side of tall and wide banks (:mod:`anvil_fast.gram_side`).
 GRAM_SIDE = CascadeConfig("gram_side", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True,
                           guard=True, triton_elementwise=True, gram_side=GRAM_SIDE_RESTARTS)
@@ -220,7 +220,6 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
     maps_ = load_maps(maps)
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
     if cfg.gram_side is not None:
-        from .gram_side import gram_side_workspace, uses_gram_side
 
         if uses_gram_side(X.shape):
             return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
@@ -271,4 +270,71 @@ def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfi
     maybe_compiled(_safe_cast, want_compile(compile, x))(x3, ws.X, cfg.prescale)
     y = cascade_workspace(ws, maps=maps, config=cfg, split=split, margin=margin, eps=eps, backend=backend,
                           compile=compile)
+    return y.reshape(*lead, *y.shape[-2:])
+
+
+# The Gram-side driver (anvil_fast.gram_side holds its kernel, buffers and rules): here, next to the
+# standard one, because it shares the workspace and the normalization and cascade_workspace dispatches to it.
+
+def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = "gram_side",
+                        margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS, backend: str = "auto",
+                        compile: bool | None = None, partials_ready: bool = False) -> Tensor:
+    """The Gram-side cascade of ``ws.X`` (module docstring) with the configuration's restart
+    schedule; same contract as :func:`anvil_fast.cascade.cascade_workspace` (returns the buffer,
+    ``ws.X`` or ``ws.C``, that holds the result)."""
+    cfg = get_config(config)
+    if cfg.gram_side is None:
+        raise ValueError(f"config {cfg.name!r} has no Gram-side restart schedule (gram_side=None)")
+    maps_ = load_maps(maps)
+    sched = check_restarts(cfg.gram_side, len(maps_))
+    X0, C, A, B = ws.X, ws.C, ws.A, ws.B
+    if ws.gram_side is None or tuple(ws.gram_side.R.shape) != tuple(A.shape):
+        ws.gram_side = GramSideWork.for_workspace(ws)
+    P, Rk, R2 = ws.gram_side.P, ws.gram_side.R, ws.gram_side.R2
+    tall = is_tall(X0.shape)
+    gram = XTX if tall else XXT
+    normalize_workspace(ws, cfg, margin=margin, eps=eps, backend=backend, compile=compile,
+                        partials_ready=partials_ready)
+    gram(X0, out=A, backend=backend)
+    fresh = True
+    for k, (a, b, c) in enumerate(maps_, start=1):
+        if k in sched:
+            _apply_r(X0, Rk, C, tall, backend)
+            X0, C = C, X0
+            gram(X0, out=A, backend=backend)
+            fresh = True
+        ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
+        if fresh:
+            Rk.copy_(B)
+            # Q = a I + B, the diagonal added in fp32 and rounded once: a bf16 tensor's in-place
+            # ``add_(a)`` first rounds the scalar a to bf16, a bias of up to 2**-9 on every eigenvalue
+            # of Q that the accumulated R never loses (measured: 3x the error with one restart).
+            diag = Rk.diagonal(dim1=-2, dim2=-1)
+            diag.copy_(diag.float() + a)
+            fresh = False
+        else:
+            aX_plus_mm(Rk, Rk, B, a=a, out=R2, backend=backend) if tall else \
+                aX_plus_mm(Rk, B, Rk, a=a, out=R2, backend=backend)
+            Rk, R2 = R2, Rk
+        if k < len(maps_) and k + 1 not in sched:
+            aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
+            sym_aX_plus_mm(P, B, P, a=a, out=A, backend=backend)
+    _apply_r(X0, Rk, C, tall, backend)
+    return C
+
+
+def fast_gram_side(x: Tensor, *, restarts=None, maps: MapsLike = ANVIL_MAPS, margin: float = FROBENIUS_MARGIN,
+                   eps: float = FROBENIUS_EPS, backend: str = "auto", compile: bool | None = None) -> Tensor:
+    """The Gram-side cascade of ``x`` ([..., rows, cols], any float dtype, cast to bf16 as
+    :func:`anvil_fast.cascade.fast_cascade` does) whatever its shape (no dispatch rule), with
+    ``restarts`` (default: GRAM_SIDE's schedule). Returns a new bf16 tensor of x's shape."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or 0 in x.shape[-2:]:
+        raise ValueError(f"x: expected a floating-point tensor [..., rows, cols] with rows, cols >= 1, got "
+                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
+    cfg = GRAM_SIDE if restarts is None else dataclasses.replace(GRAM_SIDE, gram_side=tuple(restarts))
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, *x.shape[-2:])
+    ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
+    _safe_cast(x3, ws.X, True)
+    y = gram_side_workspace(ws, maps=maps, config=cfg, margin=margin, eps=eps, backend=backend, compile=compile)
     return y.reshape(*lead, *y.shape[-2:])

@@ -38,15 +38,15 @@ for a square bank. GRAM_SIDE_MIN_ASPECT is the threshold; the bank benchmark
 Where Triton cannot run, the same operations run as plain torch with the same roundings (fp32
 products of bf16 operands, one rounding per product), as SAFE does.
 
-``python -m anvil_fast.gram_side study`` runs the error study that picks the default schedule.
+The driver (:func:`anvil_fast.cascade.gram_side_workspace`, :func:`anvil_fast.cascade.fast_gram_side`)
+lives with the standard one in :mod:`anvil_fast.cascade`, which dispatches to it; this module holds
+what is the Gram side's own: its kernel, buffers, schedule, dispatch rule, eager form and FLOP count.
+``python -m anvil_fast.gram_side_study`` runs the error study that picks the default schedule.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +56,13 @@ from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 from anvil_ref.gram_side import check_restarts
 from anvil_ref.maps import MapsLike, load_maps
 
-from ._triton import dot_f32, interpreting, num_sms, round_fix, triton_available, use_triton
-from .cascade import CascadeConfig, CascadeWorkspace, get_config, is_tall, normalize_workspace
-from .tolerances import RHO
-from .gram import XTX, XXT, GramInputError, _check_out, _check_tensor, _same_device, _symmetrize_lower, \
-    aX_plus_mm, ba_plus_cAA, default_config
+from ._triton import dot_f32, num_sms, round_fix, triton_available, use_triton
+from .gram import GramInputError, _check_out, _check_tensor, _same_device, _symmetrize_lower, aX_plus_mm, \
+    default_config
 
+#: The default restart schedule (map numbers, 1-based): one restart before map 4, the schedule that
+#: ``python -m anvil_fast.gram_side_study`` picks (papers/data/gram_side_study.md states the rule).
+GRAM_SIDE_RESTARTS: tuple[int, ...] = (4,)
 #: The Gram side runs where ``max(rows, cols) / min(rows, cols) >= GRAM_SIDE_MIN_ASPECT``; square-ish
 #: banks keep the standard cascade (no FLOP saving there, see the module docstring). Set from the
 #: bank benchmark's GPU numbers.
@@ -169,7 +170,7 @@ class GramSideWork:
     R2: Tensor
 
     @classmethod
-    def for_workspace(cls, ws: CascadeWorkspace) -> "GramSideWork":
+    def for_workspace(cls, ws) -> "GramSideWork":  # ws: anvil_fast.cascade.CascadeWorkspace
         sq = tuple(ws.A.shape)
         return cls(*(torch.empty(sq, dtype=torch.bfloat16, device=ws.A.device) for _ in range(3)))
 
@@ -179,72 +180,6 @@ def _apply_r(x0: Tensor, r: Tensor, out: Tensor, tall: bool, backend: str) -> No
         aX_plus_mm(x0, x0, r, a=0.0, out=out, backend=backend)
     else:
         aX_plus_mm(x0, r, x0, a=0.0, out=out, backend=backend)
-
-
-def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = "gram_side",
-                        margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS, backend: str = "auto",
-                        compile: bool | None = None, partials_ready: bool = False) -> Tensor:
-    """The Gram-side cascade of ``ws.X`` (module docstring) with the configuration's restart
-    schedule; same contract as :func:`anvil_fast.cascade.cascade_workspace` (returns the buffer,
-    ``ws.X`` or ``ws.C``, that holds the result)."""
-    cfg = get_config(config)
-    if cfg.gram_side is None:
-        raise ValueError(f"config {cfg.name!r} has no Gram-side restart schedule (gram_side=None)")
-    maps_ = load_maps(maps)
-    sched = check_restarts(cfg.gram_side, len(maps_))
-    X0, C, A, B = ws.X, ws.C, ws.A, ws.B
-    if ws.gram_side is None or tuple(ws.gram_side.R.shape) != tuple(A.shape):
-        ws.gram_side = GramSideWork.for_workspace(ws)
-    P, Rk, R2 = ws.gram_side.P, ws.gram_side.R, ws.gram_side.R2
-    tall = is_tall(X0.shape)
-    gram = XTX if tall else XXT
-    normalize_workspace(ws, cfg, margin=margin, eps=eps, backend=backend, compile=compile,
-                        partials_ready=partials_ready)
-    gram(X0, out=A, backend=backend)
-    fresh = True
-    for k, (a, b, c) in enumerate(maps_, start=1):
-        if k in sched:
-            _apply_r(X0, Rk, C, tall, backend)
-            X0, C = C, X0
-            gram(X0, out=A, backend=backend)
-            fresh = True
-        ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
-        if fresh:
-            Rk.copy_(B)
-            # Q = a I + B, the diagonal added in fp32 and rounded once: a bf16 tensor's in-place
-            # ``add_(a)`` first rounds the scalar a to bf16, a bias of up to 2**-9 on every eigenvalue
-            # of Q that the accumulated R never loses (measured: 3x the error with one restart).
-            diag = Rk.diagonal(dim1=-2, dim2=-1)
-            diag.copy_(diag.float() + a)
-            fresh = False
-        else:
-            aX_plus_mm(Rk, Rk, B, a=a, out=R2, backend=backend) if tall else \
-                aX_plus_mm(Rk, B, Rk, a=a, out=R2, backend=backend)
-            Rk, R2 = R2, Rk
-        if k < len(maps_) and k + 1 not in sched:
-            aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
-            sym_aX_plus_mm(P, B, P, a=a, out=A, backend=backend)
-    _apply_r(X0, Rk, C, tall, backend)
-    return C
-
-
-def fast_gram_side(x: Tensor, *, restarts=None, maps: MapsLike = ANVIL_MAPS, margin: float = FROBENIUS_MARGIN,
-                   eps: float = FROBENIUS_EPS, backend: str = "auto", compile: bool | None = None) -> Tensor:
-    """The Gram-side cascade of ``x`` ([..., rows, cols], any float dtype, cast to bf16 as
-    :func:`anvil_fast.cascade.fast_cascade` does) whatever its shape (no dispatch rule), with
-    ``restarts`` (default: GRAM_SIDE's schedule). Returns a new bf16 tensor of x's shape."""
-    from .cascade import GRAM_SIDE, CascadeWorkspace, _safe_cast
-
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or 0 in x.shape[-2:]:
-        raise ValueError(f"x: expected a floating-point tensor [..., rows, cols] with rows, cols >= 1, got "
-                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
-    cfg = GRAM_SIDE if restarts is None else dataclasses.replace(GRAM_SIDE, gram_side=tuple(restarts))
-    lead = x.shape[:-2]
-    x3 = x.reshape(-1, *x.shape[-2:])
-    ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
-    _safe_cast(x3, ws.X, True)
-    y = gram_side_workspace(ws, maps=maps, config=cfg, margin=margin, eps=eps, backend=backend, compile=compile)
-    return y.reshape(*lead, *y.shape[-2:])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +193,6 @@ def eager_gram_side_cascade(x: Tensor, *, restarts=None, maps: MapsLike = ANVIL_
     rounded once to bf16, ``Q (Q A)`` as two ``baddbmm`` without symmetrization. ``r_fp32``: keep R
     in fp32 (products with R in fp32, one rounding of the output) to measure what bf16 R costs.
     ``restarts``: default GRAM_SIDE's schedule."""
-    from .cascade import GRAM_SIDE_RESTARTS
     from .eager import _BF16_MAX, _addmm, _gram, _mm
 
     restarts = GRAM_SIDE_RESTARTS if restarts is None else restarts
@@ -308,8 +242,6 @@ def cascade_flops(m: int, n: int, *, maps: int = len(ANVIL_MAPS), restarts=None,
     """FLOPs of one matrix's cascade, standard and Gram side (``restarts``: default GRAM_SIDE's),
     with a symmetric product of T = ceil(k / block) tiles costing (T+1)/(2T) of a full one. Returns
     {"standard", "gram_side", "ratio"} (ratio = standard / gram_side)."""
-    from .cascade import GRAM_SIDE_RESTARTS
-
     sched = GRAM_SIDE_RESTARTS if restarts is None else tuple(restarts)
     big, k = max(m, n), min(m, n)
     t = math.ceil(k / block)
@@ -324,182 +256,3 @@ def cascade_flops(m: int, n: int, *, maps: int = len(ANVIL_MAPS), restarts=None,
     gs = gram + maps * sq * sym + (maps - starts) * sq + updates * (sq + sq * sym) \
         + len(sched) * (2 * big * k * k + gram) + 2 * big * k * k
     return {"standard": standard, "gram_side": gs, "ratio": standard / gs}
-
-
-# ------------------------------------------------------------------------------------------------
-# The error study that picks the default restart schedule
-
-#: Study inputs: (name, family, shape). The issue's four inputs (one matrix each) and a near-rank-1
-#: batch on a tall shape small enough for a CPU run (aspect 4, like the banks the dispatch picks).
-STUDY_INPUTS = (
-    ("Gaussian 2816x768", "gaussian", (1, 2816, 768)),
-    ("sv 1..1e-3, 2816x768", "geometric", (1, 2816, 768)),
-    ("Gaussian 768x768", "gaussian", (1, 768, 768)),
-    ("sv 1..1e-3, 768x768", "geometric", (1, 768, 768)),
-    ("near-rank-1 8x1024x256", "near_rank1", (8, 1024, 256)),
-)
-#: The rule's allowance: a schedule qualifies when, on every input the dispatch sends to the Gram side,
-#: its error exceeds SAFE's by at most one bf16 rounding's worst relative RMS error
-#: (anvil_fast.tolerances.RHO = 2**-8/sqrt(3): two bf16 paths of equal accuracy differ by about that
-#: much on one draw), and no output explodes.
-STUDY_ALLOWANCE = RHO
-
-
-def study_schedules(n_maps: int = len(ANVIL_MAPS)) -> list[tuple[int, ...]]:
-    """No restart, one restart before each map 2..K, and every pair."""
-    singles = [(j,) for j in range(2, n_maps + 1)]
-    pairs = [(i, j) for i in range(2, n_maps + 1) for j in range(i + 1, n_maps + 1)]
-    return [()] + singles + pairs
-
-
-def study_input(family: str, shape, *, seed: int = 0) -> Tensor:
-    """A float32 batch of the study's family: "gaussian", "geometric" (singular values geometric from 1
-    to 1e-3, random singular vectors) or "near_rank1" (:func:`anvil_fast.near_rank1.near_rank1`)."""
-    b, m, n = shape
-    g = torch.Generator().manual_seed(seed)
-    if family == "gaussian":
-        return torch.randn(shape, generator=g)
-    if family == "geometric":
-        k = min(m, n)
-        s = torch.logspace(0.0, -3.0, k, dtype=torch.float64)
-        u = torch.linalg.qr(torch.randn(b, m, k, generator=g, dtype=torch.float64))[0]
-        v = torch.linalg.qr(torch.randn(b, n, k, generator=g, dtype=torch.float64))[0]
-        return ((u * s) @ v.mT).float()
-    if family == "near_rank1":
-        from .near_rank1 import near_rank1
-
-        return near_rank1(b, m, n, seed=seed)
-    raise ValueError(f"family: expected 'gaussian', 'geometric' or 'near_rank1', got {family!r}")
-
-
-def choose_schedule(rows: list[dict]) -> tuple[int, ...]:
-    """The rule: among schedules with no exploded output and an error at most SAFE's + STUDY_ALLOWANCE
-    on every dispatched input, the fewest restarts; ties by the smallest worst excess over SAFE.
-    ``rows``: the study's schedule rows ({"restarts", "excess_max", "exploded"}). Raises if none
-    qualifies."""
-    ok = [r for r in rows if r["exploded"] == 0 and r["excess_max"] <= STUDY_ALLOWANCE]
-    if not ok:
-        raise RuntimeError(f"no restart schedule is within SAFE's error + {STUDY_ALLOWANCE:.3g} on every input")
-    best = min(ok, key=lambda r: (len(r["restarts"]), r["excess_max"]))
-    return tuple(best["restarts"])
-
-
-def study(inputs=STUDY_INPUTS, schedules=None, *, seed: int = 0, progress=None) -> dict:
-    """Error vs the float64 cascade (max over matrices of the relative Frobenius error) of SAFE and of
-    the Gram side for every schedule (run on every input, whatever the dispatch rule), on CPU (torch
-    fallback: fp32 products of bf16 operands, one rounding each, the fast path's own arithmetic),
-    plus the count of exploded outputs (top singular value > anvil_fast.near_rank1.EXPLODED;
-    dispatched inputs) and the R-in-fp32 variant of the chosen schedule."""
-    import anvil_ref as R_
-
-    from .cascade import GRAM_SIDE, SAFE, fast_cascade
-    from .difftest import rel_err
-    from .near_rank1 import EXPLODED, top_singular_value
-
-    schedules = study_schedules() if schedules is None else [tuple(s) for s in schedules]
-    margin = GRAM_SIDE.margin()
-    data = []
-    for name, fam, shape in inputs:
-        x = study_input(fam, shape, seed=seed)
-        data.append((name, x, R_.cascade(x.bfloat16(), margin=margin)))
-
-    def measure(label, fn):
-        errs, boom = [], 0
-        for name, x, ref in data:
-            y = fn(x)
-            errs.append(rel_err(y, ref))
-            if uses_gram_side(x.shape):
-                boom += int((top_singular_value(y.reshape(-1, *y.shape[-2:])) > EXPLODED).sum())
-        if progress:
-            progress(f"{label}: " + " ".join(f"{e:.4g}" for e in errs))
-        return errs, boom
-
-    safe_errs, safe_boom = measure("safe", lambda x: fast_cascade(x, config=SAFE, backend="torch"))
-    rows = []
-    for sched in schedules:
-        errs, boom = measure(str(sched), lambda x, s=sched: fast_gram_side(x, restarts=s, backend="torch"))
-        excess = [e - s for e, s, (_, x, _) in zip(errs, safe_errs, data) if uses_gram_side(x.shape)]
-        rows.append({"restarts": list(sched), "errors": errs, "excess_max": max(excess), "exploded": boom})
-    chosen = choose_schedule(rows)
-    r32, r32_boom = measure(f"{chosen} R fp32", lambda x: eager_gram_side_cascade(
-        x, restarts=chosen, margin=margin, gemm="fp32", r_fp32=True))
-    r16, r16_boom = measure(f"{chosen} eager", lambda x: eager_gram_side_cascade(
-        x, restarts=chosen, margin=margin, gemm="fp32"))
-    return {"inputs": [n for n, _, _ in inputs], "safe": {"errors": safe_errs, "exploded": safe_boom},
-            "schedules": rows, "chosen": list(chosen), "allowance": STUDY_ALLOWANCE,
-            "dispatched": [uses_gram_side(x.shape) for _, x, _ in data],
-            "r_precision": {"bf16": {"errors": r16, "exploded": r16_boom},
-                            "fp32": {"errors": r32, "exploded": r32_boom}},
-            "flops_2816x768": {"standard": cascade_flops(2816, 768)["standard"],
-                               **{str(tuple(r["restarts"])):
-                                  cascade_flops(2816, 768, restarts=r["restarts"])["gram_side"] for r in rows}}}
-
-
-def study_markdown(res: dict, command: str) -> str:
-    def sched(s):
-        return "none" if not s else "before map " + ", ".join(map(str, s))
-    f = res["flops_2816x768"]
-    head = ["configuration", *res["inputs"], "exploded", "FLOPs vs SAFE, 2816x768", "768x768"]
-    lines = [f"<!-- generated by `{command}` -->", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    fmt = lambda es: [f"{e:.4f}" if e < 10 else f"{e:.2g}" if math.isfinite(e) else "inf" for e in es]  # noqa: E731
-    lines.append("| SAFE (standard bf16) | " + " | ".join(fmt(res["safe"]["errors"]))
-                 + f" | {res['safe']['exploded']} | 1 | 1 |")
-    for r in res["schedules"]:
-        mark = "**" if r["restarts"] == res["chosen"] else ""
-        ratio = f["standard"] / f[str(tuple(r["restarts"]))]
-        square = 1 / cascade_flops(768, 768, restarts=r["restarts"])["ratio"]
-        lines.append(f"| {mark}Gram side, restart {sched(r['restarts'])}{mark} | " + " | ".join(fmt(r["errors"]))
-                     + f" | {r['exploded']} | {1 / ratio:.2f} | {square:.2f} |")
-    c = res["chosen"]
-    for key, label in (("bf16", "R in bf16, eager"), ("fp32", "R in fp32, eager")):
-        e = res["r_precision"][key]
-        lines.append(f"| Gram side, restart {sched(c)}, {label} | " + " | ".join(fmt(e["errors"]))
-                     + f" | {e['exploded']} | | |")
-    lines += ["", "Relative Frobenius error against the float64 cascade of the same bf16 input (max over the "
-              "input's matrices); CPU, fp32 products of bf16 operands rounded once (the fast path's torch "
-              "fallback); SAFE's normalization for every row. *exploded*: outputs with a top singular value "
-              "above 1.1 or a non-finite entry. FLOPs: `anvil_fast.gram_side.cascade_flops` (symmetric "
-              "products at (T+1)/(2T) of a full one).", "",
-              "Rule: among schedules with no exploded output and an error at most SAFE's + "
-              f"{res['allowance']:.2e} (one bf16 rounding's worst RMS, 2^-8/sqrt(3)) on every input the dispatch "
-              "sends to the Gram side (" + ", ".join(n for n, d in zip(res["inputs"], res["dispatched"]) if d)
-              + "; the square inputs are shown, not judged), the fewest restarts, then the smallest worst excess. "
-              f"Chosen: restart {sched(c)}."]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m anvil_fast.gram_side",
-                                 description="The Gram-side cascade's error study (CPU, a few minutes).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("study", help="error vs the float64 cascade over restart schedules and spectra")
-    st.add_argument("--out", default=None, help="write the Markdown table here (and the numbers next to it as .json)")
-    st.add_argument("--seed", type=int, default=0)
-    st.add_argument("--from-json", default=None,
-                    help="re-render the table from a stored study (the .json that --out writes) instead of running it")
-    a = ap.parse_args(argv)
-    if a.from_json:
-        import json
-        from pathlib import Path
-
-        res = json.loads(Path(a.from_json).read_text())
-        cmd = res.pop("generated_by")
-    else:
-        res = study(seed=a.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))
-        cmd = "python -m anvil_fast.gram_side study" + (f" --out {a.out}" if a.out else "") + \
-            (f" --seed {a.seed}" if a.seed else "")
-    md = study_markdown(res, cmd)
-    print(md)
-    if a.out:
-        import json
-        from pathlib import Path
-
-        out = Path(a.out)
-        out.write_text(md)
-        out.with_suffix(".json").write_text(json.dumps({"generated_by": cmd, **res}, indent=1) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -102,10 +102,11 @@ from pathlib import Path  # noqa: E402
 
 from anvil_fast import difftest as D  # noqa: E402
 from anvil_fast.cascade import (GRAM_SIDE, GRAM_SIDE_RESTARTS, SAFE, CascadeConfig, CascadeWorkspace,  # noqa: E402
-                                cascade_workspace, fast_cascade, get_config)
+                                cascade_workspace, fast_cascade, fast_gram_side, get_config)
 from anvil_fast.gram import GramInputError  # noqa: E402
-from anvil_fast.gram_side import (GRAM_SIDE_MIN_ASPECT, STUDY_ALLOWANCE, choose_schedule,  # noqa: E402
-                                  eager_gram_side_cascade, fast_gram_side, sym_aX_plus_mm, uses_gram_side)
+from anvil_fast.gram_side import (GRAM_SIDE_MIN_ASPECT, eager_gram_side_cascade, sym_aX_plus_mm,  # noqa: E402
+                                  uses_gram_side)
+from anvil_fast.gram_side_study import STUDY_ALLOWANCE, choose_schedule  # noqa: E402
 from anvil_fast.near_rank1 import EXPLODED, near_rank1, top_singular_value  # noqa: E402
 
 STUDY_JSON = Path(__file__).resolve().parents[1] / "papers" / "data" / "gram_side_study.json"

@@ -201,8 +201,8 @@ def gram_side_rows(shapes, *, rep_ms: int) -> list[dict]:
     rails) with the Gram side forced whatever the dispatch rule says, and the whole bank update with
     the dispatch rule (GRAM_SIDE's update is SAFE's where it does not pick the Gram side)."""
     from ..bank import anvil_bank_update
-    from ..cascade import GRAM_SIDE, SAFE, cascade_workspace
-    from ..gram_side import cascade_flops, gram_side_workspace, uses_gram_side
+    from ..cascade import GRAM_SIDE, SAFE, cascade_workspace, gram_side_workspace
+    from ..gram_side import cascade_flops, uses_gram_side
     from ..rails import twin_rail
 
     rows = []
