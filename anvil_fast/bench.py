@@ -291,7 +291,8 @@ def _dropin_run(a: argparse.Namespace) -> int:
 #: name -> (add_arguments(parser), run(namespace) -> exit code)
 COMMANDS: dict[str, tuple[Callable, Callable]] = {"bank": (_bank_args, _bank_run),
                                                   "optimizer": (_optimizer_args, _optimizer_run),
-                                                  "dropin": (_dropin_args, _dropin_run)}
+                                                  "dropin": (_dropin_args, _dropin_run),
+                                                  "train_step": __import__("anvil_fast.train_step", fromlist=["COMMAND"]).COMMAND}
 
 
 def main(argv=None) -> int:
