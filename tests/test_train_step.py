@@ -1,0 +1,127 @@
+"""anvil_fast.train_step: the overlapped training step (reduce-scatters launched from the backward
+pass) against the non-overlapped one, on 2 gloo processes (CPU) and 2 GPUs (gpu marker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anvil_fast import train_step as TS
+from anvil_fast.distributed import all_digests, replica_digest, spawn
+from anvil_fast.gpt import SIZES
+
+WORLD = 2
+STEPS = 3
+KW = dict(global_batch=4, seq=32)
+
+
+def _session(rank: int, world: int, device: str) -> dict:
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    compile_banks = None if device == "cuda" else False
+    cfg = SIZES["tiny"]
+    out = {}
+    init = None
+    for mode in ("sequential", *TS.WAIT_MODES):
+        model = TS.BankedGPT(cfg, group_layers=1, seed=0).to(dev)
+        init = init or replica_digest([p.data for _, p in model.labelled()])
+        opt = TS.make_optimizer(model, compile_banks=compile_banks)
+        launched_before_group0 = []
+        one = TS.train(model, opt, mode=mode, steps=1, world=world, rank=rank, adam_every=2, **KW)
+        driver = one.driver
+        if driver is not None:
+            # how many reduces are in flight when the backward pass reaches the first group
+            model.groups[0].register_full_backward_pre_hook(
+                lambda m, g: launched_before_group0.append(len(driver._launched)))
+        for t in range(1, STEPS):
+            one(t)
+        if driver is not None:
+            driver.wait_all()
+        out[mode] = all_digests([p.data for _, p in model.labelled()])
+        out[f"{mode}_launched"] = launched_before_group0
+    out["init"] = init
+    return out
+
+
+def _check(res: list[dict]) -> None:
+    d = res[0]
+    for mode in ("sequential", *TS.WAIT_MODES):
+        assert len(set(d[mode])) == 1, f"{mode}: the ranks' replicas differ"
+        assert d[mode][0] != d["init"], f"{mode}: the parameters did not move"
+    assert d["prehook"] == d["sequential"] and d["end"] == d["sequential"]
+    for r in res:
+        for mode in TS.WAIT_MODES:
+            # before the backward pass reaches group 0: lm_head (step 1, an Adam step), mlp_bank1 and
+            # attn_bank1 are complete and launched; step 2 reads no Adam gradient
+            assert r[f"{mode}_launched"] == [3, 2], r[f"{mode}_launched"]
+
+
+@pytest.mark.distributed
+def test_overlapped_equals_sequential_on_two_gloo_ranks():
+    _check(spawn(_session, WORLD, "cpu", backend="gloo"))
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_overlapped_equals_sequential_on_two_gpus():
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs")
+    _check(spawn(_session, WORLD, "cuda", backend="nccl", threads=0, timeout=TS.GPU_TIMEOUT_S))
+
+
+def test_one_process_overlapped_equals_sequential():
+    cfg = SIZES["tiny"]
+    digests = {}
+    for mode in ("sequential", *TS.WAIT_MODES):
+        model = TS.BankedGPT(cfg, group_layers=2, seed=0)
+        opt = TS.make_optimizer(model, compile_banks=False)
+        TS.train(model, opt, mode=mode, steps=2, world=1, rank=0, adam_every=2, **KW)
+        digests[mode] = replica_digest([p.data for _, p in model.labelled()])
+    assert digests["prehook"] == digests["sequential"] == digests["end"]
+
+
+def test_global_batch_not_divisible_is_refused():
+    with pytest.raises(ValueError, match="not divisible by the world size 2"):
+        TS.check_batch(5, 2)
+    rc = TS.main(["--device", "cpu", "--worlds", "1,2", "--global-batch", "3"])
+    assert rc == 2
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--group-layers", "3"], "must divide n_layer=2"),
+    (["--worlds", "1,3", "--global-batch", "6"], "3 ranks cannot shard the attention bank"),
+    (["--worlds", "1,x"], "comma-separated ints"),
+    (["--seq", "65"], r"must lie in \[1, 64\]"),
+])
+def test_bad_settings_are_refused(args, match, capsys):
+    assert TS.main(["--device", "cpu", *args]) == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def test_refuses_finite_check_and_unknown_wait():
+    from anvil_ref.config import ConfigError
+    from anvil_fast.optimizer import AnvilAndAdam
+
+    model = TS.BankedGPT(SIZES["tiny"], group_layers=1)
+    opt = AnvilAndAdam(model.labelled(), model.param_table(), model.scatter_order(), model.work_order(),
+                       check_finite=True, tie_embeddings=False)
+    with pytest.raises(ConfigError, match="check_finite"):
+        TS.OverlappedStep(opt, model)
+    with pytest.raises(ValueError, match="wait must be one of"):
+        TS.OverlappedStep(TS.make_optimizer(model, compile_banks=False), model, wait="never")
+
+
+def test_hidden_share_arithmetic():
+    # 10 ms of compute, 4 ms of collectives: a 11 ms step hides 3 of the 4 ms
+    assert TS.hidden_share(11.0, 10.0, 4.0) == pytest.approx(0.75)
+    assert TS.hidden_share(14.0, 10.0, 4.0) == pytest.approx(0.0)
+
+
+def test_cpu_smoke_table(tmp_path):
+    out = tmp_path / "t.md"
+    rc = TS.main(["--device", "cpu", "--worlds", "1,2", "--n-time", "1", "--warmup", "0", "--check-steps", "2",
+                  "--out", str(out)])
+    text = out.read_text()
+    assert rc == 0, text
+    assert text.startswith("<!-- generated by `python -m anvil_fast.train_step --device cpu")
+    rows = [l for l in text.splitlines() if l.startswith("| 1 |") or l.startswith("| 2 |")]
+    assert len(rows) == 2 and all(r.endswith("| yes |") for r in rows), rows
