@@ -197,8 +197,9 @@ def pieces_of(data: dict, layout: str, world: int, *, scale: float = 1.0) -> dic
 
 
 def fits_of(data: dict, world: int) -> dict[str, AlphaBeta] | None:
-    """Collective fits at ``world`` (the largest measured world's where ``world`` was not measured)."""
-    coll = data.get("collectives") or {}
+    """Collective fits at ``world`` (the largest measured world's where ``world`` was not measured;
+    worlds whose sweep could not be fitted are left out; None without any)."""
+    coll = {w: c for w, c in (data.get("collectives") or {}).items() if all(c[k].get("fit") for k in KINDS)}
     if not coll:
         return None
     key = str(world) if str(world) in coll else str(max(map(int, coll)))
@@ -313,33 +314,44 @@ def bracket(run: dict, world: int, *, from_world: int = 2) -> dict:
 
 
 # -------------------------------------------------------------------------------------- measuring
-def _median_ms(fn, n: int, warmup: int) -> float:
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, n: int, warmup: int, device) -> float:
+    """Median ms of ``fn`` (CUDA events on a GPU, the wall clock on the CPU)."""
     import torch
 
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 
-def _host_ms(fn, n: int) -> float:
+def _host_ms(fn, n: int, device) -> float:
     """Host time to issue ``fn`` with the device idle at the start (no sync inside)."""
-    import torch
-
     times = []
     for _ in range(n):
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
-    torch.cuda.synchronize()
+    _sync(device)
     return statistics.median(times)
 
 
@@ -363,8 +375,8 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
         opt.copy_lm_state_to_embed()  # untied: every parameter updated, as anvil_fast.scaling times it
         grads = make_grads(params)
         step = step_fn(opt, params, grads, True)
-        step_ms = _median_ms(step, n, 3)  # also the warm-up: compiles the bank updates
-        host = _host_ms(step, n)
+        step_ms = _median_ms(step, n, 3, device)  # also the warm-up: compiles the bank updates
+        host = _host_ms(step, n, device)
         step()
         upd = {}
         for label in opt.labels:
@@ -372,29 +384,31 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
             if cfg.comms == "replicated":
                 continue
             if cfg.optim == "anvil":
-                upd[label] = _median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n, 2)
+                upd[label] = _median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n, 2,
+                                         device)
             else:
                 chunk = grads[label][: cfg.chunk_size].contiguous()
-                upd[label] = _median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n, 2)
+                upd[label] = _median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n, 2, device)
         rep = [l for l in opt.labels if opt.param_cfgs[l].comms == "replicated"]
         if rep:
-            ms = _median_ms(lambda: opt.replicated.update(opt.adam_table), n, 2)
+            ms = _median_ms(lambda: opt.replicated.update(opt.adam_table), n, 2, device)
             for l in rep:  # one fused pass: its time split by element count
                 upd[l] = ms * labels[l]["nbytes"] / sum(labels[r]["nbytes"] for r in rep)
         out["worlds"][str(w)] = dict(update_ms=upd, step_nocomm_ms=step_ms, host_ms=host)
         print(f"  {name} at {w} rank(s): step without comms {step_ms:.3f} ms, pieces {sum(upd.values()):.3f} ms, "
               f"host {host:.3f} ms", flush=True)
         del opt, params, grads
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
-def _collective_rank(rank: int, world: int, sizes: list[int], n: int) -> dict:
+def _collective_rank(rank: int, world: int, sizes: list[int], n: int, device: str) -> dict:
     import torch
 
     from .comms import DistComms
 
-    dev = torch.device("cuda", rank)
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     comms = DistComms()
     res = {}
     for kind in KINDS:
@@ -405,26 +419,45 @@ def _collective_rank(rank: int, world: int, sizes: list[int], n: int) -> dict:
             fn = {"reduce_scatter": lambda: comms.reduce_scatter_avg(part, full).wait(),
                   "all_gather": lambda: comms.all_gather(full, part).wait(),
                   "all_reduce": lambda: comms.all_reduce_avg(full).wait()}[kind]
-            pts.append((nbytes, _median_ms(fn, n, 3)))
+            pts.append((nbytes, _median_ms(fn, n, 3, dev)))
         res[kind] = pts
     return res
+
+
+#: ``--device cpu``: a smoke run of the whole command on a small layout (CPU timings mean nothing)
+SMOKE_LAYOUT = dict(n_layer=4, width=32, vocab=256, heads=2, head_dim=16, hidden=128)
+SMOKE_BYTES = (2 ** 16, 2 ** 18, 2 ** 20)
 
 
 def measure(a: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("anvil_fast.cost_model measure: needs a CUDA device (the pieces are GPU timings)", file=sys.stderr)
-        return 2
     from .distributed import spawn
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("anvil_fast.cost_model measure: needs a CUDA device (the pieces are GPU timings; --device cpu is a "
+              "smoke run)", file=sys.stderr)
+        return 2
+    if a.n < 1:
+        print(f"--n must be >= 1, got {a.n}", file=sys.stderr)
+        return 2
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
     worlds = _worlds(a.worlds)
-    lays = layouts()
-    data = dict(format=FORMAT, generated_by=a.command_line, device=torch.cuda.get_device_name(),
+    if cuda:
+        lays = layouts()
+    else:
+        from .bench_optimizer import gpt2_small_layout
+
+        lays = {name: gpt2_small_layout(**SMOKE_LAYOUT) for name in LAYOUTS}
+    sweep = SWEEP_BYTES if cuda else SMOKE_BYTES
+    n_devices = torch.cuda.device_count() if cuda else max(worlds)
+    data = dict(format=FORMAT, generated_by=a.command_line, device=torch.cuda.get_device_name() if cuda else "cpu",
                 torch=torch.__version__, n=a.n, layouts={}, collectives={})
     t0 = time.time()
-    for name in a.layouts.split(","):
+    names = a.layouts.split(",")
+    for name in names:
         if name not in lays:
             print(f"unknown layout {name!r}; known: {', '.join(lays)}", file=sys.stderr)
             return 2
@@ -432,18 +465,28 @@ def measure(a: argparse.Namespace) -> int:
             bad = [l for l, (shape, reshape, _, e) in lays[name].items()
                    if e["comms"] == "sharded" and (reshape or shape)[0] % w]
             if bad:
-                print(f"{name}: {w} ranks cannot shard {bad}", file=sys.stderr)
+                print(f"{name}: {w} ranks cannot shard {bad} (first dimensions "
+                      f"{[(lays[name][l][1] or lays[name][l][0])[0] for l in bad]})", file=sys.stderr)
                 return 2
-        data["layouts"][name] = measure_layout(name, lays[name], worlds, n=a.n, device=torch.device("cuda"))
+    for name in names:
+        data["layouts"][name] = measure_layout(name, lays[name], worlds, n=a.n,
+                                               device=torch.device("cuda" if cuda else "cpu"))
         print(f"{name} measured at +{time.time() - t0:.0f} s", flush=True)
     for w in worlds:
-        if w == 1 or w > torch.cuda.device_count():
+        if w == 1 or w > n_devices:
             continue
-        res = spawn(_collective_rank, w, list(SWEEP_BYTES), a.n, backend="nccl", threads=0)
-        pts = {k: [max(r[k][i][1] for r in res) for i in range(len(SWEEP_BYTES))] for k in KINDS}
-        data["collectives"][str(w)] = {
-            k: dict(points=[[b, ms] for b, ms in zip(SWEEP_BYTES, pts[k])],
-                    fit=fit_alpha_beta(k, w, list(zip(SWEEP_BYTES, pts[k]))).__dict__) for k in KINDS}
+        res = spawn(_collective_rank, w, list(sweep), a.n, a.device, backend="nccl" if cuda else "gloo",
+                    threads=0 if cuda else 1)
+        pts = {k: [max(r[k][i][1] for r in res) for i in range(len(sweep))] for k in KINDS}
+        entry = {}
+        for k in KINDS:
+            entry[k] = dict(points=[[b, ms] for b, ms in zip(sweep, pts[k])], fit=None)
+            try:
+                entry[k]["fit"] = fit_alpha_beta(k, w, list(zip(sweep, pts[k]))).__dict__
+            except ValueError as e:  # kept with its points: predict() then has no fit at this world size
+                entry[k]["fit_error"] = str(e)
+                print(f"  no fit: {e}", flush=True)
+        data["collectives"][str(w)] = entry
         print(f"collectives at {w} ranks measured at +{time.time() - t0:.0f} s", flush=True)
     save(data, a.out)
     print(f"wrote {a.out}")
@@ -524,6 +567,8 @@ def main(argv=None) -> int:
                    help="world sizes whose per-rank pieces are timed (collectives: those the GPUs allow)")
     m.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts")
     m.add_argument("--n", type=int, default=20, help="timed repetitions per piece (median)")
+    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a smoke run of the command on a small layout and gloo ranks (timings meaningless)")
     p = sub.add_parser("predict", help="predict the step from a data file")
     p.add_argument("--data", required=True, help="a file written by `measure`")
     p.add_argument("--worlds", default=",".join(map(str, DEFAULT_WORLDS)))

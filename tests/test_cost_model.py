@@ -148,3 +148,23 @@ def test_predict_cli(tmp_path, capsys):
     assert RUN5 in text
     assert C.main(["predict", "--data", str(tmp_path / "missing.json")]) == 2
     assert "no data file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_measure_smoke_on_cpu_writes_a_file_predict_reads(tmp_path):
+    path = tmp_path / "pieces.json"
+    assert C.main(["measure", "--device", "cpu", "--layouts", "gpt2small", "--worlds", "1,2", "--n", "1",
+                   "--out", str(path)]) == 0
+    data = C.load(path)
+    lay = data["layouts"]["gpt2small"]
+    # every label has a piece at both world sizes; the collectives were swept at 2 ranks
+    assert set(lay["worlds"]) == {"1", "2"}
+    assert all(set(w["update_ms"]) == set(lay["labels"]) for w in lay["worlds"].values())
+    assert set(data["collectives"]["2"]) == set(C.KINDS)
+    assert C.main(["predict", "--data", str(path), "--worlds", "1,2"]) == 0
+
+
+def test_measure_refuses_a_world_that_cannot_shard(capsys):
+    assert C.main(["measure", "--device", "cpu", "--worlds", "1,3", "--out", "/nonexistent/x.json"]) == 2
+    assert "3 ranks cannot shard" in capsys.readouterr().err
