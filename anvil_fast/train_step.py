@@ -57,6 +57,7 @@ from .comms import Handle
 from .gpt import SIZES, GPTConfig
 
 WAIT_MODES = ("prehook", "end")
+WORK_ORDERS = ("backward", "forward")
 NORMS_LABEL = "norms"
 POS_LABEL = "pos"
 #: Seconds a rank may wait in a collective (the first step compiles the bank updates).
@@ -175,10 +176,19 @@ class BankedGPT(nn.Module):
         banks = [f"{k}_bank{i}" for i in reversed(range(len(self.groups))) for k in ("mlp", "attn")]
         return [LM_HEAD_LABEL, *banks, NORMS_LABEL, POS_LABEL, EMBED_LABEL]
 
-    def work_order(self) -> list[str]:
-        """Updates in the order their reduces land; the replicated norms last (their all-reduce is
-        launched after the backward pass)."""
-        return [l for l in self.scatter_order() if l != NORMS_LABEL] + [NORMS_LABEL]
+    def work_order(self, order: str = "backward") -> list[str]:
+        """The updates' order, the replicated norms last (their all-reduce is launched after the
+        backward pass). ``backward``: as the reduces land, so no update waits for a reduce behind
+        another; ``forward``: as the next forward pass reads the parameters, so with pre-hook waits
+        the last gathers (lm_head's) hide behind that forward, at the price of waiting for the
+        last reduce (embed's) before the first update."""
+        if order not in WORK_ORDERS:
+            raise ValueError(f"work order must be one of {WORK_ORDERS}, got {order!r}")
+        land = [l for l in self.scatter_order() if l != NORMS_LABEL]
+        if order == "forward":
+            banks = [f"{k}_bank{i}" for i in range(len(self.groups)) for k in ("attn", "mlp")]
+            land = [EMBED_LABEL, POS_LABEL, *banks, LM_HEAD_LABEL]
+        return land + [NORMS_LABEL]
 
     def wait_points(self) -> list[tuple[nn.Module, tuple[str, ...]]]:
         """(module, labels its forward reads): where a forward pre-hook waits for the gathers."""
@@ -196,14 +206,19 @@ class BankedGPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def make_optimizer(model: BankedGPT, *, comms=None, compile_banks: bool | None = None):
-    """AnvilAndAdam over the model's labelled parameters with its schedule (untied embeddings)."""
+def make_optimizer(model: BankedGPT, *, comms=None, compile_banks: bool | None = None, work_order: str = "backward",
+                   graphs: bool = False):
+    """AnvilAndAdam over the model's labelled parameters with its schedule (untied embeddings);
+    ``graphs``: the bank updates replayed as CUDA graphs."""
     from .bank import anvil_bank_update
     from .optimizer import AnvilAndAdam
 
-    return AnvilAndAdam(model.labelled(), model.param_table(), model.scatter_order(), model.work_order(),
-                        comms=comms, tie_embeddings=False,
-                        bank_update=functools.partial(anvil_bank_update, compile=compile_banks))
+    opt = AnvilAndAdam(model.labelled(), model.param_table(), model.scatter_order(), model.work_order(work_order),
+                       comms=comms, tie_embeddings=False,
+                       bank_update=functools.partial(anvil_bank_update, compile=compile_banks))
+    if graphs:
+        opt.use_cuda_graphs()
+    return opt
 
 
 # ------------------------------------------------------------------------------------- the driver
@@ -446,7 +461,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 
     def fresh(comms):
         model = BankedGPT(cfg, group_layers=a["group_layers"], seed=0).to(dev)
-        return model, make_optimizer(model, comms=comms, compile_banks=compile_banks)
+        return model, make_optimizer(model, comms=comms, compile_banks=compile_banks, work_order=a["work_order"],
+                                     graphs=a["graphs"])
 
     # equivalence: the overlapped schedules against the non-overlapped one, bit for bit
     digests = {}
@@ -532,6 +548,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the size's context)")
     ap.add_argument("--group-layers", type=int, default=None,
                     help="layers per bank (default: 4 on cuda, so 8 ranks divide every bank; 1 on cpu)")
+    ap.add_argument("--work-order", choices=WORK_ORDERS, default="backward",
+                    help="the updates' order (BankedGPT.work_order): as the reduces land, or as the forward reads")
+    ap.add_argument("--graphs", action="store_true", help="bank updates replayed as CUDA graphs (cuda only)")
     ap.add_argument("--check-steps", type=int, default=3, help="steps of the bitwise equivalence check")
     ap.add_argument("--n-time", type=int, default=None, help="timed steps per variant (default 20 cuda, 3 cpu; "
                     "0: equivalence only)")
@@ -546,7 +565,10 @@ def settings(a: argparse.Namespace) -> dict:
              global_batch=a.global_batch if a.global_batch is not None else (16 if cuda else 4),
              group_layers=a.group_layers if a.group_layers is not None else (4 if cuda else 1),
              check_steps=a.check_steps, n_time=a.n_time if a.n_time is not None else (20 if cuda else 3),
-             warmup=a.warmup if a.warmup is not None else (5 if cuda else 1))
+             warmup=a.warmup if a.warmup is not None else (5 if cuda else 1),
+             work_order=a.work_order, graphs=bool(a.graphs))
+    if s["graphs"] and not cuda:
+        raise ValueError("--graphs needs --device cuda (CUDA graphs)")
     cfg = _config(s["size"])
     s["seq"] = a.seq if a.seq is not None else cfg.ctx
     try:
@@ -602,7 +624,8 @@ def run(a: argparse.Namespace) -> int:
     lines = [f"<!-- generated by `{command}` -->",
              f"# Training step on {', '.join(map(str, results))} rank(s): forward + backward + AnvilAndAdam", "",
              f"Device: {dev}, torch {torch.__version__}. Model: BankedGPT `{s['size']}` ({cfg.n_layer} layers, width "
-             f"{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}), banks of {s['group_layers']} layer(s); global "
+             f"{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}), banks of {s['group_layers']} layer(s), updates in "
+             f"{s['work_order']} order, bank updates {'in CUDA graphs' if s['graphs'] else 'without CUDA graphs'}; global "
              f"batch {s['global_batch']} x {s['seq']} tokens at every world size; Adam every step; median of "
              f"{s['n_time']} steps after {s['warmup']} warm-up, slowest rank"
              + (f"; peak memory {mem:.1f} GiB per GPU" if mem else "") + ". Hidden = (comms skipped + collectives "

@@ -21,10 +21,11 @@ def _session(rank: int, world: int, device: str) -> dict:
     cfg = SIZES["tiny"]
     out = {}
     init = None
-    for mode in ("sequential", *TS.WAIT_MODES):
+    for variant in ("sequential", *TS.WAIT_MODES, "prehook_forward"):
+        mode, _, order = variant.partition("_")
         model = TS.BankedGPT(cfg, group_layers=1, seed=0).to(dev)
         init = init or replica_digest([p.data for _, p in model.labelled()])
-        opt = TS.make_optimizer(model, compile_banks=compile_banks)
+        opt = TS.make_optimizer(model, compile_banks=compile_banks, work_order=order or "backward")
         launched_before_group0 = []
         one = TS.train(model, opt, mode=mode, steps=1, world=world, rank=rank, adam_every=2, **KW)
         driver = one.driver
@@ -36,20 +37,22 @@ def _session(rank: int, world: int, device: str) -> dict:
             one(t)
         if driver is not None:
             driver.wait_all()
-        out[mode] = all_digests([p.data for _, p in model.labelled()])
-        out[f"{mode}_launched"] = launched_before_group0
+        out[variant] = all_digests([p.data for _, p in model.labelled()])
+        out[f"{variant}_launched"] = launched_before_group0
     out["init"] = init
     return out
 
 
 def _check(res: list[dict]) -> None:
     d = res[0]
-    for mode in ("sequential", *TS.WAIT_MODES):
-        assert len(set(d[mode])) == 1, f"{mode}: the ranks' replicas differ"
-        assert d[mode][0] != d["init"], f"{mode}: the parameters did not move"
-    assert d["prehook"] == d["sequential"] and d["end"] == d["sequential"]
+    variants = ("sequential", *TS.WAIT_MODES, "prehook_forward")
+    for v in variants:
+        assert len(set(d[v])) == 1, f"{v}: the ranks' replicas differ"
+        assert d[v][0] != d["init"], f"{v}: the parameters did not move"
+    # the updates are independent of each other: their order changes no bit either
+    assert d["prehook"] == d["sequential"] and d["end"] == d["sequential"] and d["prehook_forward"] == d["sequential"]
     for r in res:
-        for mode in TS.WAIT_MODES:
+        for mode in variants[1:]:
             # before the backward pass reaches group 0: lm_head (step 1, an Adam step), mlp_bank1 and
             # attn_bank1 are complete and launched; step 2 reads no Adam gradient
             assert r[f"{mode}_launched"] == [3, 2], r[f"{mode}_launched"]
