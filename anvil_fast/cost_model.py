@@ -5,7 +5,9 @@
     optimizer exactly as rank 0 of ``w`` holds it (:class:`~anvil_fast.comms.NullComms`: its shards,
     nothing moved) and the time of every piece of its step -- each bank's update on its
     ``n / w`` matrices, each sharded Adam parameter's update on its rows, the replicated Adam pass --
-    the whole step without communication, and the host's time to issue it. With two or more GPUs
+    the whole step without communication, and the host's time to issue it. The same for the
+    training step of :mod:`anvil_fast.train_step` (its defaults), plus forward and backward at the
+    per-rank batch and the time each gradient is complete in the backward pass. With two or more GPUs
     it also times the collectives (reduce-scatter, all-gather, all-reduce; 1 MiB to 256 MiB) on
     ``w`` NCCL ranks for every ``w`` of ``--worlds`` the GPUs allow, and fits the alpha-beta model.
 
@@ -32,7 +34,10 @@ parameter's rows, so all ranks do the same work and the slowest rank is any rank
   in ``scatter_order``; phase 2 walks ``work_order``: an update starts when the compute stream is
   free and its reduce-scatter has landed, and its all-gather is enqueued behind it; the step ends
   when both streams are idle;
-* the host: the step cannot end before the host has issued it (``host_ms``, measured at ``w``).
+* the host: the step cannot end before the host has issued it (``host_ms``, measured at ``w``);
+* the training step: forward and backward first; each reduce-scatter launched once its gradient
+  and every one before it in ``scatter_order`` is complete, the all-reduce after the backward pass,
+  the updates after it as above (gathers waited at the step's end).
 
 Predictions are stated as predictions: only world sizes that were run can be checked.
 """
@@ -49,6 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 FORMAT = "anvil_fast.cost_model/1"
 KINDS = ("reduce_scatter", "all_gather", "all_reduce")
@@ -144,27 +150,43 @@ class Prediction:
 
 
 def schedule(pieces: dict[str, Piece], scatter: list[str], work: list[str], world: int,
-             fits: dict[str, AlphaBeta] | None, *, host_ms: float = 0.0) -> Prediction:
-    """The optimizer step's two-stream timeline (module docstring)."""
+             fits: dict[str, AlphaBeta] | None, *, host_ms: float = 0.0, ready: dict[str, float] | None = None,
+             compute_start: float = 0.0) -> Prediction:
+    """The step's two-stream timeline (module docstring). Optimizer alone (``ready`` None): every
+    gradient is there at 0, the replicated all-reduce goes first. Training step (``ready``: label
+    -> the time its gradient is complete, ``compute_start``: the backward pass's end): each
+    reduce-scatter is launched in ``scatter_order`` once it and every label before it is ready
+    (:class:`anvil_fast.train_step.OverlappedStep`), the all-reduce after the backward pass, and
+    the updates start at ``compute_start``. ``compute_ms`` is the updates' sum either way."""
     for order_name, order in (("scatter_order", scatter), ("work_order", work)):
         if sorted(order) != sorted(pieces):
             raise ValueError(f"{order_name} must list every piece once: {order} vs {sorted(pieces)}")
     if world > 1 and not fits:
         raise ValueError(f"{world} ranks need collective fits (alpha, bw per kind)")
+    if ready is not None:
+        missing = sorted(l for l in pieces if pieces[l].comms == "sharded" and l not in ready)
+        if missing:
+            raise ValueError(f"ready times missing for {missing}")
 
     def coll(kind, nbytes):
         return 0.0 if world == 1 else ring_ms(kind, nbytes, world, fits[kind])
 
     rep = [l for l in work if pieces[l].comms == "replicated"]
-    comm_t = coll("all_reduce", sum(pieces[l].nbytes for l in rep)) if rep else 0.0
-    ar_done = comm_t
-    rs_done = {}
+    ar_ms = coll("all_reduce", sum(pieces[l].nbytes for l in rep)) if rep else 0.0
+    comm_t, comm_alone = 0.0, ar_ms
+    if ready is None:
+        comm_t = ar_done = ar_ms
+    rs_done, launch = {}, 0.0
     for l in scatter:
         if pieces[l].comms == "sharded":
-            comm_t += coll("reduce_scatter", pieces[l].nbytes)
+            launch = max(launch, 0.0 if ready is None else ready[l])
+            rs = coll("reduce_scatter", pieces[l].nbytes)
+            comm_t = max(comm_t, launch) + rs
+            comm_alone += rs
             rs_done[l] = comm_t
-    comm_alone = comm_t
-    compute_t, rep_done = 0.0, False
+    if ready is not None:
+        comm_t = ar_done = max(comm_t, compute_start) + ar_ms
+    compute_t, rep_done = compute_start, False
     for l in work:
         p = pieces[l]
         if p.comms == "replicated":
@@ -355,6 +377,137 @@ def _host_ms(fn, n: int, device) -> float:
     return statistics.median(times)
 
 
+def _time_pieces(opt, grads: dict, n: int, device) -> dict[str, float]:
+    """Each label's update as rank ``opt.rank`` of ``opt.world_size`` runs it (after one step, so
+    the scalars are staged and the bank updates compiled): a bank's on its matrices, a sharded Adam
+    parameter's on its rows; the replicated labels share one fused pass, split by element count."""
+    upd = {}
+    for label in opt.labels:
+        cfg = opt.param_cfgs[label]
+        if cfg.comms == "replicated":
+            continue
+        if cfg.optim == "anvil":
+            upd[label] = _median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n, 2,
+                                    device)
+        else:
+            chunk = grads[label][: cfg.chunk_size].contiguous()
+            upd[label] = _median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n, 2, device)
+    rep = [l for l in opt.labels if opt.param_cfgs[l].comms == "replicated"]
+    if rep:
+        ms = _median_ms(lambda: opt.replicated.update(opt.adam_table), n, 2, device)
+        sizes = {l: opt.params[l].numel() for l in rep}
+        for l in rep:
+            upd[l] = ms * sizes[l] / sum(sizes.values())
+    return upd
+
+
+def measure_training(worlds: list[int], *, n: int, device, size: str, group_layers: int, global_batch: int,
+                     seq: int | None = None) -> dict:
+    """The training step's pieces for rank 0 of each world size, on one device: forward and
+    backward at the per-rank batch (``global_batch / w``), the time after the backward pass's start
+    at which each sharded gradient is complete (a post-accumulate-grad hook records an event), and
+    the updates (:func:`_time_pieces`) of :class:`anvil_fast.train_step.BankedGPT`'s optimizer."""
+    import torch
+
+    from .comms import LocalComms, NullComms
+    from .gpt import SIZES
+    from .train_step import BankedGPT, batch, check_batch, make_optimizer, sequential_step
+
+    cfg = SIZES[size]
+    seq = cfg.ctx if seq is None else seq
+    cuda = device.type == "cuda"
+    out = dict(size=size, group_layers=group_layers, global_batch=global_batch, seq=seq, worlds={})
+    for w in worlds:
+        check_batch(global_batch, w)
+        model = BankedGPT(cfg, group_layers=group_layers).to(device)
+        opt = make_optimizer(model, comms=LocalComms() if w == 1 else NullComms(w, 0), compile_banks=None if cuda else False)
+        if "labels" not in out:
+            out["labels"] = {l: dict(comms=opt.param_cfgs[l].comms, shape=list(p.shape),
+                                     nbytes=p.numel() * (2 if l in opt.banks else p.element_size()))
+                             for l, p in opt.params.items()}
+            out["scatter"], out["work"] = list(opt.scatter_order), list(opt.work_order)
+        x, y = batch(cfg, step=0, global_batch=global_batch, seq=seq, world=w, rank=0, device=device)
+        sharded = [l for l in opt.labels if opt.param_cfgs[l].comms == "sharded"]
+        marks: dict[str, Any] = {}
+
+        def mark(key):
+            if cuda:
+                marks[key] = torch.cuda.Event(enable_timing=True)
+                marks[key].record()
+            else:
+                marks[key] = time.perf_counter()
+
+        def since(a, b):
+            return marks[a].elapsed_time(marks[b]) if cuda else 1e3 * (marks[b] - marks[a])
+
+        hooks = [opt.params[l].register_post_accumulate_grad_hook(lambda p, l=l: mark(l)) for l in sharded]
+        runs = []
+        for i in range(n + 3):
+            for p in model.parameters():
+                p.grad = None
+            mark("start")
+            loss = model(x, y)
+            mark("fwd")
+            loss.backward()
+            mark("bwd")
+            _sync(device)
+            if i >= 3:
+                runs.append(dict(fwd=since("start", "fwd"), bwd=since("fwd", "bwd"),
+                                 ready={l: since("fwd", l) for l in sharded}))
+        for h in hooks:
+            h.remove()
+        grads = {l: p.grad.detach().clone() for l, p in opt.params.items()}
+        sequential_step(opt)
+        out["worlds"][str(w)] = dict(
+            fwd_ms=statistics.median(r["fwd"] for r in runs), bwd_ms=statistics.median(r["bwd"] for r in runs),
+            ready_ms={l: statistics.median(r["ready"][l] for r in runs) for l in sharded},
+            update_ms=_time_pieces(opt, grads, n, device))
+        e = out["worlds"][str(w)]
+        print(f"  training step at {w} rank(s), batch {global_batch // w}: forward {e['fwd_ms']:.2f} ms, backward "
+              f"{e['bwd_ms']:.2f} ms, updates {sum(e['update_ms'].values()):.2f} ms", flush=True)
+        del model, opt, grads
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+@dataclass(frozen=True)
+class TrainPrediction:
+    world: int
+    fwd_ms: float
+    bwd_ms: float
+    opt: Prediction  #: the optimizer part's timeline (its step_ms: the whole step's end)
+
+    @property
+    def step_ms(self) -> float:
+        return self.opt.step_ms
+
+    @property
+    def nocomm_ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms + self.opt.compute_ms
+
+    @property
+    def hidden(self) -> float:
+        c = self.opt.comm_ms
+        return (self.nocomm_ms + c - self.step_ms) / c if c > 0 else float("nan")
+
+
+def predict_training(data: dict, world: int, *, fits: dict[str, AlphaBeta] | None = None) -> TrainPrediction:
+    """The overlapped training step (gathers waited at the step's end) at ``world`` ranks."""
+    tr = data.get("training")
+    if not tr or str(world) not in tr["worlds"]:
+        raise ValueError(f"the data has no training-step pieces at {world} ranks; run `python -m anvil_fast.cost_model "
+                         "measure` with that world size")
+    e = tr["worlds"][str(world)]
+    pieces = {l: Piece(l, tr["labels"][l]["comms"], float(ms), int(tr["labels"][l]["nbytes"]))
+              for l, ms in e["update_ms"].items()}
+    fits = fits if fits is not None else fits_of(data, world)
+    fwd, bwd = float(e["fwd_ms"]), float(e["bwd_ms"])
+    opt = schedule(pieces, tr["scatter"], tr["work"], world, fits,
+                   ready={l: fwd + float(t) for l, t in e["ready_ms"].items()}, compute_start=fwd + bwd)
+    return TrainPrediction(world=world, fwd_ms=fwd, bwd_ms=bwd, opt=opt)
+
+
 def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device) -> dict:
     """Rank 0's pieces of ``layout`` at each world size, on one GPU (module docstring)."""
     import torch
@@ -378,22 +531,7 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
         step_ms = _median_ms(step, n, 3, device)  # also the warm-up: compiles the bank updates
         host = _host_ms(step, n, device)
         step()
-        upd = {}
-        for label in opt.labels:
-            cfg = opt.param_cfgs[label]
-            if cfg.comms == "replicated":
-                continue
-            if cfg.optim == "anvil":
-                upd[label] = _median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n, 2,
-                                         device)
-            else:
-                chunk = grads[label][: cfg.chunk_size].contiguous()
-                upd[label] = _median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n, 2, device)
-        rep = [l for l in opt.labels if opt.param_cfgs[l].comms == "replicated"]
-        if rep:
-            ms = _median_ms(lambda: opt.replicated.update(opt.adam_table), n, 2, device)
-            for l in rep:  # one fused pass: its time split by element count
-                upd[l] = ms * labels[l]["nbytes"] / sum(labels[r]["nbytes"] for r in rep)
+        upd = _time_pieces(opt, grads, n, device)
         out["worlds"][str(w)] = dict(update_ms=upd, step_nocomm_ms=step_ms, host_ms=host)
         print(f"  {name} at {w} rank(s): step without comms {step_ms:.3f} ms, pieces {sum(upd.values()):.3f} ms, "
               f"host {host:.3f} ms", flush=True)
@@ -472,6 +610,12 @@ def measure(a: argparse.Namespace) -> int:
         data["layouts"][name] = measure_layout(name, lays[name], worlds, n=a.n,
                                                device=torch.device("cuda" if cuda else "cpu"))
         print(f"{name} measured at +{time.time() - t0:.0f} s", flush=True)
+    if a.training:
+        from .train_step import CPU_DEFAULTS, CUDA_DEFAULTS
+
+        d = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+        data["training"] = measure_training(worlds, n=a.n, device=torch.device("cuda" if cuda else "cpu"), **d)
+        print(f"training step measured at +{time.time() - t0:.0f} s", flush=True)
     for w in worlds:
         if w == 1 or w > n_devices:
             continue
@@ -515,6 +659,27 @@ def prediction_table(data: dict, worlds: list[int]) -> list[str]:
     return lines
 
 
+def training_table(data: dict, worlds: list[int]) -> list[str]:
+    tr = data.get("training")
+    if not tr:
+        return []
+    lines = [f"Training step: BankedGPT `{tr['size']}` in banks of {tr['group_layers']} layer(s), global batch "
+             f"{tr['global_batch']} x {tr['seq']} tokens; gathers waited at the step's end.", "",
+             "| ranks | per-rank batch | forward + backward ms | updates ms | collectives alone ms | predicted step ms | "
+             "comms skipped ms | hidden | step / 1-rank step |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = None
+    for w in worlds:
+        if str(w) not in tr["worlds"] or (w > 1 and fits_of(data, w) is None):
+            continue
+        p = predict_training(data, w)
+        base = p.step_ms if w == 1 else base
+        hid = "" if math.isnan(p.hidden) else f"{p.hidden:.0%}"
+        lines.append(f"| {w} | {tr['global_batch'] // w} | {p.fwd_ms + p.bwd_ms:.2f} | {p.opt.compute_ms:.2f} | "
+                     f"{p.opt.comm_ms:.2f} | {p.step_ms:.2f} | {p.nocomm_ms:.2f} | {hid} | "
+                     f"{'' if base is None else f'{p.step_ms / base:.2f}x'} |")
+    return lines
+
+
 def validation_table(data: dict, runs: list[dict]) -> list[str]:
     lines = ["| run | ranks | predicted step ms | measured step ms | error | predicted comms-skipped ms | "
              "measured ms | error | collectives |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -546,6 +711,9 @@ def predict_cmd(a: argparse.Namespace) -> int:
              + ("fits at " + ", ".join(sorted(data["collectives"], key=int)) + " ranks" if data.get("collectives")
                 else "none measured (multi-rank rows need `--validate` calibration)") + ".", ""]
     lines += prediction_table(data, worlds)
+    train = training_table(data, worlds)
+    if train:
+        lines += ["", "## Training step", "", *train]
     if a.validate:
         lines += ["", "## Against measured runs (2-rank step predicted from the run's 1-rank row)", ""]
         lines += validation_table(data, [read_scaling_run(p) for p in a.validate])
@@ -567,6 +735,8 @@ def main(argv=None) -> int:
                    help="world sizes whose per-rank pieces are timed (collectives: those the GPUs allow)")
     m.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts")
     m.add_argument("--n", type=int, default=20, help="timed repetitions per piece (median)")
+    m.add_argument("--no-training", dest="training", action="store_false",
+                   help="leave out the training step's pieces (anvil_fast.train_step's model at its defaults)")
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke run of the command on a small layout and gloo ranks (timings meaningless)")
     p = sub.add_parser("predict", help="predict the step from a data file")

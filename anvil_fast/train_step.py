@@ -57,6 +57,9 @@ from .comms import Handle
 from .gpt import SIZES, GPTConfig
 
 WAIT_MODES = ("prehook", "end")
+#: The run's defaults on CUDA and for the CPU smoke run (``size``, ``global_batch``, ``group_layers``).
+CUDA_DEFAULTS = dict(size="gpt2small", global_batch=16, group_layers=4)
+CPU_DEFAULTS = dict(size="tiny", global_batch=4, group_layers=1)
 WORK_ORDERS = ("backward", "forward")
 NORMS_LABEL = "norms"
 POS_LABEL = "pos"
@@ -561,9 +564,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def settings(a: argparse.Namespace) -> dict:
     """The run's settings with the device's defaults, refused early when inconsistent."""
     cuda = a.device == "cuda"
-    s = dict(device=a.device, size=a.size or ("gpt2small" if cuda else "tiny"),
-             global_batch=a.global_batch if a.global_batch is not None else (16 if cuda else 4),
-             group_layers=a.group_layers if a.group_layers is not None else (4 if cuda else 1),
+    d = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+    s = dict(device=a.device, size=a.size or d["size"],
+             global_batch=a.global_batch if a.global_batch is not None else d["global_batch"],
+             group_layers=a.group_layers if a.group_layers is not None else d["group_layers"],
              check_steps=a.check_steps, n_time=a.n_time if a.n_time is not None else (20 if cuda else 3),
              warmup=a.warmup if a.warmup is not None else (5 if cuda else 1),
              work_order=a.work_order, graphs=bool(a.graphs))

@@ -85,7 +85,8 @@ def table_prediction() -> str:
 
     data = _pieces()
     if data is not None:
-        return "\n".join(C.prediction_table(data, list(PREDICT_WORLDS))) + \
+        train = C.training_table(data, list(PREDICT_WORLDS))
+        return "\n".join(C.prediction_table(data, list(PREDICT_WORLDS)) + ([""] + train if train else [])) + \
             f"\n\n*Source: `papers/data/{PIECES}`, `{data.get('generated_by', MEASURE_CMD)}`.*"
     run = _runs()[-1]
     lines = ["| layout | ranks | compute ms | collectives ms | predicted step ms, collectives fully hidden | "

@@ -168,3 +168,25 @@ def test_measure_smoke_on_cpu_writes_a_file_predict_reads(tmp_path):
 def test_measure_refuses_a_world_that_cannot_shard(capsys):
     assert C.main(["measure", "--device", "cpu", "--worlds", "1,3", "--out", "/nonexistent/x.json"]) == 2
     assert "3 ranks cannot shard" in capsys.readouterr().err
+
+
+def _training_data(scatter=("A", "B")) -> dict:
+    d = _data()
+    d["training"] = dict(size="tiny", group_layers=1, global_batch=4, seq=8, scatter=list(scatter), work=["A", "B"],
+                         labels=d["layouts"]["gpt2small"]["labels"],
+                         worlds={"2": dict(fwd_ms=10.0, bwd_ms=20.0, ready_ms={"A": 5.0, "B": 18.0},
+                                           update_ms={"A": 1.0, "B": 3.0})})
+    return d
+
+
+def test_training_step_timeline_by_hand():
+    # RS A launched at 15 (10 + 5) -> 17; RS B at 28 -> 29; updates from 30: A [30, 31], AG A [31, 33];
+    # B [31, 34], AG B [34, 35]
+    p = C.predict_training(_training_data(), 2)
+    assert p.step_ms == pytest.approx(35.0) and p.nocomm_ms == pytest.approx(34.0)
+    assert p.opt.comm_ms == pytest.approx(6.0) and p.hidden == pytest.approx(5 / 6)
+    # reduces strictly in scatter order: A waits behind B (launched at 28): RS B [28, 29], RS A [29, 31];
+    # A [31, 32], AG A [32, 34]; B [32, 35], AG B [35, 36]
+    assert C.predict_training(_training_data(("B", "A")), 2).step_ms == pytest.approx(36.0)
+    with pytest.raises(ValueError, match="no training-step pieces at 4 ranks"):
+        C.predict_training(_training_data(), 4)
