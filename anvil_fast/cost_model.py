@@ -145,8 +145,9 @@ class Prediction:
 
     @property
     def hidden(self) -> float:
-        """The share of the collectives that does not lengthen the step over the compute."""
-        return (self.compute_ms + self.comm_ms - self.step_ms) / self.comm_ms if self.comm_ms > 0 else float("nan")
+        """The share of the collectives that does not lengthen the device's timeline over the
+        compute (the host bound left out: a host-bound step hides everything behind the host)."""
+        return (self.compute_ms + self.comm_ms - self.device_ms) / self.comm_ms if self.comm_ms > 0 else float("nan")
 
 
 def schedule(pieces: dict[str, Piece], scatter: list[str], work: list[str], world: int,
