@@ -29,7 +29,7 @@ The arithmetic is the non-overlapped schedule's (backward, then
 :meth:`~anvil_fast.optimizer.AnvilAndAdam.step_from_buffers`): the same collectives on the same
 gradients, the same updates; only their launch times differ. The benchmark checks it bit for bit.
 
-Per world size the table reports (median step, slowest rank): the overlapped step (both waits), the
+Per world size the table reports (per step in steady state, slowest rank): the overlapped step (both waits), the
 non-overlapped step, the step with communication skipped (:class:`~anvil_fast.comms.NullComms`: the
 same shards and kernels, nothing moved), the collectives alone (the same reduce-scatters, all-reduce
 and all-gathers, in order, no compute), and ``hidden = (t_nocomm + t_comm - t_step) / t_comm``.
@@ -415,6 +415,23 @@ def _timer(device):
     return timed
 
 
+def _steady_ms(fn, n: int, warmup: int, device, *, blocks: int = 3) -> float:
+    """Per-step ms of ``n`` back-to-back calls of ``fn`` (no synchronization between them, so the
+    host runs ahead and a step's tail overlaps the next as in training), the median of ``blocks``."""
+    timed = _timer(device)
+    for _ in range(warmup):
+        timed(fn)
+
+    def block():
+        for _ in range(n):
+            fn()
+
+    times = sorted(timed(block) / n for _ in range(blocks))
+    if dist.is_initialized():
+        dist.barrier()
+    return times[len(times) // 2]
+
+
 def _median_ms(fn, n: int, warmup: int, device) -> float:
     timed = _timer(device)
     for _ in range(warmup):
@@ -482,7 +499,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         model, opt = fresh(real)
         one = train(model, opt, mode=mode, steps=1, fixed_data=True, **kw)
         t = iter(range(1, 10 ** 9))
-        res[f"{mode}_ms"] = _median_ms(lambda: one(next(t)), a["n_time"], a["warmup"], dev)
+        res[f"{mode}_ms"] = _steady_ms(lambda: one(next(t)), a["n_time"], a["warmup"], dev)
         if one.driver is not None:
             one.driver.wait_all()
         if mode == "end":
@@ -491,7 +508,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     model, opt = fresh(NullComms(world, rank) if world > 1 else real)
     one = train(model, opt, mode="end", steps=1, fixed_data=True, **kw)
     t = iter(range(1, 10 ** 9))
-    res["nocomm_ms"] = _median_ms(lambda: one(next(t)), a["n_time"], a["warmup"], dev)
+    res["nocomm_ms"] = _steady_ms(lambda: one(next(t)), a["n_time"], a["warmup"], dev)
     if dev.type == "cuda":
         res["max_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
     return res
@@ -630,8 +647,9 @@ def run(a: argparse.Namespace) -> int:
              f"Device: {dev}, torch {torch.__version__}. Model: BankedGPT `{s['size']}` ({cfg.n_layer} layers, width "
              f"{cfg.n_embd}, {cfg.n_head} heads, vocab {cfg.vocab}), banks of {s['group_layers']} layer(s), updates in "
              f"{s['work_order']} order, bank updates {'in CUDA graphs' if s['graphs'] else 'without CUDA graphs'}; global "
-             f"batch {s['global_batch']} x {s['seq']} tokens at every world size; Adam every step; median of "
-             f"{s['n_time']} steps after {s['warmup']} warm-up, slowest rank"
+             f"batch {s['global_batch']} x {s['seq']} tokens at every world size; Adam every step; per step: "
+             f"{s['n_time']} steps back to back (no sync between them), median of 3 such blocks after {s['warmup']} "
+             "warm-up steps, slowest rank; collectives alone: median of single calls"
              + (f"; peak memory {mem:.1f} GiB per GPU" if mem else "") + ". Hidden = (comms skipped + collectives "
              f"alone - step) / collectives alone. Bitwise check: {s['check_steps']} steps (Adam on odd steps), every "
              "parameter of every rank, overlapped (both waits) against backward + step_from_buffers.", ""]
