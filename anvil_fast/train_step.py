@@ -29,10 +29,11 @@ The arithmetic is the non-overlapped schedule's (backward, then
 :meth:`~anvil_fast.optimizer.AnvilAndAdam.step_from_buffers`): the same collectives on the same
 gradients, the same updates; only their launch times differ. The benchmark checks it bit for bit.
 
-Per world size the table reports (per step in steady state, slowest rank): the overlapped step (both waits), the
-non-overlapped step, the step with communication skipped (:class:`~anvil_fast.comms.NullComms`: the
-same shards and kernels, nothing moved), the collectives alone (the same reduce-scatters, all-reduce
-and all-gathers, in order, no compute), and ``hidden = (t_nocomm + t_comm - t_step) / t_comm``.
+Per world size the table reports (per step in steady state, slowest rank): the overlapped step
+(both waits), the non-overlapped step, the step with communication skipped
+(:class:`~anvil_fast.comms.NullComms`: the same shards and kernels, nothing moved), the collectives
+alone (the same reduce-scatters, all-reduce and all-gathers, in order, no compute), and
+``hidden = (t_nocomm + t_comm - t_step) / t_comm``.
 """
 
 from __future__ import annotations
