@@ -501,6 +501,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         one = train(model, opt, mode=mode, steps=1, fixed_data=True, **kw)
         t = iter(range(1, 10 ** 9))
         res[f"{mode}_ms"] = _steady_ms(lambda: one(next(t)), a["n_time"], a["warmup"], dev)
+        if a["profile"] and mode == "prehook":
+            res["profile"] = _profile(lambda: one(next(t)), a["profile"], world, rank, dev)
         if one.driver is not None:
             one.driver.wait_all()
         if mode == "end":
@@ -513,6 +515,24 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     if dev.type == "cuda":
         res["max_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
     return res
+
+
+def _profile(fn, folder: str, world: int, rank: int, device, steps: int = 3) -> str:
+    """A torch.profiler trace of ``steps`` steps (chrome format, one file per rank and world size,
+    for chrome://tracing or Perfetto: the NCCL kernels next to the backward's), and the top of its
+    table by device time, returned as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, f"train_step_w{world}_rank{rank}.json"))
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15)
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -576,6 +596,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n-time", type=int, default=None, help="timed steps per variant (default 20 cuda, 3 cpu; "
                     "0: equivalence only)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5 cuda, 1 cpu)")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="also write a torch.profiler trace of 3 overlapped steps per rank here (and print rank 0's "
+                         "top kernels)")
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
 
 
@@ -588,7 +611,7 @@ def settings(a: argparse.Namespace) -> dict:
              group_layers=a.group_layers if a.group_layers is not None else d["group_layers"],
              check_steps=a.check_steps, n_time=a.n_time if a.n_time is not None else (20 if cuda else 3),
              warmup=a.warmup if a.warmup is not None else (5 if cuda else 1),
-             work_order=a.work_order, graphs=bool(a.graphs))
+             work_order=a.work_order, graphs=bool(a.graphs), profile=a.profile)
     if s["graphs"] and not cuda:
         raise ValueError("--graphs needs --device cuda (CUDA graphs)")
     cfg = _config(s["size"])
@@ -656,6 +679,9 @@ def run(a: argparse.Namespace) -> int:
              "parameter of every rank, overlapped (both waits) against backward + step_from_buffers.", ""]
     body, ok = table(results, s)
     _emit(lines + body, a.out)
+    for w, res in results.items():
+        if "profile" in res[0]:
+            print(f"profile, {w} rank(s), rank 0 (traces in {s['profile']}):\n{res[0]['profile']}")
     return 0 if ok else 1
 
 
