@@ -66,8 +66,14 @@ def table_validation() -> str:
 
     runs, data = _runs(), _pieces()
     if data is not None:
-        return "\n".join(C.validation_table(data, runs)) + f"\n\n*Pieces: `papers/data/{PIECES}`; runs: " + \
+        text = "\n".join(C.validation_table(data, runs)) + f"\n\n*Pieces: `papers/data/{PIECES}`; runs: " + \
             ", ".join(f"`{r['path']}` (`{r['command']}`)" for r in runs) + ".*"
+        if (DATA / TRAIN_STEP).is_file() and data.get("training"):
+            run = C.read_train_step_run(DATA / TRAIN_STEP)
+            run["path"] = f"papers/data/{TRAIN_STEP}"
+            text += "\n\nThe training step, against `python -m anvil_fast.train_step`:\n\n" + \
+                "\n".join(C.training_validation_table(data, [run]))
+        return text
     lines = ["| run | ranks | 1-rank step, comms skipped ms | predicted w-rank comms skipped ms | measured ms | "
              "error | collectives alone ms (measured) | predicted step ms: full overlap .. none | measured step ms | "
              "in range |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

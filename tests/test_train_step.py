@@ -71,12 +71,13 @@ def test_overlapped_equals_sequential_on_two_gpus():
     _check(spawn(_session, WORLD, "cuda", backend="nccl", threads=0, timeout=TS.GPU_TIMEOUT_S))
 
 
-def test_one_process_overlapped_equals_sequential():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_process_overlapped_equals_sequential(device):
     cfg = SIZES["tiny"]
     digests = {}
     for mode in ("sequential", *TS.WAIT_MODES):
-        model = TS.BankedGPT(cfg, group_layers=2, seed=0)
-        opt = TS.make_optimizer(model, compile_banks=False)
+        model = TS.BankedGPT(cfg, group_layers=2, seed=0).to(device)
+        opt = TS.make_optimizer(model, compile_banks=None if device == "cuda" else False)
         TS.train(model, opt, mode=mode, steps=2, world=1, rank=0, adam_every=2, **KW)
         digests[mode] = replica_digest([p.data for _, p in model.labelled()])
     assert digests["prehook"] == digests["sequential"] == digests["end"]
