@@ -230,7 +230,9 @@ class OverlappedStep:
     """Launch each sharded gradient's reduce-scatter from the backward pass and finish the step
     after it (module docstring). Call :meth:`begin` before the backward pass and :meth:`step` after
     it (it first waits any gather no forward waited); :meth:`wait_all` before reading the
-    parameters outside a forward pass (evaluation, checkpoints)."""
+    parameters outside a forward pass (evaluation, checkpoints). With gradient accumulation, call
+    :meth:`begin` before the *last* micro-batch's backward pass only: a reduce launched from an
+    earlier one would carry a partial sum, so a second backward pass after :meth:`begin` is refused."""
 
     def __init__(self, opt, model: BankedGPT, *, wait: str = "prehook"):
         if wait not in WAIT_MODES:
@@ -245,6 +247,7 @@ class OverlappedStep:
         self.sharded = [l for l in opt.scatter_order if opt.param_cfgs[l].comms == "sharded"]
         self.deferred = frozenset(self.sharded) if wait == "prehook" else frozenset()
         self.do_adam = True
+        self._armed = False
         self._queue: list[str] = []
         self._next = 0
         self._ready: set[str] = set()
@@ -279,8 +282,15 @@ class OverlappedStep:
         cfgs = self.opt.param_cfgs
         self._queue = [l for l in self.sharded if self.do_adam or cfgs[l].optim == "anvil"]
         self._next, self._ready, self._launched = 0, set(), {}
+        self._armed = True
 
     def _on_grad(self, label: str, param: Tensor) -> None:
+        if not self._armed:
+            return  # a backward pass before begin(): an earlier micro-batch, accumulating only
+        if label in self._ready:
+            raise RuntimeError(f"OverlappedStep: {label!r} received a second gradient after begin(); its reduce "
+                               "already left with the first. Call begin() before the last micro-batch's backward "
+                               "pass only")
         self._ready.add(label)
         self._launch_ready()
 
@@ -301,6 +311,9 @@ class OverlappedStep:
     def step(self) -> None:
         """After the backward pass: the rest of the step on the reduces already in flight."""
         opt = self.opt
+        if not self._armed:
+            raise RuntimeError("OverlappedStep.step() without begin() before the backward pass")
+        self._armed = False
         self.wait_all()  # a gather no forward waited still reads the shard this step updates
         self._launch_ready(final=True)  # labels whose hook did not run (no use this step, kept grads)
         grads = {l: opt.params[l].grad for l in opt.labels if opt.params[l].grad is not None

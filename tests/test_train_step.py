@@ -146,3 +146,20 @@ def test_each_reduce_is_launched_once_per_step():
     TS.train(model, opt, mode="prehook", steps=2, world=1, rank=0, **KW)
     # one process: only the banks' reduces reach the comms (a copy into the bank's buffer); 4 banks
     assert Counting.calls == 2 * 4
+
+
+def test_accumulation_arms_the_last_micro_batch_only():
+    cfg = SIZES["tiny"]
+    x, y = TS.batch(cfg, step=0, global_batch=2, seq=16, world=1, rank=0, device="cpu")
+    model = TS.BankedGPT(cfg, group_layers=1)
+    opt = TS.make_optimizer(model, compile_banks=False)
+    driver = TS.OverlappedStep(opt, model, wait="end")
+    with pytest.raises(RuntimeError, match="without begin"):
+        driver.step()
+    model(x, y).backward()  # an earlier micro-batch: nothing launched
+    assert driver._launched == {}
+    driver.begin()
+    model(x, y).backward()
+    assert len(driver._launched) == 4 + 3  # 4 banks, lm_head, pos, embed: every sharded label
+    with pytest.raises(RuntimeError, match="second gradient after begin"):
+        model(x, y).backward()
