@@ -27,7 +27,8 @@ still runs through the earlier groups.
 
 The arithmetic is the non-overlapped schedule's (backward, then
 :meth:`~anvil_fast.optimizer.AnvilAndAdam.step_from_buffers`): the same collectives on the same
-gradients, the same updates; only their launch times differ. The benchmark checks it bit for bit.
+gradients, the same updates; only their launch times differ. The benchmark checks it bit for bit
+on the same gradients (:func:`paired_check`).
 
 Per world size the table reports (per step in steady state, slowest rank): the overlapped step
 (both waits), the non-overlapped step, the step with communication skipped
