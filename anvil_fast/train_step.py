@@ -62,7 +62,7 @@ WAIT_MODES = ("prehook", "end")
 #: The run's defaults on CUDA and for the CPU smoke run (``size``, ``global_batch``, ``group_layers``).
 CUDA_DEFAULTS = dict(size="gpt2small", global_batch=16, group_layers=4)
 CPU_DEFAULTS = dict(size="tiny", global_batch=4, group_layers=1)
-WORK_ORDERS = ("backward", "forward")
+WORK_ORDERS = ("backward", "forward", "mixed")
 NORMS_LABEL = "norms"
 POS_LABEL = "pos"
 #: Seconds a rank may wait in a collective (the first step compiles the bank updates).
@@ -184,15 +184,25 @@ class BankedGPT(nn.Module):
     def work_order(self, order: str = "backward") -> list[str]:
         """The updates' order, the replicated norms last (their all-reduce is launched after the
         backward pass). ``backward``: as the reduces land, so no update waits for a reduce behind
-        another; ``forward``: as the next forward pass reads the parameters, so with pre-hook waits
-        the last gathers (lm_head's) hide behind that forward, at the price of waiting for the
-        last reduce (embed's) before the first update."""
+        another, but the last gathers (the embeddings') are the first the next forward pass reads;
+        ``forward``: as the next forward pass reads the parameters, so with pre-hook waits the last
+        gathers (lm_head's) hide behind that forward, at the price of waiting for the last reduce
+        (embed's) before the first update; ``mixed``: lm_head and the later half of the groups as
+        their reduces land, then the embeddings (whose reduce has landed meanwhile), then the
+        earlier groups in forward order, so that the last gather is a middle group's, read only
+        after the first groups' forward."""
         if order not in WORK_ORDERS:
             raise ValueError(f"work order must be one of {WORK_ORDERS}, got {order!r}")
-        land = [l for l in self.scatter_order() if l != NORMS_LABEL]
-        if order == "forward":
-            banks = [f"{k}_bank{i}" for i in range(len(self.groups)) for k in ("attn", "mlp")]
-            land = [EMBED_LABEL, POS_LABEL, *banks, LM_HEAD_LABEL]
+        n = len(self.groups)
+        if order == "backward":
+            land = [l for l in self.scatter_order() if l != NORMS_LABEL]
+        elif order == "forward":
+            land = [EMBED_LABEL, POS_LABEL, *(f"{k}_bank{i}" for i in range(n) for k in ("attn", "mlp")), LM_HEAD_LABEL]
+        else:
+            half = n - n // 2  # the groups from here on are updated as their reduces land
+            late = [f"{k}_bank{i}" for i in reversed(range(half, n)) for k in ("mlp", "attn")]
+            early = [f"{k}_bank{i}" for i in range(half) for k in ("attn", "mlp")]
+            land = [LM_HEAD_LABEL, *late, EMBED_LABEL, POS_LABEL, *early]
         return land + [NORMS_LABEL]
 
     def wait_points(self) -> list[tuple[nn.Module, tuple[str, ...]]]:
@@ -627,7 +637,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--group-layers", type=int, default=None,
                     help="layers per bank (default: 4 on cuda, so 8 ranks divide every bank; 1 on cpu)")
     ap.add_argument("--work-order", choices=WORK_ORDERS, default="backward",
-                    help="the updates' order (BankedGPT.work_order): as the reduces land, or as the forward reads")
+                    help="the updates' order (BankedGPT.work_order): as the reduces land, as the forward reads, "
+                         "or mixed")
     ap.add_argument("--graphs", action="store_true", help="bank updates replayed as CUDA graphs (cuda only)")
     ap.add_argument("--check-steps", type=int, default=3, help="steps of the bitwise equivalence check")
     ap.add_argument("--n-time", type=int, default=None, help="timed steps per variant (default 20 cuda, 3 cpu; "

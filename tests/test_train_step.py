@@ -21,7 +21,7 @@ def _session(rank: int, world: int, device: str) -> dict:
     cfg = SIZES["tiny"]
     init = replica_digest([p.data for _, p in TS.BankedGPT(cfg, group_layers=1, seed=0).labelled()])
     out = {"init": init}
-    for variant in (*TS.WAIT_MODES, "prehook_forward"):
+    for variant in (*TS.WAIT_MODES, "prehook_forward", "prehook_mixed"):
         mode, _, order = variant.partition("_")
 
         def fresh():
@@ -41,13 +41,13 @@ def _session(rank: int, world: int, device: str) -> dict:
 
 def _check(res: list[dict]) -> None:
     d = res[0]
-    for v in (*TS.WAIT_MODES, "prehook_forward"):
+    for v in (*TS.WAIT_MODES, "prehook_forward", "prehook_mixed"):
         overlapped, sequential = d[v]
         assert len(set(overlapped)) == 1, f"{v}: the ranks' replicas differ"
         assert overlapped[0] != d["init"], f"{v}: the parameters did not move"
         assert overlapped == sequential, f"{v}: the overlapped schedule differs from the non-overlapped one"
     for r in res:
-        for v in (*TS.WAIT_MODES, "prehook_forward"):
+        for v in (*TS.WAIT_MODES, "prehook_forward", "prehook_mixed"):
             # before the backward pass reaches group 0: lm_head (on Adam steps: 1), mlp_bank1 and
             # attn_bank1 are complete and launched; step 0 and 2 read no Adam gradient
             assert r[f"{v}_launched"] == [2, 3, 2], r[f"{v}_launched"]
@@ -90,6 +90,19 @@ def test_separate_runs_on_cpu_agree_too():
         TS.train(model, opt, mode=mode, steps=2, world=1, rank=0, adam_every=2, **KW)
         digests[mode] = replica_digest([p.data for _, p in model.labelled()])
     assert digests["prehook"] == digests["sequential"] == digests["end"]
+
+
+@pytest.mark.parametrize("order", TS.WORK_ORDERS)
+def test_work_orders_list_every_label_once(order):
+    model = TS.BankedGPT(SIZES["tiny"], group_layers=1)
+    w = model.work_order(order)
+    assert sorted(w) == sorted(l for l, _ in model.labelled()) and w[-1] == TS.NORMS_LABEL
+    if order == "mixed":  # 2 groups: group 1 as it lands, the embeddings, then group 0
+        assert w == ["lm_head", "mlp_bank1", "attn_bank1", "embed", "pos", "attn_bank0", "mlp_bank0", "norms"]
+        # 3 groups (GPT-2 small in banks of 4 layers): the last gather is group 1's, read after group 0's forward
+        three = TS.BankedGPT(TS.GPTConfig(n_layer=3, n_embd=8, n_head=2, ctx=8, vocab=16), group_layers=1)
+        assert three.work_order(order) == ["lm_head", "mlp_bank2", "attn_bank2", "embed", "pos", "attn_bank0",
+                                           "mlp_bank0", "attn_bank1", "mlp_bank1", "norms"]
 
 
 def test_global_batch_not_divisible_is_refused():
