@@ -27,6 +27,13 @@ timeout "${T_TRAIN:-300}" python3 -m anvil_fast.train_step --worlds "$WORLDS" --
 stamp train_step_graphs
 timeout "${T_TRAIN:-300}" python3 -m anvil_fast.train_step --worlds "$WORLDS" --graphs --profile "$OUT/profile" \
   --out "$OUT/train_step_h200_graphs.md" 2>&1 | tee "$OUT/train_step_graphs.log"
+if [ -n "$ORDERS" ]; then  # e.g. ORDERS="forward mixed": the other work orders, with CUDA graphs
+  for order in $ORDERS; do
+    stamp "train_step_$order"
+    timeout "${T_TRAIN:-300}" python3 -m anvil_fast.train_step --worlds "$WORLDS" --graphs --work-order "$order" \
+      --out "$OUT/train_step_h200_graphs_$order.md" 2>&1 | tee "$OUT/train_step_graphs_$order.log"
+  done
+fi
 stamp predict
 python3 -m anvil_fast.cost_model predict --data "$OUT/cost_model_h200.json" \
   --validate results/anvil_optimizer_h200/run4/scaling_gpu_2ranks.md results/anvil_optimizer_h200/run5/scaling_gpu_2ranks.md \
