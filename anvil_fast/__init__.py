@@ -45,6 +45,10 @@ module                  concept
 ``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
 ``plain``               the benchmark's baseline: the seed's update with library matmuls
 ``scaling``             ``python -m anvil_fast.scaling``: equivalence and step time at several ranks
+``train_step``          ``python -m anvil_fast.train_step``: forward + backward + step at several ranks, each
+                        reduce-scatter launched from the backward pass (``OverlappedStep``)
+``cost_model``          ``python -m anvil_fast.cost_model measure|predict``: the step at any world size from
+                        pieces timed on one GPU, validated against measured runs
 ``gpt``                 the package's GPT (benchmarks, training harness)
 ``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin``: the benchmarks; ``bench.common``:
                         peaks, the one FLOP count, timers
@@ -77,7 +81,7 @@ _LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradien
 _SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "safety", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side", "gram_side_study")
+               "gram_side", "gram_side_study", "train_step", "cost_model")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

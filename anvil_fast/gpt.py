@@ -40,11 +40,13 @@ class GPTConfig:
 
 
 #: The named sizes: ``tiny`` (CPU, CI), ``small`` (~11M parameters), ``medium`` (GPT-2-small's
-#: layer count and width, ~85M without embeddings).
+#: layer count and width, ~85M without embeddings), ``gpt2small`` (GPT-2 small itself: medium's
+#: blocks with a 1024-token context and the 50304-token vocabulary, 124M with tied embeddings).
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_embd=64, n_head=2, ctx=64),
     "small": GPTConfig(n_layer=6, n_embd=384, n_head=6, ctx=256),
     "medium": GPTConfig(n_layer=12, n_embd=768, n_head=12, ctx=256),
+    "gpt2small": GPTConfig(n_layer=12, n_embd=768, n_head=12, ctx=1024, vocab=50304),
 }
 
 

@@ -513,6 +513,18 @@ class AnvilAndAdam:
                                                            device=self.device)
         return self.comms.reduce_scatter_avg(chunk, grad.contiguous()), chunk
 
+    def launch_reduce(self, label: str, grad: Tensor) -> tuple[Handle, Tensor]:
+        """Start the reduce-scatter of a sharded parameter's gradient ahead of :meth:`body` (which
+        then takes it through ``launched``): the result lands where phase 1 would put it. Refused
+        while embed and lm_head are tied, whose reduce needs both gradients summed first."""
+        cfg = self.param_cfgs.get(label)
+        if cfg is None or cfg.comms != "sharded":
+            raise ConfigError(f"launch_reduce: {label!r} is not a sharded parameter of this optimizer")
+        if self.tied and not self.split_embed and label in (EMBED_LABEL, LM_HEAD_LABEL):
+            raise ConfigError(f"launch_reduce: {label!r} is tied; its reduce needs embed^T + lm_head first "
+                              "(untie with copy_lm_state_to_embed, or let step() launch it)")
+        return self._launch_reduce(label, grad)
+
     def _launch_gather(self, label: str) -> Handle:
         cfg, p = self.param_cfgs[label], self.params[label]
         full = p.data.view(cfg.reshape) if cfg.optim == "anvil" else p.data
@@ -594,10 +606,13 @@ class AnvilAndAdam:
         return plan
 
     def body(self, plan: StepPlan, grads: Mapping[str, Tensor], *, sparse_update: SparseUpdate | None = None,
-             deferred: frozenset[str] = frozenset(), bank_update: Callable | None = None) -> dict[str, Handle]:
+             deferred: frozenset[str] = frozenset(), bank_update: Callable | None = None,
+             launched: Mapping[str, tuple[Handle, Tensor]] | None = None) -> dict[str, Handle]:
         """Device part of a step (phases 0-3 of the module docstring after the scalar upload): every
         launch for ``plan``, reading gradients only from ``grads`` (labels ``plan.read``). Nothing
-        here inspects ``.grad`` or branches on tensor values, so a CUDA graph of it replays the step."""
+        here inspects ``.grad`` or branches on tensor values, so a CUDA graph of it replays the step.
+        ``launched``: label -> :meth:`launch_reduce`'s result for reduces the caller already started
+        (from the backward pass, :mod:`.train_step`); phase 1 takes those instead of launching."""
         bank_update = self.bank_update if bank_update is None else bank_update
         do_adam, tied_now = plan.do_adam, plan.tied_now
         lm, embed = grads.get(LM_HEAD_LABEL), grads.get(EMBED_LABEL)
@@ -621,6 +636,9 @@ class AnvilAndAdam:
             if label == LM_HEAD_LABEL and tied_now and do_adam and embed is not None:
                 transpose_add(embed, g)
             if label == EMBED_LABEL and tied_now:
+                continue
+            if launched is not None and label in launched:
+                pending[label] = launched[label]
                 continue
             pending[label] = self._launch_reduce(label, g)
 

@@ -144,11 +144,11 @@ def extra_tables() -> dict[str, Callable[[], str]]:
 
 def build() -> dict[Path, str]:
     """Every output file and its content."""
-    from papers import training
+    from papers import multigpu, training
 
     template = TEMPLATE.read_text()
-    vals = {**VALUE_PRODUCERS(), **training.values()}
-    tables = {**TABLES, **extra_tables(), **training.tables()}
+    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values()}
+    tables = {**TABLES, **extra_tables(), **training.tables(), **multigpu.tables()}
     figures = {**FIGURE_PRODUCERS, **training.figures()}
     outputs: dict[Path, str] = {}
 

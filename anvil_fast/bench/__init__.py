@@ -10,6 +10,8 @@ command      what it times (module)
 ``dropin``   the drop-in ``anvil_fast.ANVIL``'s step on the package's GPT next to Muon + AdamW and
              AdamW alone, with its floor and phase shares (:mod:`anvil_fast.bench.dropin`;
              ``--device cpu`` is a smoke run)
+``train_step`` forward + backward + step of GPT-2 small at several ranks, each reduce-scatter launched
+             from the backward pass (:mod:`anvil_fast.train_step`, also ``python -m anvil_fast.train_step``)
 ===========  =============================================================================================
 
 What the commands share -- the measured peaks, the one FLOP count of the cascade, the element-wise
@@ -32,11 +34,13 @@ COMMANDS: dict[str, str] = {
     "bank": ".bank",
     "optimizer": ".optimizer",
     "dropin": ".dropin",
+    "train_step": "anvil_fast.train_step",
 }
 
 
 def command_module(name: str):
-    """The module that implements command ``name`` (:data:`COMMANDS`)."""
+    """The module that implements command ``name`` (:data:`COMMANDS`: relative to this package, or an
+    absolute module name for a benchmark that is also its own command line)."""
     return importlib.import_module(COMMANDS[name], __name__)
 
 
