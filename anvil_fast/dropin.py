@@ -470,6 +470,15 @@ class ANVIL(torch.optim.Optimizer):
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
+    def __new__(cls, params=None, *args, **kwargs):
+        # a model sharded with FSDP2 (DTensor parameters) takes anvil_fast.fsdp's owner-rank path
+        if cls is ANVIL and params is not None:
+            from .fsdp import FSDPAnvil, holds_dtensors
+
+            if holds_dtensors(params):
+                return super().__new__(FSDPAnvil)
+        return super().__new__(cls)
+
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
                  momentum: float = ANVIL_DEFAULTS["momentum"], fast_beta: float | None = None,
                  fast_weight: float = 1.0, beta2: float = ANVIL_DEFAULTS["beta2"],
@@ -501,6 +510,9 @@ class ANVIL(torch.optim.Optimizer):
         named, owners = named_parameters_of(params)
         if not named:
             raise ValueError("ANVIL got no parameters that require gradients")
+        from .fsdp import refuse_ddp_with_own_averaging, refuse_dtensors_in
+
+        refuse_dtensors_in(named)
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
@@ -510,6 +522,7 @@ class ANVIL(torch.optim.Optimizer):
         from .comms import resolve_comms
 
         self.comms = resolve_comms(comms)
+        refuse_ddp_with_own_averaging(params, self.comms.world_size)
         plan = plan_routes(routes, split_rows=split_rows, world_size=self.comms.world_size,
                            shard_min_numel=shard_min_numel)
         self._banks = build_banks(plan, device)
