@@ -75,12 +75,16 @@ def _init(rank: int, world: int, rendezvous: str, backend: str = "gloo"):
 
 
 def _sharded_model(dtype, device, seed=0):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    device = torch.device(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # explicit: the default follows CUDA's presence
     model = make_model(dtype, seed=seed).to(device)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
