@@ -432,8 +432,10 @@ class ANVIL(torch.optim.Optimizer):
     * ``.grad`` is left as the caller gave it.
 
     Several ranks: initialize the process group first, start every rank from the same weights, do
-    not wrap the model in DDP (the optimizer averages gradients itself), and let the ranks agree on
-    which parameters have gradients.
+    not wrap the model in DDP (the optimizer averages gradients itself; refused), and let the ranks
+    agree on which parameters have gradients. A model sharded with FSDP2 (``fully_shard``: DTensor
+    parameters) is taken as it is and gets :class:`anvil_fast.fsdp.FSDPAnvil` (owner ranks update
+    whole matrices; see that module).
 
     **torch.optim behaviour.** ``zero_grad``, LR schedulers, ``torch.amp.GradScaler``
     (``scaler.step(opt)``) and ``torch.compile(model)`` (before or after building; the

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -215,6 +215,7 @@ class FSDPAnvil(ANVIL):
         route = {r.name: r for r in routes}
         self._mat = [(n, p) for b in plan.banks for n, p, _, _ in b.members]
         self._adam = [(n, p) for n, p, _ in plan.adam]
+        self._by_name = dict(self._mat + self._adam)
         self._label_of = {n: b.label for b in plan.banks for n, _, _, _ in b.members}
         self.rails, self.total_steps, self.nonfinite = d["rails"], d["total_steps"], nonfinite
         self.taken_steps = self.skipped_steps = 0
@@ -337,8 +338,6 @@ class FSDPAnvil(ANVIL):
         return tuple(self._params_by_name()[name].shape)
 
     def _params_by_name(self) -> dict[str, Tensor]:
-        if not hasattr(self, "_by_name"):
-            self._by_name = dict(self._mat + self._adam)
         return self._by_name
 
     def _to_owners(self, keys: Sequence, pieces: Mapping) -> dict:
@@ -483,9 +482,6 @@ class FSDPAnvil(ANVIL):
         self.taken_steps += 1
         self._tick("update", t0)
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        torch.optim.Optimizer.zero_grad(self, set_to_none)
 
     # ------------------------------------------------------------------ state
     def _bank_slices(self, name: str) -> dict[str, Tensor]:

@@ -22,9 +22,8 @@ import torch
 
 from anvil_fast.dropin import ANVIL, plan_routes, classify, named_parameters_of
 from anvil_fast import gpt
+from anvil_fast import tolerances as TOL
 from anvil_fast.fsdp import assign_owners, shard_rows
-from anvil_ref.config import ConfigError
-from tests.test_dropin_reference import spawn_with_timeout
 
 KW = dict(lr=0.031, adam_lr=0.02, momentum=0.9, fast_beta=0.7, fast_weight=0.6, beta2=0.8, weight_decay=1.5,
           adam_betas=(0.8, 0.9), adam_eps=1e-8, adam_weight_decay=0.3)
@@ -51,16 +50,24 @@ def change_groups(opt, t: int) -> None:
                      dict(lr=0.025, betas=(0.6, 0.8), weight_decay=0.5))
 
 
-def single_process_run(dtype=torch.float32, device="cpu", steps=STEPS) -> dict[str, torch.Tensor]:
+def single_process_run(dtype=torch.float32, device="cpu", steps=STEPS):
+    """The single-process drop-in's weights after ``steps`` steps, and per banked matrix the length
+    of its path, the sum over steps of ||P' - P|| (float64; the scale of the GPU bound)."""
     model = make_model(dtype).to(device)
     opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
+    banked = {n for ns in opt.banks.values() for n in ns}
+    path = dict.fromkeys(banked, 0.0)
     for t in range(steps):
         change_groups(opt, t)
         whole = whole_gradients(model, t)
         for n, p in model.named_parameters():
             p.grad = whole[n].to(device)
+        before = {n: p.detach().double().clone() for n, p in model.named_parameters() if n in banked}
         opt.step()
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            if n in banked:
+                path[n] += (p.detach().double() - before[n]).norm().item()
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, path
 
 
 # ------------------------------------------------------------------ in the spawned ranks
@@ -321,11 +328,22 @@ def test_owners_hold_floor_or_ceil_of_each_bank(n_layer, world):
     assert max(total) - min(total) <= 1, total
 
 
-def _check_equal(ref: dict, out: dict, world: int, where: str) -> None:
+def _check_equal(ref: dict, out: dict, world: int, where: str, path: dict | None = None) -> None:
+    """Every rank's shards are its rows of the whole weights it reports, and the whole weights equal
+    the single-process run's: bit for bit (``path`` None), or on a GPU, where a bank's kernels may
+    be tuned per bank size (tools/chunk_independence.py), a banked matrix within the drop-in row of
+    anvil_fast/tolerances.py: each step's error is at most DROPIN_STEP_REL of that step (the
+    gradients are fixed, so errors add and do not feed back), hence at most DROPIN_STEP_REL times
+    the path's length. Adam is element-wise: bit for bit everywhere."""
     for n, v in ref.items():
-        assert torch.equal(out["whole"][n], v), (where, n)
-        lo, hi = shard_rows(v.shape[0], world, out["rank"]) if "rank" in out else (0, v.shape[0])
-        assert torch.equal(out["shards"][n], v[lo:hi]), (where, n)
+        got = out["whole"][n]
+        if path is None or n not in path:
+            assert torch.equal(got, v), (where, n)
+        else:
+            err = (got.double() - v.double()).norm().item()
+            assert err <= TOL.DROPIN_STEP_REL * path[n], (where, n, err, path[n])
+        lo, hi = shard_rows(v.shape[0], world, out["rank"])
+        assert torch.equal(out["shards"][n], got[lo:hi]), (where, n)
 
 
 def _expected_bytes(ref: dict, owner: dict, world: int, itemsize: int) -> int:
@@ -339,25 +357,27 @@ def _expected_bytes(ref: dict, owner: dict, world: int, itemsize: int) -> int:
 
 
 def _train_and_reshard(backend: str, dtype: torch.dtype, device: str, tmp_path) -> None:
-    ref = single_process_run(dtype, device)
+    ref, path = single_process_run(dtype, device)
+    path = path if device == "cuda" else None
     folder = str(tmp_path)
     res2 = train(folder, 2, backend, dtype, save_to="ck2")
     for r, out in enumerate(res2):
         assert out["type"] == "FSDPAnvil"
-        _check_equal(ref, dict(out, rank=r), 2, f"2 ranks, rank {r}")
+        _check_equal(ref, dict(out, rank=r), 2, f"2 ranks, rank {r}", path)
     assert res2[0]["owner"] == res2[1]["owner"]
+    assert all(torch.equal(res2[0]["whole"][n], res2[1]["whole"][n]) for n in ref)
     measured = sum(out["bytes"] for out in res2)
     assert measured == res2[0]["comm_bytes"] == _expected_bytes(ref, res2[0]["owner"], 2, dtype.itemsize)
     # two ranks saved at SAVE_AT -> one rank loads and continues
     (one,) = train(folder, 1, backend, dtype, load_from="ck2")
-    _check_equal(ref, dict(one, rank=0), 1, "saved on 2, loaded on 1")
+    _check_equal(ref, dict(one, rank=0), 1, "saved on 2, loaded on 1", path)
     assert one["taken_after_load"] == SAVE_AT
     assert "saved on 2 rank(s)" in one["raw_load"] and "torch.distributed.checkpoint" in one["raw_load"], one["raw_load"]
     # one rank saved -> two ranks load and continue
     train(folder, 1, backend, dtype, save_to="ck1")
     res21 = train(folder, 2, backend, dtype, load_from="ck1")
     for r, out in enumerate(res21):
-        _check_equal(ref, dict(out, rank=r), 2, f"saved on 1, loaded on 2, rank {r}")
+        _check_equal(ref, dict(out, rank=r), 2, f"saved on 1, loaded on 2, rank {r}", path)
         assert "saved on 1 rank(s)" in out["raw_load"], out["raw_load"]
 
 
@@ -376,7 +396,8 @@ def test_fsdp_two_ranks_equal_one_process_and_checkpoints_reshard(dtype, tmp_pat
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fsdp_two_gpus_equal_one_gpu_and_checkpoints_reshard(dtype, tmp_path):
+def test_fsdp_two_gpus_equal_one_gpu_and_checkpoints_reshard(dtype, tmp_path, monkeypatch):
+    monkeypatch.setenv("ANVIL_FAST_TUNE", "0")  # one Gram kernel configuration for every bank size
     _train_and_reshard("nccl", dtype, "cuda", tmp_path)
 
 
@@ -411,7 +432,10 @@ def test_fsdp_training_through_backward_equals_one_process(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fsdp_two_gpus_training_through_backward(tmp_path):
+def test_fsdp_two_gpus_training_through_backward(tmp_path, monkeypatch):
+    """As on the CPU, bit for bit: the Gram kernels untuned (one configuration for every bank size;
+    every configuration sums in the same K order), cuBLAS's matmuls deterministic for equal shapes."""
+    monkeypatch.setenv("ANVIL_FAST_TUNE", "0")
     _backward("nccl", "cuda", tmp_path)
 
 
