@@ -220,7 +220,7 @@ class FSDPAnvil(ANVIL):
         self.rails, self.total_steps, self.nonfinite = d["rails"], d["total_steps"], nonfinite
         self.taken_steps = self.skipped_steps = 0
         self._adam_steps = {n: 0 for n, _ in self._adam}
-        self.last_step_bytes = 0  #: bytes this rank sent to other ranks in its last step (both all-to-alls)
+        self.last_step_bytes = 0  #: payload bytes this rank sent to others in its last step (both all-to-alls)
         self.timings: dict[str, float] | None = None  #: set to {} to record each phase's seconds (syncs)
 
         # this rank's single-process ANVIL: the whole matrices it owns (in their banked form, so the
@@ -303,7 +303,7 @@ class FSDPAnvil(ANVIL):
             return -(-nbytes // 8) * 8
 
         parts, in_splits = [], []
-        for ts in send:
+        for d, ts in enumerate(send):
             n = 0
             for t in ts:
                 b = _bytes(t)
@@ -312,6 +312,8 @@ class FSDPAnvil(ANVIL):
                 if pad:
                     parts.append(torch.zeros(pad, dtype=torch.uint8, device=self._device))
                 n += padded(b.numel())
+                if d != self.rank:
+                    self.last_step_bytes += b.numel()
             in_splits.append(n)
         out_splits = [sum(padded(math.prod(s) * dt.itemsize) for s, dt in specs) for specs in recv]
         inp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self._device)
@@ -320,7 +322,6 @@ class FSDPAnvil(ANVIL):
             out.copy_(inp)
         else:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
-        self.last_step_bytes += sum(in_splits) - in_splits[self.rank]
         res, off = [], 0
         for specs in recv:
             row = []
@@ -419,9 +420,8 @@ class FSDPAnvil(ANVIL):
         self._apply_groups()
         DTensor = _dtensor_type()
         entries = [(n, p, True) for n, p in self._mat] + [(n, p, False) for n, p in self._adam]
-        flags = torch.zeros((2, len(entries)), dtype=torch.float32, device=self._device)
         local: dict[str, Tensor] = {}
-        for i, (n, p, banked) in enumerate(entries):
+        for n, p, banked in entries:
             g = p.grad
             if g is None:
                 continue
@@ -432,16 +432,27 @@ class FSDPAnvil(ANVIL):
                                  "was updated")
             g = g.to_local()
             local[n] = g.to(torch.bfloat16) if banked else g  # a bank reads its gradient in bf16
-            flags[0, i] = 1
-            if g.numel():
-                flags[1, i] = (~torch.isfinite(local[n])).any()
+        # per parameter: has a gradient, has none, is non-finite here (its largest |value| is NaN or
+        # inf: max-abs propagates both, and a finite gradient cannot overflow it); one fused pass per
+        # dtype, one all-reduce (MAX: "has" and "has none" both 1 = the ranks disagree), one host sync
+        flags = torch.zeros((3, len(entries)), dtype=torch.float32, device=self._device)
+        has_here = torch.tensor([float(n in local) for n, _, _ in entries])
+        flags[:2] = torch.stack([has_here, 1 - has_here]).to(self._device, non_blocking=True)
+        by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
+        for i, (n, _, _) in enumerate(entries):
+            if n in local and local[n].numel():
+                by_dtype.setdefault(local[n].dtype, []).append((i, local[n]))
+        for group in by_dtype.values():
+            idx = torch.tensor([i for i, _ in group], device=self._device)
+            norms = torch.stack(torch._foreach_norm([t for _, t in group], ord=math.inf))
+            flags[2].index_copy_(0, idx, (~torch.isfinite(norms)).float())
         if self.world > 1:
-            dist.all_reduce(flags, group=self.group)
-        has, bad = flags.cpu().tolist()
-        split = [(entries[i][0], int(h)) for i, h in enumerate(has) if 0 < h < self.world]
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        has, has_not, bad = flags.cpu().tolist()
+        split = [entries[i][0] for i, (h, hn) in enumerate(zip(has, has_not)) if h and hn]
         if split:
-            raise ValueError(f"{split[0][0]} has a gradient on {split[0][1]} of {self.world} ranks; the ranks must "
-                             "agree on which parameters have gradients; nothing was updated")
+            raise ValueError(f"{split[0]} has a gradient on some of the {self.world} ranks and none on others; the "
+                             "ranks must agree on which parameters have gradients; nothing was updated")
         nonfinite = [entries[i][0] for i, b in enumerate(bad) if b]
         if nonfinite:
             where = "" if self.world == 1 else " (on at least one rank)"
