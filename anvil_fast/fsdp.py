@@ -221,6 +221,7 @@ class FSDPAnvil(ANVIL):
         self.taken_steps = self.skipped_steps = 0
         self._adam_steps = {n: 0 for n, _ in self._adam}
         self.last_step_bytes = 0  #: payload bytes this rank sent to others in its last step (both all-to-alls)
+        self._sent = 0
         self.timings: dict[str, float] | None = None  #: set to {} to record each phase's seconds (syncs)
 
         # this rank's single-process ANVIL: the whole matrices it owns (in their banked form, so the
@@ -313,7 +314,7 @@ class FSDPAnvil(ANVIL):
                     parts.append(torch.zeros(pad, dtype=torch.uint8, device=self._device))
                 n += padded(b.numel())
                 if d != self.rank:
-                    self.last_step_bytes += b.numel()
+                    self._sent += b.numel()
             in_splits.append(n)
         out_splits = [sum(padded(math.prod(s) * dt.itemsize) for s, dt in specs) for specs in recv]
         inp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self._device)
@@ -416,7 +417,7 @@ class FSDPAnvil(ANVIL):
             with torch.enable_grad():
                 loss = closure()
         t0 = self._tick("prepare", time.perf_counter())
-        self.last_step_bytes = 0
+        self._sent = 0
         self._apply_groups()
         DTensor = _dtensor_type()
         entries = [(n, p, True) for n, p in self._mat] + [(n, p, False) for n, p in self._adam]
@@ -491,6 +492,7 @@ class FSDPAnvil(ANVIL):
             if n in self._adam_steps:
                 self._adam_steps[n] += 1
         self.taken_steps += 1
+        self.last_step_bytes = self._sent
         self._tick("update", t0)
         return loss
 

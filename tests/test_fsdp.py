@@ -52,6 +52,10 @@ def change_groups(opt, t: int) -> None:
                      dict(lr=0.025, betas=(0.6, 0.8), weight_decay=0.5))
 
 
+#: The last single_process_run's rails per banked parameter (fast, slow), in the parameter's shape.
+SINGLE_RAILS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def single_process_run(dtype=torch.float32, device="cpu", steps=STEPS):
     """The single-process drop-in's weights after ``steps`` steps, and per banked matrix the length
     of its path, the sum over steps of ||P' - P|| (float64; the scale of the GPU bound)."""
@@ -69,6 +73,10 @@ def single_process_run(dtype=torch.float32, device="cpu", steps=STEPS):
         for n, p in model.named_parameters():
             if n in banked:
                 path[n] += (p.detach().double() - before[n]).norm().item()
+    rails = {n: (opt.state[p]["fast_rail"].cpu().reshape(p.shape), opt.state[p]["slow_rail"].cpu().reshape(p.shape))
+             for n, p in model.named_parameters() if n in banked}
+    SINGLE_RAILS.clear()
+    SINGLE_RAILS.update(rails)
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, path
 
 
@@ -160,6 +168,11 @@ def _rank_train(rank: int, world: int, folder: str, rendezvous: str, backend: st
             out["raw_load"] = f"{type(e).__name__}: {e}"
     _run(model, opt, SAVE_AT, STEPS)
     out["whole"], out["shards"] = _whole(model), _shards(model)
+    sd = opt.state_dict()  # collective: every rank takes it
+    out["rails"] = {n: (st["fast_rail"].full_tensor().cpu(), st["slow_rail"].full_tensor().cpu())
+                    for n, st in sd["state"].items() if "fast_rail" in st}
+    out["adam_steps"] = {n: st["step"] for n, st in sd["state"].items() if "step" in st}
+    out["taken"] = sd["taken_steps"]
     out["bytes"], out["comm_bytes"] = opt.last_step_bytes, opt.comm_bytes()
     torch.save(out, os.path.join(folder, f"train_w{world}_r{rank}_{load_from or 'scratch'}.pt"))
     dist.barrier()
@@ -346,6 +359,12 @@ def _check_equal(ref: dict, out: dict, world: int, where: str, path: dict | None
             assert err <= TOL.DROPIN_STEP_REL * path[n], (where, n, err, path[n])
         lo, hi = shard_rows(v.shape[0], world, out["rank"])
         assert torch.equal(out["shards"][n], got[lo:hi]), (where, n)
+    # the state: rails are element-wise EMAs of the fixed gradients (bit for bit everywhere), every
+    # Adam parameter stepped each time
+    assert set(out["rails"]) == set(SINGLE_RAILS), where
+    for n, (fast, slow) in SINGLE_RAILS.items():
+        assert torch.equal(out["rails"][n][0], fast) and torch.equal(out["rails"][n][1], slow), (where, n)
+    assert out["taken"] == STEPS and set(out["adam_steps"].values()) == {STEPS}, where
 
 
 def _expected_bytes(ref: dict, owner: dict, world: int, itemsize: int) -> int:
