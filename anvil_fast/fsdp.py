@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from anvil_ref.config import ConfigError
 from anvil_ref.constants import ADAM_DEFAULTS, ANVIL_DEFAULTS
 from anvil_ref.rails import rail_scalars
+from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .comms import LocalComms
 from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, NonFiniteGradientError,
@@ -155,10 +156,10 @@ def _bytes(t: Tensor) -> Tensor:
 class FSDPAnvil(ANVIL):
     """:class:`~anvil_fast.dropin.ANVIL` on an FSDP2 model (module docstring). Built by
     ``anvil_fast.ANVIL(model, ...)`` when the model's parameters are DTensors; takes the same
-    arguments (``shard_min_numel`` has no effect: Adam runs on FSDP's shards; ``comms`` must be None
-    or the mesh's process group). ``opt.owner`` maps each banked parameter to its owner rank;
-    ``opt.local`` is this rank's single-process ANVIL (None where a rank holds nothing to update)."""
-
+    arguments (Adam runs on FSDP's shards, so ``shard_min_numel`` only picks which of the
+    single-process Adam paths runs them; ``comms`` must be None: the mesh's group is used).
+    ``opt.owner`` maps each banked parameter to its owner rank; ``opt.local`` is this rank's
+    single-process ANVIL (None where a rank holds nothing to update)."""
 
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
                  adam=None, anvil=None, head_names: Sequence[str] = HEAD_NAMES,
@@ -174,8 +175,14 @@ class FSDPAnvil(ANVIL):
                           weight_decay=d["adam_weight_decay"])
         _check_hyperparameters("anvil", anvil_group)
         _check_hyperparameters("adam", adam_group)
+        # checked here as ANVIL checks them: a rank without a local optimizer must refuse them too
         if d["rails"] not in RAILS:
             raise ValueError(f"rails must be one of {RAILS}, got {d['rails']!r}")
+        steps = d["total_steps"]
+        if d["rails"] == "record" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"rails='record' needs total_steps, an int >= 1 (the run's length), got {steps!r}")
+        if d["lr_scale"] not in LR_SCALE_CONVENTIONS:
+            raise ValueError(f"lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {d['lr_scale']!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if comms is not None:
@@ -216,7 +223,6 @@ class FSDPAnvil(ANVIL):
         self._mat = [(n, p) for b in plan.banks for n, p, _, _ in b.members]
         self._adam = [(n, p) for n, p, _ in plan.adam]
         self._by_name = dict(self._mat + self._adam)
-        self._label_of = {n: b.label for b in plan.banks for n, _, _, _ in b.members}
         self.rails, self.total_steps, self.nonfinite = d["rails"], d["total_steps"], nonfinite
         self.taken_steps = self.skipped_steps = 0
         self._adam_steps = {n: 0 for n, _ in self._adam}
