@@ -15,6 +15,7 @@ The class docstring states the rules, the update and the torch.optim behaviour.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections import defaultdict
@@ -856,6 +857,11 @@ class ANVIL(torch.optim.Optimizer):
             g.update(saved)
         self.taken_steps = int(state_dict["taken_steps"])
         self.skipped_steps = int(state_dict["skipped_steps"])
+
+
+# ANVIL defines __new__ (the FSDP2 dispatch), which inspect.signature(ANVIL) would report instead
+# of the constructor's arguments
+ANVIL.__signature__ = inspect.Signature(list(inspect.signature(ANVIL.__init__).parameters.values())[1:])
 
 
 __all__ = ["ANVIL", "HEAD_NAMES", "StaleParameterError", "NonFiniteGradientWarning", "NonFiniteGradientError",
