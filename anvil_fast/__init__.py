@@ -18,6 +18,7 @@ module               concept
 ``update``           the sign-aligned decay update on the fp32 master
 ``adam``             Adam's kernels; ``replicated_adam``: the flat-buffer replicated Adam
 ``comms``            the collectives (NCCL, gloo, one process)
+``fsdp``             ``ANVIL`` on FSDP2 (``fully_shard``) models: owner ranks, resharding checkpoints
 ``graphs``           the bank updates as CUDA graphs
 ``gpt``              the package's GPT (benchmarks, training harness)
 ``bench``            ``python -m anvil_fast.bench``: the benchmarks
@@ -34,7 +35,7 @@ _LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradien
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
 _SUBMODULES = ("dropin", "optimizer", "bank", "cascade", "gram", "rails", "equalizer", "update", "adam",
-               "replicated_adam", "comms", "graphs", "gpt", "bench")
+               "replicated_adam", "comms", "fsdp", "graphs", "gpt", "bench")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

@@ -478,3 +478,20 @@ def test_fsdp_refusals_on_two_ranks(tmp_path):
         assert out["iterator"].startswith("ConfigError") and "DTensors (FSDP2)" in out["iterator"], out["iterator"]
         assert out["plain_into_fsdp"].startswith("ValueError") and "not an FSDP2" in out["plain_into_fsdp"]
         assert out["dropin_world"].startswith("ConfigError") and "of 1 cannot be loaded by rank" in out["dropin_world"]
+
+
+def test_the_fsdp_dispatch_keeps_the_drop_in_signature_and_class():
+    """ANVIL's __new__ sends DTensor models to FSDPAnvil; a plain model still gets ANVIL itself, and
+    introspection still sees the constructor's arguments."""
+    import inspect
+
+    import anvil_fast
+    from anvil_fast.fsdp import FSDPAnvil, holds_dtensors
+
+    params = inspect.signature(anvil_fast.ANVIL).parameters
+    assert list(params)[:3] == ["params", "lr", "adam_lr"] and "nonfinite" in params and "split_rows" in params
+    model = make_model()
+    assert not holds_dtensors(model) and not holds_dtensors(list(model.named_parameters()))
+    opt = anvil_fast.ANVIL(model, compile=False)
+    assert type(opt) is ANVIL and not isinstance(opt, FSDPAnvil)
+    assert anvil_fast.fsdp.FSDPAnvil is FSDPAnvil
