@@ -442,17 +442,21 @@ class FSDPAnvil(ANVIL):
         # per parameter: has a gradient, has none, is non-finite here (its largest |value| is NaN or
         # inf: max-abs propagates both, and a finite gradient cannot overflow it); one fused pass per
         # dtype, one all-reduce (MAX: "has" and "has none" both 1 = the ranks disagree), one host sync
-        flags = torch.zeros((3, len(entries)), dtype=torch.float32, device=self._device)
         has_here = torch.tensor([float(n in local) for n, _, _ in entries])
-        flags[:2] = torch.stack([has_here, 1 - has_here]).to(self._device, non_blocking=True)
         by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
         for i, (n, _, _) in enumerate(entries):
             if n in local and local[n].numel():
                 by_dtype.setdefault(local[n].dtype, []).append((i, local[n]))
+        parts, where, k = [], [None] * len(entries), 0
         for group in by_dtype.values():
-            idx = torch.tensor([i for i, _ in group], device=self._device)
             norms = torch.stack(torch._foreach_norm([t for _, t in group], ord=math.inf))
-            flags[2].index_copy_(0, idx, (~torch.isfinite(norms)).float())
+            parts.append((~torch.isfinite(norms)).float())
+            for j, (i, _) in enumerate(group):
+                where[i] = k + j
+            k += len(group)
+        parts.append(torch.zeros(1, device=self._device))  # the entries without a (non-empty) gradient
+        order = torch.tensor([k if w is None else w for w in where], device=self._device)
+        flags = torch.cat([torch.stack([has_here, 1 - has_here]).to(self._device), torch.cat(parts)[order][None]])
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         has, has_not, bad = flags.cpu().tolist()

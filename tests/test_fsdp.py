@@ -221,6 +221,8 @@ def _rank_backward(rank: int, world: int, folder: str, rendezvous: str, backend:
 
     _init(rank, world, rendezvous, backend)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.use_deterministic_algorithms(True, warn_only=True)  # as the single-GPU run: no atomics in backward
     model = _sharded_model(torch.float32, device)
     opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
     for t in range(BACKWARD_STEPS):
@@ -425,8 +427,10 @@ def test_fsdp_two_gpus_equal_one_gpu_and_checkpoints_reshard(dtype, tmp_path, mo
 def _backward(backend: str, device: str, tmp_path) -> None:
     model = make_model().to(device)
     opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)  # as the ranks: a CPU matmul's summation order follows the thread count
+    if device == "cuda":  # an embedding's backward on CUDA adds with atomics unless told not to
+        torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         for t in range(BACKWARD_STEPS):
             x = _batch(t, device)
@@ -435,6 +439,7 @@ def _backward(backend: str, device: str, tmp_path) -> None:
             opt.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     spawn_in(str(tmp_path), _rank_backward, 2, backend)
     for r in range(2):
         out = torch.load(os.path.join(tmp_path, f"backward{r}.pt"), weights_only=False)
@@ -455,8 +460,9 @@ def test_fsdp_training_through_backward_equals_one_process(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp_two_gpus_training_through_backward(tmp_path, monkeypatch):
     """As on the CPU, bit for bit: the Gram kernels untuned (one configuration for every bank size;
-    every configuration sums in the same K order), cuBLAS's matmuls deterministic for equal shapes."""
+    every configuration sums in the same K order), torch's deterministic algorithms on both sides."""
     monkeypatch.setenv("ANVIL_FAST_TUNE", "0")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (torch's requirement)
     _backward("nccl", "cuda", tmp_path)
 
 
