@@ -568,7 +568,8 @@ class FSDPAnvil(ANVIL):
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (from ``torch.distributed.checkpoint`` on any world
-        size, or from this world size), then read the banked matrices' weights from the model (load
+        size, or a ``torch.save``'d one of this world size, each rank its own file: DTensors do not
+        record which rank saved them), then read the banked matrices' weights from the model (load
         the model first). Collective. Everything is checked before anything is written."""
         DTensor = _dtensor_type()
         sd = state_dict
@@ -587,10 +588,22 @@ class FSDPAnvil(ANVIL):
             missing, extra = sorted(set(by_name) - set(state)), sorted(set(state) - set(by_name))
             raise ConfigError(f"state dict parameters differ from this optimizer's (missing {missing[:4]}, "
                               f"unknown {extra[:4]})")
+        banked = {n for n, _ in self._mat}
         for n, p in by_name.items():
+            want = {"fast_rail", "slow_rail", "mantissa", "lane_energy"} if n in banked else \
+                {"step", "exp_avg", "exp_avg_sq"}
+            if not isinstance(state[n], Mapping) or set(state[n]) != want:
+                got = sorted(state[n]) if isinstance(state[n], Mapping) else type(state[n]).__name__
+                raise ConfigError(f"{n}: saved state {got}, expected {sorted(want)} (a "
+                                  f"{'banked matrix' if n in banked else 'Adam parameter'} here)")
             for f, v in state[n].items():
-                if f in ("step",):
+                if f == "step":
+                    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                        raise ConfigError(f"{n}.step: {v!r}, expected an int >= 0")
                     continue
+                want_dtype = torch.uint16 if f == "mantissa" else torch.float32
+                if not isinstance(v, Tensor) or v.dtype != want_dtype:
+                    raise ConfigError(f"{n}.{f}: saved {getattr(v, 'dtype', type(v).__name__)}, expected {want_dtype}")
                 if f == "lane_energy":
                     if isinstance(v, DTensor) or tuple(v.shape) != self._lane_shape(n):
                         raise ConfigError(f"{n}.{f}: saved {tuple(v.shape)}, expected a plain tensor "

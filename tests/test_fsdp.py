@@ -279,6 +279,14 @@ def _rank_refusals(rank: int, world: int, folder: str, rendezvous: str) -> None:
     if rank == 0:
         model.blocks[0].attn.proj.weight.grad = None
     out["one_rank_grad"] = _outcome(opt.step)
+    # a state dict with a field missing, or of another dtype: refused before anything is written
+    sd = opt.state_dict()
+    name = "blocks.0.mlp.fc.weight"
+    st = sd["state"][name]
+    missing = {**sd, "state": {**sd["state"], name: {k: v for k, v in st.items() if k != "mantissa"}}}
+    out["missing_field"] = _outcome(lambda: opt.load_state_dict(missing))
+    recast = {**sd, "state": {**sd["state"], name: {**st, "slow_rail": st["slow_rail"].double()}}}
+    out["wrong_dtype"] = _outcome(lambda: opt.load_state_dict(recast))
     # DDP's averaging and the drop-in's own
     plain = make_model()
     ddp = DistributedDataParallel(plain)
@@ -475,6 +483,8 @@ def test_fsdp_refusals_on_two_ranks(tmp_path):
         assert out["nan"].startswith("NonFiniteGradientWarning") and "blocks.1.mlp.fc.weight" in out["nan"], out["nan"]
         assert out["nan_unchanged"] and out["skipped"] == 1
         assert out["one_rank_grad"].startswith("ValueError") and "gradient on some of the 2 ranks and none on others" in out["one_rank_grad"]
+        assert out["missing_field"].startswith("ConfigError") and "mantissa" in out["missing_field"]
+        assert out["wrong_dtype"].startswith("ConfigError") and "torch.float64" in out["wrong_dtype"]
         assert out["ddp"].startswith("ConfigError") and "DistributedDataParallel" in out["ddp"], out["ddp"]
         assert out["ddp_local"] == "accepted", out["ddp_local"]
         assert out["shard1"].startswith("ConfigError") and "Shard(dim=1)" in out["shard1"], out["shard1"]
