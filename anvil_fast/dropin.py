@@ -15,6 +15,7 @@ The class docstring states the rules, the update and the torch.optim behaviour.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections import defaultdict
@@ -432,8 +433,10 @@ class ANVIL(torch.optim.Optimizer):
     * ``.grad`` is left as the caller gave it.
 
     Several ranks: initialize the process group first, start every rank from the same weights, do
-    not wrap the model in DDP (the optimizer averages gradients itself), and let the ranks agree on
-    which parameters have gradients.
+    not wrap the model in DDP (the optimizer averages gradients itself; refused), and let the ranks
+    agree on which parameters have gradients. A model sharded with FSDP2 (``fully_shard``: DTensor
+    parameters) is taken as it is and gets :class:`anvil_fast.fsdp.FSDPAnvil` (owner ranks update
+    whole matrices; see that module).
 
     **torch.optim behaviour.** ``zero_grad``, LR schedulers, ``torch.amp.GradScaler``
     (``scaler.step(opt)``) and ``torch.compile(model)`` (before or after building; the
@@ -470,6 +473,15 @@ class ANVIL(torch.optim.Optimizer):
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
     """
 
+    def __new__(cls, params=None, *args, **kwargs):
+        # a model sharded with FSDP2 (DTensor parameters) takes anvil_fast.fsdp's owner-rank path
+        if cls is ANVIL and params is not None:
+            from .fsdp import FSDPAnvil, holds_dtensors
+
+            if holds_dtensors(params):
+                return super().__new__(FSDPAnvil)
+        return super().__new__(cls)
+
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
                  momentum: float = ANVIL_DEFAULTS["momentum"], fast_beta: float | None = None,
                  fast_weight: float = 1.0, beta2: float = ANVIL_DEFAULTS["beta2"],
@@ -502,6 +514,9 @@ class ANVIL(torch.optim.Optimizer):
         named, owners = named_parameters_of(params)
         if not named:
             raise ValueError("ANVIL got no parameters that require gradients")
+        from .fsdp import refuse_ddp_with_own_averaging, refuse_dtensors_in
+
+        refuse_dtensors_in(named)
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
@@ -511,6 +526,7 @@ class ANVIL(torch.optim.Optimizer):
         from .comms import resolve_comms
 
         self.comms = resolve_comms(comms)
+        refuse_ddp_with_own_averaging(params, self.comms.world_size)
         plan = plan_routes(routes, split_rows=split_rows, world_size=self.comms.world_size,
                            shard_min_numel=shard_min_numel)
         self._banks = build_banks(plan, device)
@@ -842,6 +858,11 @@ class ANVIL(torch.optim.Optimizer):
             g.update(saved)
         self.taken_steps = int(state_dict["taken_steps"])
         self.skipped_steps = int(state_dict["skipped_steps"])
+
+
+# ANVIL defines __new__ (the FSDP2 dispatch), which inspect.signature(ANVIL) would report instead
+# of the constructor's arguments
+ANVIL.__signature__ = inspect.Signature(list(inspect.signature(ANVIL.__init__).parameters.values())[1:])
 
 
 __all__ = ["ANVIL", "HEAD_NAMES", "StaleParameterError", "NonFiniteGradientWarning", "NonFiniteGradientError",

@@ -10,6 +10,8 @@ command      what it times (module)
 ``dropin``   the drop-in ``anvil_fast.ANVIL``'s step on the package's GPT next to Muon + AdamW and
              AdamW alone, with its floor and phase shares (:mod:`anvil_fast.bench.dropin`;
              ``--device cpu`` is a smoke run)
+``fsdp``     ANVIL on an FSDP2 (``fully_shard``) GPT: step time, phases, bytes per step at several rank
+             counts (:mod:`anvil_fast.bench.fsdp`; gloo on a CPU is an indication only)
 ``train_step`` forward + backward + step of GPT-2 small at several ranks, each reduce-scatter launched
              from the backward pass (:mod:`anvil_fast.train_step`, also ``python -m anvil_fast.train_step``)
 ===========  =============================================================================================
@@ -35,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "optimizer": ".optimizer",
     "dropin": ".dropin",
     "train_step": "anvil_fast.train_step",
+    "fsdp": ".fsdp",
 }
 
 
