@@ -7,12 +7,74 @@ Which module owns which concept (the reference of each is the same-named ``anvil
 rules both share -- orientation, lane reduction, fp32 split/join, constants -- are imported from
 ``anvil_ref``, never restated):
 
-======================  ============================================================================"""
+======================  ===================================================================================
+module                  concept
+======================  ===================================================================================
+**optimizers**
+``dropin``              ``ANVIL``: the drop-in ``torch.optim.Optimizer`` (classify -> plan -> build banks)
+``optimizer``           ``AnvilAndAdam``: the seed's optimizer over a labelled table (classify -> plan ->
+                        build state), its comms schedule and step graph
+``bank``                ``AnvilBank``, ``anvil_bank_update``: one bank's update (rails, cascade, equalizer,
+                        update, in the seed's order)
+``bank_scalars``        every per-step scalar in one device buffer, one host-to-device copy per step
+``replicated_adam``     the replicated Adam parameters on flat buffers
+``comms``               the collectives (NCCL, gloo, one process); ``distributed``: a launcher
+``fsdp``                ``ANVIL`` on FSDP2 (``fully_shard``) models: owner ranks, all-to-all exchange,
+                        resharding checkpoints (``torch.distributed.checkpoint``)
+``graphs``              the bank updates and the whole step as CUDA graphs, and their staleness check
+**the update's parts**
+``rails``               twin-rail momentum + Nesterov lookahead (Triton element-wise kernel)
+``cascade``             the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE, FAITHFUL,
+                        GRAM_SIDE) and both drivers: the standard one and the Gram side's
+``gram_side``           the Gram-side cascade's own parts: ``sym_aX_plus_mm``, restart schedule, dispatch
+                        rule by bank shape, eager form, FLOP count
+``normalize``           SAFE's Frobenius normalization from per-block partials (Triton)
+``gram``                the symmetric Gram kernels' entry points (``XXT``, ``XTX``, ``ba_plus_cAA``,
+                        ``aX_plus_mm``); ``gram_kernels``: their Triton code; ``gram_tune``: the
+                        launch configurations (``TileConfig``, ``ProblemKey``) and the per-shape tuner
+``equalizer``           ``equalize``: the lane-energy equalizer and SAFE's guard (Triton)
+``update``              ``sign_aligned_update`` on the bf16 + mantissa master; the fp32 split/join
+``adam``                Adam's kernel; ``transpose``: the tied embedding's tiled transposes
+**shared machinery**
+``_triton``             what every kernel shares: ``use_triton`` (the one ``backend=`` rule), ``to_bf16`` /
+                        ``from_bf16``, the SM count, the interpreter's probes and work-arounds
+``_compile``            whether a function runs through ``torch.compile``
+``tolerances``          THE tolerance table of fast against reference (its derivations inside)
+**studies and baselines**
+``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors
+``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study; ``safety``: SAFE's headroom
+``gram_side_study``     ``python -m anvil_fast.gram_side_study``: the Gram side's error study (its schedule)
+``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
+``plain``               the benchmark's baseline: the seed's update with library matmuls
+``scaling``             ``python -m anvil_fast.scaling``: equivalence and step time at several ranks
+``train_step``          ``python -m anvil_fast.train_step``: forward + backward + step at several ranks, each
+                        reduce-scatter launched from the backward pass (``OverlappedStep``)
+``cost_model``          ``python -m anvil_fast.cost_model measure|predict``: the step at any world size from
+                        pieces timed on one GPU, validated against measured runs
+``gpt``                 the package's GPT (benchmarks, training harness)
+``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|train_step|fsdp``: the
+                        benchmarks; ``bench.common``: peaks, the one FLOP count, timers
+======================  ===================================================================================
+
+Where new work goes:
+
+* a kernel: a module named after its concept, taking its helpers from ``_triton`` and offering
+  ``backend="auto" | "triton" | "torch"`` through ``_triton.use_triton``, its plain-torch form next
+  to it; its reference in ``anvil_ref``; its test ``tests/test_<concept>.py`` with the ``triton_dev``
+  fixture and bounds from ``tolerances`` (``tests/README.md``).
+* a benchmark: a module of ``bench/`` with ``add_args``, ``run`` and ``SUMMARY``, registered with
+  one line in ``anvil_fast.bench.COMMANDS``; peaks, FLOPs and timers from ``bench.common``. A table,
+  never a timed test.
+* a study (a CLI that measures a property, like ``difftest`` or ``near_rank1``): a module here with
+  ``main(argv)`` and ``if __name__ == "__main__"``; its numbers reach the paper through
+  ``papers/`` generators, never by hand.
+"""
 
 import importlib
 
 # Imported on first use, so ``import anvil_fast`` stays light (no Triton, no compile).
-_LAZY = {"ANVIL": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".dropin",
+_LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is dropin.ANVIL
+          "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".dropin",
          "NonFiniteGradientError": ".optimizer", "AnvilAndAdam": ".optimizer",
          # the bank update and its parts (anvil_fast.bank, .cascade, .gram)
          "AnvilBank": ".bank", "anvil_bank_update": ".bank",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
@@ -336,6 +337,59 @@ class _StateView(Mapping):
 
 
 # ====================================================================================== the optimizer
+def holds_dtensors(params) -> bool:
+    """Whether ``params`` (a module, or a list/tuple of parameters or (name, parameter) pairs) holds
+    a DTensor. An iterator is not consumed here (the drop-in refuses DTensors met in one)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(params, nn.Module):
+        return any(isinstance(p, DTensor) for p in params.parameters())
+    if isinstance(params, (list, tuple)):
+        return any(isinstance(it[1] if isinstance(it, tuple) else it, DTensor) for it in params)
+    return False
+
+
+def refuse_ddp_with_own_averaging(params, world_size: int) -> None:
+    """DDP averages the gradients in backward; a drop-in on several ranks averages them again (and
+    shards the update by matrix): refused, naming both ways out."""
+    if world_size <= 1 or not isinstance(params, nn.Module):
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, DistributedDataParallel) for m in params.modules()):
+        raise ConfigError(
+            f"the model is wrapped in DistributedDataParallel, which averages every gradient across the ranks in "
+            f"backward, and ANVIL on {world_size} ranks averages them again itself: pass the unwrapped model "
+            "(ddp_model.module) and drop DDP, or pass comms=anvil_fast.comms.LocalComms() to let every rank run "
+            "the whole update on DDP's averaged gradients")
+
+
+def refuse_dtensors_in(named: Sequence[tuple[str, Tensor]]) -> None:
+    """DTensor parameters that reached the single-process drop-in (an iterator of parameters hides
+    them from the FSDP2 path): refused."""
+    if not dist.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    found = [n for n, p in named if isinstance(p, DTensor)]
+    if found:
+        raise ConfigError(f"{found[0]} (and {len(found) - 1} more) are DTensors (FSDP2): pass the model itself, "
+                          "or a list of its named_parameters(), so ANVIL takes its FSDP2 path")
+
+
+#: The class ``ANVIL(model)`` builds for a model with DTensor (FSDP2) parameters; registered by
+#: :mod:`anvil_fast.fsdp` when it is imported (``anvil_fast.ANVIL`` imports it), so this module does
+#: not depend on it.
+_DTENSOR_PATH: list[type] = []
+
+
+def register_dtensor_path(cls: type) -> None:
+    """Make ``ANVIL(params)`` build ``cls`` when ``params`` holds DTensors (:mod:`anvil_fast.fsdp`)."""
+    _DTENSOR_PATH[:] = [cls]
+
+
 class ANVIL(torch.optim.Optimizer):
     """ANVIL for the hidden matrices + Adam for everything else, for any model.
 
@@ -475,11 +529,11 @@ class ANVIL(torch.optim.Optimizer):
 
     def __new__(cls, params=None, *args, **kwargs):
         # a model sharded with FSDP2 (DTensor parameters) takes anvil_fast.fsdp's owner-rank path
-        if cls is ANVIL and params is not None:
-            from .fsdp import FSDPAnvil, holds_dtensors
-
-            if holds_dtensors(params):
-                return super().__new__(FSDPAnvil)
+        if cls is ANVIL and params is not None and holds_dtensors(params):
+            if not _DTENSOR_PATH:
+                raise ConfigError("the parameters are DTensors (FSDP2): use anvil_fast.ANVIL, or import "
+                                  "anvil_fast.fsdp first, which registers ANVIL's FSDP2 path")
+            return super().__new__(_DTENSOR_PATH[0])
         return super().__new__(cls)
 
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
@@ -514,8 +568,6 @@ class ANVIL(torch.optim.Optimizer):
         named, owners = named_parameters_of(params)
         if not named:
             raise ValueError("ANVIL got no parameters that require gradients")
-        from .fsdp import refuse_ddp_with_own_averaging, refuse_dtensors_in
-
         refuse_dtensors_in(named)
         devices = {p.device for _, p in named}
         if len(devices) != 1:

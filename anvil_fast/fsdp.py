@@ -55,7 +55,9 @@ from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .comms import LocalComms
 from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, NonFiniteGradientError,
-                     NonFiniteGradientWarning, _check_hyperparameters, classify, named_parameters_of, plan_routes)
+                     NonFiniteGradientWarning, _check_hyperparameters, classify, holds_dtensors,
+                     named_parameters_of, plan_routes, refuse_ddp_with_own_averaging, refuse_dtensors_in,
+                     register_dtensor_path)
 
 FSDP_STATE_FORMAT = "anvil_fast.ANVIL.fsdp/1"
 #: The ANVIL keyword arguments the owners' local optimizer receives unchanged.
@@ -67,46 +69,6 @@ def _dtensor_type():
     from torch.distributed.tensor import DTensor
 
     return DTensor
-
-
-def holds_dtensors(params) -> bool:
-    """Whether ``params`` (a module, or a list/tuple of parameters or (name, parameter) pairs) holds
-    a DTensor. An iterator is not consumed here (the drop-in refuses DTensors met in one)."""
-    if not dist.is_available():
-        return False
-    DTensor = _dtensor_type()
-    if isinstance(params, nn.Module):
-        return any(isinstance(p, DTensor) for p in params.parameters())
-    if isinstance(params, (list, tuple)):
-        return any(isinstance(it[1] if isinstance(it, tuple) else it, DTensor) for it in params)
-    return False
-
-
-def refuse_ddp_with_own_averaging(params, world_size: int) -> None:
-    """DDP averages the gradients in backward; a drop-in on several ranks averages them again (and
-    shards the update by matrix): refused, naming both ways out."""
-    if world_size <= 1 or not isinstance(params, nn.Module):
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    if any(isinstance(m, DistributedDataParallel) for m in params.modules()):
-        raise ConfigError(
-            f"the model is wrapped in DistributedDataParallel, which averages every gradient across the ranks in "
-            f"backward, and ANVIL on {world_size} ranks averages them again itself: pass the unwrapped model "
-            "(ddp_model.module) and drop DDP, or pass comms=anvil_fast.comms.LocalComms() to let every rank run "
-            "the whole update on DDP's averaged gradients")
-
-
-def refuse_dtensors_in(named: Sequence[tuple[str, Tensor]]) -> None:
-    """DTensor parameters that reached the single-process drop-in (an iterator of parameters hides
-    them from the FSDP2 path): refused."""
-    if not dist.is_available():
-        return
-    DTensor = _dtensor_type()
-    found = [n for n, p in named if isinstance(p, DTensor)]
-    if found:
-        raise ConfigError(f"{found[0]} (and {len(found) - 1} more) are DTensors (FSDP2): pass the model itself, "
-                          "or a list of its named_parameters(), so ANVIL takes its FSDP2 path")
 
 
 def check_placement(name: str, p: Tensor):
@@ -656,3 +618,8 @@ class FSDPAnvil(ANVIL):
 
 __all__ = ["FSDPAnvil", "FSDP_STATE_FORMAT", "assign_owners", "shard_rows", "check_placement", "holds_dtensors",
            "refuse_ddp_with_own_averaging", "refuse_dtensors_in"]
+
+
+# ANVIL(model) on DTensor parameters builds an FSDPAnvil: the drop-in knows this path only through
+# the registration (it does not import this module; anvil_fast.ANVIL imports it first).
+register_dtensor_path(FSDPAnvil)
