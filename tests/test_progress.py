@@ -1,7 +1,9 @@
-"""derive_maps.progress: the tiny progress bar."""
+"""derive_maps.progress: a bar in a terminal, a line per stage in a pipe, silence for quick work."""
 
 import io
+import time
 
+from derive_maps import progress as P
 from derive_maps.progress import Progress
 
 
@@ -14,15 +16,44 @@ def test_draws_when_enabled_and_finishes_the_line():
     assert "[" in text and "100%" in text and "work" in text and text.endswith("\n")
 
 
-def test_silent_when_not_a_terminal():
-    s = io.StringIO()          # StringIO is not a tty: auto mode stays silent
-    with Progress(3, "quiet", stream=s, delay=0.0) as bar:
+def test_a_pipe_gets_one_line_per_stage_and_a_closing_line(monkeypatch):
+    monkeypatch.setattr(P, "LINE_INTERVAL", 0.0)
+    s = io.StringIO()          # StringIO is not a tty: auto mode writes lines, no carriage returns
+    with Progress(3, "stage a", stream=s, delay=0.0) as bar:
+        bar.update(0, label="stage a")
+        bar.update(1, label="stage b")
+        bar.update(1, label="stage b")   # same stage: no second line
+        bar.update(2, label="stage c")
         bar.update(3)
+    lines = s.getvalue().splitlines()
+    assert "\r" not in s.getvalue()
+    assert [ln.split(":")[0] for ln in lines] == ["stage a", "stage b", "stage c", "stage c"], lines
+    assert "33%" in lines[1] and lines[-1].startswith("stage c: done after")
+
+
+def test_a_pipe_hears_of_a_long_first_stage_before_it_ends():
+    s = io.StringIO()
+    bar = Progress(2, "first stage", stream=s, delay=0.05)
+    deadline = time.monotonic() + 5.0
+    while "first stage" not in s.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)     # the work: no update arrives, the timer names the stage
+    bar.close()
+    bar.close()              # closing twice writes one closing line
+    lines = s.getvalue().splitlines()
+    assert lines[0].startswith("first stage:   0% after"), lines
+    assert lines[1].startswith("first stage: done after") and len(lines) == 2, lines
+
+
+def test_silent_when_disabled():
+    s = io.StringIO()
+    with Progress(3, "quiet", enabled=False, stream=s, delay=0.0) as bar:
+        bar.update(3, label="other")
     assert s.getvalue() == ""
 
 
 def test_silent_for_quick_work():
-    s = io.StringIO()
-    with Progress(3, "fast", enabled=True, stream=s, delay=60.0) as bar:
-        bar.update(3)
-    assert s.getvalue() == ""
+    for enabled in (True, None):
+        s = io.StringIO()
+        with Progress(3, "fast", enabled=enabled, stream=s, delay=60.0) as bar:
+            bar.update(3, label="next")
+        assert s.getvalue() == ""
