@@ -39,7 +39,7 @@ from torch import Tensor
 import anvil_ref as R
 
 from .cascade import CONFIGS, CascadeConfig, fast_cascade, get_config
-from .cli_args import check_device, name_list, shape_list
+from anvil_ref.cli_args import check_device, name_list, shape_list
 from .eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 from .equalizer import rail_equalizer, reduction_dim
 from .rails import rails_lookahead
@@ -359,7 +359,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def main(argv=None) -> int:
-    from derive_maps.progress import Progress
+    from anvil_ref.progress import Progress
 
     shapes = shape_list(3, form="CHUNKxROWSxCOLS")
     ap = argparse.ArgumentParser(prog="python -m anvil_fast.difftest", description=__doc__.split("\n\n")[0],

@@ -36,7 +36,7 @@ from torch import Tensor
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 
 from .cascade import FAITHFUL, SAFE, SAFE_MARGIN_SLACK, fast_cascade
-from .cli_args import check_device, name_list, positive_int, shape_list
+from anvil_ref.cli_args import check_device, name_list, positive_int, shape_list
 from .eager import eager_bf16_cascade
 from .tolerances import EXPLODED_SIGMA
 
@@ -107,7 +107,7 @@ def study(shapes, count: int, *, batch: int = 100, seed: int = 0, device="cpu", 
     """The table's rows; ``only``: a subset of :data:`PATHS` (an unknown name is an error);
     ``progress``: as derive_maps.progress.Progress's ``enabled`` (None: a bar in a terminal, a line per
     shape and batch in a pipe)."""
-    from derive_maps.progress import Progress
+    from anvil_ref.progress import Progress
 
     unknown = sorted(set(only or ()) - set(PATHS))
     if unknown:

@@ -24,6 +24,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from anvil_ref.cli_args import positive_int
+
 from .errors import DeriveMapsError
 
 FORMATS = ("text", "json", "latex", "markdown")
@@ -292,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--l", default=ANVIL_L, help="lower end of the design interval")
     s.add_argument("--u", default=None, help="upper end of the design interval (None: 1/margin)")
     s.add_argument("--margin", default="1.05", help="Frobenius margin: u = 1/margin when --u is not given")
-    s.add_argument("--n-maps", type=int, default=6, help="number of maps (polished: that of its start)")
+    s.add_argument("--n-maps", type=positive_int, default=6, help="number of maps (polished: that of its start)")
     s.add_argument("--headroom", default="0.01", help="express/optimal/polished: certified headroom above u "
                                                       "to design for")
     s.add_argument("--design-margin", default="0.0005", help="extra design room on top of --headroom")
@@ -313,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--start", default=None, help="starting map set for polish/polished (None: ANVIL_MAPS "
                                                  "for polished)")
     s.add_argument("--target", type=float, default=2.5e-5, help="polish/polished: stop at this max|log F|")
-    s.add_argument("--max-iter", type=int, default=200, help="polish iterations at most")
-    s.add_argument("--dps", type=int, default=40, help="mpmath working precision (digits)")
+    s.add_argument("--max-iter", type=positive_int, default=200, help="polish iterations at most")
+    s.add_argument("--dps", type=positive_int, default=40, help="mpmath working precision (digits)")
     s.add_argument("--name", default=None, help="name recorded in the file written with --out")
     s.add_argument("--out", default=None, help="write the derived set to this JSON path")
     _add_format(s)
@@ -329,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("facts", help="check the published statements about ANVIL_MAPS")
-    s.add_argument("--polish-iterations", type=int, default=100,
+    s.add_argument("--polish-iterations", type=positive_int, default=100,
                    help="iterations of the polish that checks the published accuracy claim")
     _add_format(s)
     s.set_defaults(func=cmd_facts)
@@ -341,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_regenerate)
 
     s = sub.add_parser("bench", help="time the solvers (one CPU core)")
-    s.add_argument("--repeat", type=int, default=1, help="timings per solver (the best is shown)")
+    s.add_argument("--repeat", type=positive_int, default=1, help="timings per solver (the best is shown)")
     _add_format(s)
     s.set_defaults(func=cmd_bench)
     return p

@@ -1,10 +1,10 @@
-"""derive_maps.progress: a bar in a terminal, a line per stage in a pipe, silence for quick work."""
+"""anvil_ref.progress: a bar in a terminal, a line per stage in a pipe, silence for quick work."""
 
 import io
 import time
 
-from derive_maps import progress as P
-from derive_maps.progress import Progress
+from anvil_ref import progress as P
+from anvil_ref.progress import Progress
 
 
 def test_draws_when_enabled_and_finishes_the_line():

@@ -1,4 +1,4 @@
-"""Argument types shared by anvil_fast's command lines (difftest, near_rank1, scaling, bench) and tools/.
+"""Argument types shared by the package's command lines (anvil_ref, anvil_fast, derive_maps, tools/).
 
 Each is an ``argparse`` ``type=``: a value it cannot read raises ``argparse.ArgumentTypeError``, which
 argparse prints as one ``usage``/``error:`` line pair with exit status 2 (no traceback). Lists of names
@@ -68,3 +68,14 @@ def check_device(ap: argparse.ArgumentParser, device: str) -> None:
         ap.error(f"argument --device: expected a torch device such as cpu or cuda, got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"argument --device: {device!r} asked for, but CUDA is not available here")
+
+
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1] (a ratio of a smaller to a larger positive value)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return v
