@@ -79,3 +79,11 @@ def unit_fraction(text: str) -> float:
     if not 0.0 < v <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return v
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers."""
+    try:
+        return [positive_int(t.strip()) for t in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
