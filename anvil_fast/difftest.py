@@ -367,9 +367,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", type=shapes, default="4x96x96,2x256x768,2x768x768,2x2816x768",
                     help="comma-separated CHUNKxROWSxCOLS (default: %(default)s)")
     ap.add_argument("--families", type=name_list(FAMILIES, what="family"), default=",".join(FAMILIES),
-                    help="comma-separated input families, any of: %(default)s")
+                    help=f"comma-separated input families, any of: {', '.join(FAMILIES)} (default: all)")
     ap.add_argument("--configs", type=name_list(CONFIGS, what="config"), default="safe,faithful",
-                    help=f"comma-separated cascade configurations, any of: {','.join(CONFIGS)} "
+                    help=f"comma-separated cascade configurations, any of: {', '.join(CONFIGS)} "
                          "(default: %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="torch device of the fast path (default: %(default)s)")

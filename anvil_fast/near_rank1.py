@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="torch device (default: %(default)s)")
     ap.add_argument("--paths", type=name_list(PATHS, what="path"), default=None,
-                    help="comma-separated subset of: " + ",".join(PATHS) + " (default: all)")
+                    help="comma-separated subset of: " + ", ".join(PATHS) + " (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)")
     ap.add_argument("--progress", action="store_true", default=None,
                     help="draw the progress bar even when stderr is not a terminal")
