@@ -245,7 +245,7 @@ def cmd_regenerate(a) -> int:
 
 def cmd_bench(a) -> int:
     from .bench import run_bench
-    return run_bench(fmt=a.fmt, repeat=a.repeat)
+    return run_bench(fmt=a.fmt, repeat=a.repeat, progress=a.progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--l", default=ANVIL_L, help="lower end of the design interval")
     s.add_argument("--u", default=None, help="upper end of the design interval (None: 1/margin)")
     s.add_argument("--margin", default="1.05", help="Frobenius margin: u = 1/margin when --u is not given")
-    s.add_argument("--n-maps", type=positive_int, default=6, help="number of maps (polished: that of its start)")
+    s.add_argument("--n-maps", type=int, default=6, help="number of maps (polished: that of its start)")
     s.add_argument("--headroom", default="0.01", help="express/optimal/polished: certified headroom above u "
                                                       "to design for")
     s.add_argument("--design-margin", default="0.0005", help="extra design room on top of --headroom")

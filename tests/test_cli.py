@@ -31,11 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--shapes", "2x16x8", "--configs", "safe", "--compile", "no"]
 
 
-def _chunk_independence():
-    spec = importlib.util.spec_from_file_location("chunk_independence", REPO / "tools" / "chunk_independence.py")
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(f"_cli_tool_{name}", REPO / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def _chunk_independence():
+    return _tool("chunk_independence")
 
 
 def _derive_maps_main(argv):
@@ -162,6 +167,7 @@ BAD = [
     ("train device", lambda: _train_main(["--out", "unused", "--device", "bogus"]), "bogus"),
     ("chunk_independence shapes", lambda: _chunk_independence().main(["--shapes", "3x8x8"]), "3x8x8"),
     ("chunk_independence config", lambda: _chunk_independence().main(["--config", "bogus"]), "bogus"),
+    ("mutants name", lambda: _tool("mutants").main(["-k", "no such mutant"]), "no such mutant"),
 ]
 
 
