@@ -3,7 +3,8 @@
 In a terminal (or when forced with ``enabled=True``, as the command lines' ``--progress`` does) it
 draws a bar, redrawn at most ten times a second. When stderr is not a terminal (a pipe, a log file,
 CI) a bar's carriage returns would pile up, so it writes one line whenever the stage (the label)
-changes, and one when the work ends. ``enabled=False`` silences both. Either way nothing is written
+changes, and one when the work ends; a ``detail`` (an iteration's error, a level of a bisection)
+rides along on those lines and on the bar but is no stage of its own. ``enabled=False`` silences both. Either way nothing is written
 before the work has run for ``delay`` seconds (default :data:`DELAY`), so quick calls and test runs
 stay silent.
 """
@@ -36,6 +37,7 @@ class Progress:
         self.enabled = self.mode != "off"
         self.total = max(float(total), 1e-300)
         self.label = label
+        self.detail = ""
         self.width = width
         self.delay = DELAY if delay is None else delay
         self.done = 0.0
@@ -59,11 +61,15 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def update(self, done: float | None = None, *, advance: float = 0.0, label: str | None = None) -> None:
-        """Set the amount done (or advance it), optionally name the stage now running, and redraw if due."""
+    def update(self, done: float | None = None, *, advance: float = 0.0, label: str | None = None,
+               detail: str | None = None) -> None:
+        """Set the amount done (or advance it), optionally name the stage now running (``label``) or
+        how it is going (``detail``), and redraw if due."""
         self.done = self.done + advance if done is None else float(done)
         if label is not None:
             self.label = label
+        if detail is not None:
+            self.detail = detail
         if self.mode == "off":
             return
         now = time.monotonic()
@@ -80,7 +86,7 @@ class Progress:
         frac = self._frac()
         fill = int(round(frac * self.width))
         self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {100 * frac:3.0f}% "
-                          f"{self.label[:50]:<50} {now - self._t0:6.1f}s")
+                          f"{self._text()[:50]:<50} {now - self._t0:6.1f}s")
         self.stream.flush()
         self._drawn = True
 
@@ -89,12 +95,15 @@ class Progress:
             if not self._closed and self._line_label is None:
                 self._line(time.monotonic())
 
+    def _text(self) -> str:
+        return f"{self.label}: {self.detail}" if self.detail else self.label
+
     def _frac(self) -> float:
         return min(max(self.done / self.total, 0.0), 1.0)
 
     def _line(self, now: float, *, end: bool = False) -> None:
         what = "done" if end else f"{100 * self._frac():3.0f}%"
-        self.stream.write(f"{self.label}: {what} after {now - self._t0:.1f} s\n")
+        self.stream.write(f"{self._text()}: {what} after {now - self._t0:.1f} s\n")
         self.stream.flush()
         self._line_label = self.label
         self._last = now

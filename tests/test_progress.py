@@ -57,3 +57,13 @@ def test_silent_for_quick_work():
         with Progress(3, "fast", enabled=enabled, stream=s, delay=60.0) as bar:
             bar.update(3, label="next")
         assert s.getvalue() == ""
+
+
+def test_a_detail_rides_along_but_is_no_stage(monkeypatch):
+    monkeypatch.setattr(P, "LINE_INTERVAL", 0.0)
+    s = io.StringIO()
+    with Progress(3, "polish", stream=s, delay=0.0) as bar:
+        for k, e in enumerate((3e-5, 2e-5, 1e-5)):
+            bar.update(k, detail=f"E = {e:g}")
+    lines = s.getvalue().splitlines()
+    assert len(lines) == 2 and lines[-1].startswith("polish: E = 1e-05: done after"), lines
