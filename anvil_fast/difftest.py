@@ -37,13 +37,13 @@ import torch
 from torch import Tensor
 
 import anvil_ref as R
-
-from .cascade import CONFIGS, CascadeConfig, fast_cascade, get_config
 from anvil_ref.cli_args import check_device, name_list, shape_list
+
+from . import tolerances as T
+from .cascade import CONFIGS, CascadeConfig, fast_cascade, get_config
 from .eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 from .equalizer import rail_equalizer, reduction_dim
 from .rails import rails_lookahead
-from . import tolerances as T
 from .tolerances import cascade_error_cap, check_row
 from .update import sign_aligned_decay_update
 

@@ -33,10 +33,10 @@ import time
 import torch
 from torch import Tensor
 
+from anvil_ref.cli_args import check_device, name_list, positive_int, shape_list
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 
 from .cascade import FAITHFUL, SAFE, SAFE_MARGIN_SLACK, fast_cascade
-from anvil_ref.cli_args import check_device, name_list, positive_int, shape_list
 from .eager import eager_bf16_cascade
 from .tolerances import EXPLODED_SIGMA
 

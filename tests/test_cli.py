@@ -24,7 +24,7 @@ import torch
 from anvil_fast import difftest as D
 from anvil_fast import near_rank1 as N
 from anvil_fast import scaling
-from anvil_fast.cascade import FAITHFUL, SAFE
+from anvil_fast.cascade import FAITHFUL
 from anvil_fast.tolerances import EXPLODED_SIGMA, check
 
 REPO = Path(__file__).resolve().parents[1]
