@@ -18,9 +18,6 @@ from typing import TextIO
 
 #: Seconds of work before anything is written (the default of ``Progress(delay=...)``).
 DELAY = 1.0
-#: Least seconds between two lines in a pipe: stages that change faster (a certification's levels)
-#: are reported by the one running when the interval has passed.
-LINE_INTERVAL = 1.0
 
 
 class Progress:
@@ -77,7 +74,7 @@ class Progress:
             return
         if self.mode == "lines":
             with self._lock:
-                if self.label != self._line_label and now - self._last >= LINE_INTERVAL and not self._closed:
+                if self.label != self._line_label and not self._closed:
                     self._line(now)
             return
         if now - self._last < 0.1 and self.done < self.total:
@@ -106,7 +103,6 @@ class Progress:
         self.stream.write(f"{self._text()}: {what} after {now - self._t0:.1f} s\n")
         self.stream.flush()
         self._line_label = self.label
-        self._last = now
         self._drawn = True
 
     def close(self) -> None:

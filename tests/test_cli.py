@@ -214,7 +214,6 @@ def immediate_progress(monkeypatch):
     from anvil_ref import progress
 
     monkeypatch.setattr(progress, "DELAY", 0.0)
-    monkeypatch.setattr(progress, "LINE_INTERVAL", 0.0)
 
 
 def test_difftest_reports_each_case_when_piped(immediate_progress, capsys):

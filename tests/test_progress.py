@@ -16,8 +16,7 @@ def test_draws_when_enabled_and_finishes_the_line():
     assert "[" in text and "100%" in text and "work" in text and text.endswith("\n")
 
 
-def test_a_pipe_gets_one_line_per_stage_and_a_closing_line(monkeypatch):
-    monkeypatch.setattr(P, "LINE_INTERVAL", 0.0)
+def test_a_pipe_gets_one_line_per_stage_and_a_closing_line():
     s = io.StringIO()          # StringIO is not a tty: auto mode writes lines, no carriage returns
     with Progress(3, "stage a", stream=s, delay=0.0) as bar:
         bar.update(0, label="stage a")
@@ -59,8 +58,7 @@ def test_silent_for_quick_work():
         assert s.getvalue() == ""
 
 
-def test_a_detail_rides_along_but_is_no_stage(monkeypatch):
-    monkeypatch.setattr(P, "LINE_INTERVAL", 0.0)
+def test_a_detail_rides_along_but_is_no_stage():
     s = io.StringIO()
     with Progress(3, "polish", stream=s, delay=0.0) as bar:
         for k, e in enumerate((3e-5, 2e-5, 1e-5)):
