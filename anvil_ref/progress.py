@@ -4,9 +4,9 @@ In a terminal (or when forced with ``enabled=True``, as the command lines' ``--p
 draws a bar, redrawn at most ten times a second. When stderr is not a terminal (a pipe, a log file,
 CI) a bar's carriage returns would pile up, so it writes one line whenever the stage (the label)
 changes, and one when the work ends; a ``detail`` (an iteration's error, a level of a bisection)
-rides along on those lines and on the bar but is no stage of its own. ``enabled=False`` silences both. Either way nothing is written
-before the work has run for ``delay`` seconds (default :data:`DELAY`), so quick calls and test runs
-stay silent.
+rides along on those lines and on the bar but is no stage of its own. ``enabled=False`` silences
+both. Either way nothing is written before the work has run for ``delay`` seconds (default
+:data:`DELAY`), so quick calls and test runs stay silent.
 """
 
 from __future__ import annotations
