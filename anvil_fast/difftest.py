@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 import anvil_ref as R
-from anvil_ref.cli_args import check_device, name_list, shape_list
+from anvil_ref.cli_args import add_progress_flags, check_device, name_list, shape_list
 
 from . import tolerances as T
 from .cascade import CONFIGS, CascadeConfig, fast_cascade, get_config
@@ -376,8 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
                     help="torch.compile the fast path's element-wise parts (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)")
-    ap.add_argument("--progress", action="store_true", default=None,
-                    help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
     check_device(ap, a.device)
     comp = {"auto": None, "yes": True, "no": False}[a.compile]

@@ -33,7 +33,7 @@ import time
 import torch
 from torch import Tensor
 
-from anvil_ref.cli_args import check_device, name_list, positive_int, shape_list
+from anvil_ref.cli_args import add_progress_flags, check_device, name_list, positive_int, shape_list
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 
 from .cascade import FAITHFUL, SAFE, SAFE_MARGIN_SLACK, fast_cascade
@@ -170,8 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", type=name_list(PATHS, what="path"), default=None,
                     help="comma-separated subset of: " + ", ".join(PATHS) + " (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)")
-    ap.add_argument("--progress", action="store_true", default=None,
-                    help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
     check_device(ap, a.device)
     t0 = time.time()

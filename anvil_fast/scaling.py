@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from anvil_ref.cli_args import positive_int, positive_int_list
+from anvil_ref.cli_args import add_progress_flags, positive_int, positive_int_list
 
 from .bench_optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
 from .distributed import all_digests, replica_digest, spawn
@@ -374,8 +374,7 @@ def main(argv=None) -> int:
                    "a rank of several; see the report)")
     g.add_argument("--out", default="", help="also write the table to this markdown file")
     for p in (c, g):
-        p.add_argument("--progress", action="store_true", default=None,
-                       help="draw the progress bar even when stderr is not a terminal")
+        add_progress_flags(p)
     a = ap.parse_args(argv)
     a.command_line = "python -m anvil_fast.scaling " + " ".join(argv)
     return run_cpu(a) if a.mode == "cpu" else run_gpu(a)

@@ -87,3 +87,13 @@ def positive_int_list(text: str) -> list[int]:
         return [positive_int(t.strip()) for t in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+
+
+def add_progress_flags(parser: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--no-progress`` into ``progress`` (True / False; None without either: a bar
+    in a terminal, a line per stage in a pipe -- :class:`anvil_ref.progress.Progress`)."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_const", const=True, default=None,
+                   help="draw the progress bar even when stderr is not a terminal")
+    g.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                   help="no progress on stderr (default: a bar in a terminal, a line per stage otherwise)")

@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from anvil_ref.cli_args import positive_int
+from anvil_ref.cli_args import add_progress_flags, positive_int
 
 from .errors import DeriveMapsError
 
@@ -38,8 +38,7 @@ def _add_format(p: argparse.ArgumentParser) -> None:
     g.add_argument("--latex", dest="fmt", action="store_const", const="latex", help="LaTeX tabular")
     g.add_argument("--markdown", dest="fmt", action="store_const", const="markdown", help="Markdown table")
     p.set_defaults(fmt="text")
-    p.add_argument("--progress", action="store_true", default=None,
-                   help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(p)
 
 
 def _add_interval(p: argparse.ArgumentParser, *, l: str, u: str) -> None:
@@ -338,8 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("regenerate", help="rewrite (or --check) every generated file")
     s.add_argument("--check", action="store_true", help="compare with the files on disk, change nothing")
-    s.add_argument("--progress", action="store_true", default=None,
-                   help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(s)
     s.set_defaults(func=cmd_regenerate)
 
     s = sub.add_parser("bench", help="time the solvers (one CPU core)")

@@ -223,6 +223,11 @@ def test_difftest_reports_each_case_when_piped(immediate_progress, capsys):
     assert re.search(r"done after \d", err) and "\r" not in err
 
 
+def test_no_progress_silences_the_lines(immediate_progress, capsys):
+    assert D.main([*TINY, "--families", "zero", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_near_rank1_reports_each_batch_when_piped(immediate_progress, capsys):
     assert N.main(["--shapes", "8x8", "--count", "4", "--batch", "2", "--paths", "fp64", "--device", "cpu"]) == 0
     err = capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from anvil_ref.cli_args import check_device, shape_list  # noqa: E402  (after the path is set)
+from anvil_ref.cli_args import add_progress_flags, check_device, shape_list  # noqa: E402  (after the path is set)
 from anvil_ref.progress import Progress  # noqa: E402
 
 
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
                     help="torch device: cuda (Triton kernels) or cpu (plain torch) (default: %(default)s)")
     ap.add_argument("--eager-post", action="store_true", help="run the equalizer and the update eagerly "
                     "(not through torch.compile)")
-    ap.add_argument("--progress", action="store_true", default=None,
-                    help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
     check_device(ap, a.device)
     cfg = get_config(a.config)
