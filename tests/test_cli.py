@@ -168,6 +168,7 @@ BAD = [
     ("chunk_independence shapes", lambda: _chunk_independence().main(["--shapes", "3x8x8"]), "3x8x8"),
     ("chunk_independence config", lambda: _chunk_independence().main(["--config", "bogus"]), "bogus"),
     ("mutants name", lambda: _tool("mutants").main(["-k", "no such mutant"]), "no such mutant"),
+    ("gram_sm90_report group", lambda: _tool("gram_sm90_report").parse_args(["gram", "bogus"]), "bogus"),
 ]
 
 
