@@ -11,13 +11,29 @@ both. Either way nothing is written before the work has run for ``delay`` second
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TextIO
 
 #: Seconds of work before anything is written (the default of ``Progress(delay=...)``).
 DELAY = 1.0
+
+_default_enabled: bool | None = None
+
+
+@contextlib.contextmanager
+def default_enabled(enabled: bool | None) -> Iterator[None]:
+    """Within the block, a Progress made with ``enabled=None`` takes ``enabled``: a command line's
+    ``--progress`` / ``--no-progress`` reaches the bars of every library call it makes, however deep."""
+    global _default_enabled
+    old, _default_enabled = _default_enabled, enabled
+    try:
+        yield
+    finally:
+        _default_enabled = old
 
 
 class Progress:
@@ -27,6 +43,8 @@ class Progress:
     def __init__(self, total: float, label: str = "", *, enabled: bool | None = None,
                  stream: TextIO | None = None, width: int = 30, delay: float | None = None) -> None:
         self.stream = sys.stderr if stream is None else stream
+        if enabled is None:
+            enabled = _default_enabled
         if enabled is None:
             self.mode = "bar" if bool(getattr(self.stream, "isatty", lambda: False)()) else "lines"
         else:

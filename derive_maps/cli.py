@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from anvil_ref.cli_args import add_progress_flags, positive_int
+from anvil_ref.progress import default_enabled
 
 from .errors import DeriveMapsError
 
@@ -124,7 +125,7 @@ def cmd_analyse(a) -> int:
     maps = _maps_arg(a.maps)
     band = a.band
     if band == "auto":
-        band = headroom_band(certify_envelope(maps, a.l, a.u).max_abs_log_certified)
+        band = headroom_band(certify_envelope(maps, a.l, a.u, progress=a.progress).max_abs_log_certified)
     r = analyse(maps, a.l, a.u, band=float(band), bf16=a.bf16, progress=a.progress)
     chain = Table(f"{a.maps}: interval chain on [{a.l}, {a.u}]",
                   ["stage", "a", "b", "c", "certified range of s_k", "headroom of the rest"],
@@ -181,7 +182,7 @@ def cmd_derive(a) -> int:
                    target=a.target, progress=a.progress)
         maps, info = r.maps, dict(method="polish", start=a.start, objective=a.objective, error=r.error,
                                   start_error=r.start_error, iterations=r.iterations, converged=r.converged)
-    e = certify_envelope(maps, a.l, u)
+    e = certify_envelope(maps, a.l, u, progress=a.progress)
     band = _band("auto", e.max_abs_log_certified)
     h = certify_headroom(maps, u, band=band) if band is not None else None
     doc = {"generated_by": a.cmdline, "name": a.name or f"derived_{a.method}",
@@ -354,7 +355,8 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     a.cmdline = "python -m derive_maps " + " ".join(shlex.quote(x) for x in argv)
     try:
-        return a.func(a)
+        with default_enabled(getattr(a, "progress", None)):
+            return a.func(a)
     except DeriveMapsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -65,3 +65,19 @@ def test_a_detail_rides_along_but_is_no_stage():
             bar.update(k, detail=f"E = {e:g}")
     lines = s.getvalue().splitlines()
     assert len(lines) == 2 and lines[-1].startswith("polish: E = 1e-05: done after"), lines
+
+
+def test_a_command_lines_choice_reaches_nested_bars():
+    from anvil_ref.progress import default_enabled
+
+    s = io.StringIO()
+    with default_enabled(False):
+        with Progress(2, "inner", stream=s, delay=0.0) as bar:   # a library call's bar: enabled=None
+            bar.update(1, label="inner: next")
+    assert s.getvalue() == ""
+    with default_enabled(True):
+        assert Progress(1, "inner", stream=s, delay=0.0).mode == "bar"
+        assert Progress(1, "inner", stream=s, delay=0.0, enabled=False).mode == "off"
+    restored = Progress(1, "inner", stream=s, delay=60.0)
+    assert restored.mode == "lines"   # the default is back after the block
+    restored.close()
