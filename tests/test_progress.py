@@ -3,7 +3,6 @@
 import io
 import time
 
-from anvil_ref import progress as P
 from anvil_ref.progress import Progress
 
 
