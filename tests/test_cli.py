@@ -28,7 +28,8 @@ from anvil_fast.cascade import FAITHFUL
 from anvil_fast.tolerances import EXPLODED_SIGMA, check
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--shapes", "2x16x8", "--configs", "safe", "--compile", "no"]
+#: CPU on every machine: the verdicts below are those of this seed on the CPU path
+TINY = ["--shapes", "2x16x8", "--configs", "safe", "--compile", "no", "--device", "cpu"]
 
 
 def _tool(name):
@@ -108,7 +109,7 @@ def _footer(out: str) -> dict[str, int]:
 
 def test_cli_footer_counts_agree_with_the_rows_and_state_the_rule(capsys):
     assert D.main(["--shapes", "2x48x32", "--families", "near_rank1,gaussian", "--configs", "faithful",
-                   "--compile", "no"]) == 0
+                   "--compile", "no", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     v = _verdicts(out)
     assert len(v) == 8 and v[1] == "expected-fail" and v.count("expected-fail") == 1, out
@@ -121,7 +122,8 @@ def test_cli_exits_1_when_a_row_fails(monkeypatch, capsys):
 
     real = D.fast_cascade   # a mutant: the fast cascade drops its last map
     monkeypatch.setattr(D, "fast_cascade", lambda x, **kw: real(x, **{**kw, "maps": list(ANVIL_MAPS[:-1])}))
-    assert D.main(["--shapes", "2x48x32", "--families", "gaussian", "--configs", "safe", "--compile", "no"]) == 1
+    assert D.main(["--shapes", "2x48x32", "--families", "gaussian", "--configs", "safe", "--compile", "no",
+                   "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert _verdicts(out)[1] == "FAIL" and _footer(out)["FAIL"] == 1
 
