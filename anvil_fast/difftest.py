@@ -16,9 +16,13 @@ to the output's precision: no implementation that rounds its output can do bette
               the largest term, and the fraction bit-identical to ``anvil_ref.storage.store``
 
 Errors are ``max over matrices of ||y - ref||_F / ||ref||_F`` (absolute where ref is zero; inf where
-y is not finite). The pass/fail column is :mod:`anvil_fast.tolerances`' rule.
+y is not finite). The verdict column applies one rule, :func:`anvil_fast.tolerances.check_row`
+(:data:`VERDICT_RULE`): ``ok`` where the row meets it, ``FAIL`` where it does not, and
+``expected-fail`` where it does not on a (component, config, family) listed in
+:data:`EXPECTED_FAILURES`, the seed's documented explosions.
 
-``python -m anvil_fast.difftest`` prints the table (``--help`` for shapes, families, configs).
+``python -m anvil_fast.difftest`` prints the table (``--help`` for shapes, families, configs) and exits
+with status 1 if a row is ``FAIL``.
 """
 
 from __future__ import annotations
@@ -28,19 +32,21 @@ import math
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 import anvil_ref as R
+from anvil_ref.cli_args import add_progress_flags, check_device, name_list, shape_list
 from anvil_ref.constants import ANVIL_DEFAULTS, RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
-from .cascade import CascadeConfig, fast_cascade, get_config
+from . import tolerances as T
+from .cascade import CONFIGS, CascadeConfig, fast_cascade, get_config
 from .eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 from .equalizer import equalize
 from .rails import twin_rail
 from .update import sign_aligned_update
 from .gram_side import eager_gram_side_cascade, uses_gram_side
+from .tolerances import cascade_error_cap, check_row
 
 FAMILIES = ("gaussian", "low_rank", "near_rank1", "decaying", "zero", "huge", "tiny", "well_conditioned")
 #: Families on which the eager bf16 path is also judged against the float64 reference (the second side
@@ -53,6 +59,19 @@ WELL_CONDITIONED_SV = (0.5, 1.0)
 #: Scale exponents of the "huge" and "tiny" families: 2**100 overflows fp32 squares (the seed's bf16
 #: Gram), 2**-100 underflows them.
 HUGE_EXP, TINY_EXP = 100, -100
+
+#: Rows that fail the rule by design: FAITHFUL reproduces the seed's roundings, so its cascade explodes
+#: on near-rank-1 input (the seed's rounded-down trace) and overflows on huge input (its bf16 Gram), as
+#: anvil_fast/cascade.py documents and anvil_fast.near_rank1 measures.
+EXPECTED_FAILURES = frozenset({("cascade", "faithful", "near_rank1"), ("cascade", "faithful", "huge")})
+
+#: The verdict rule as the table's footer states it.
+VERDICT_RULE = (
+    f"verdict: ok = within anvil_fast/tolerances.py (bf16: fast <= {T.FACTOR:g} eager + 2**{math.log2(T.ATOL):g}, "
+    "eager within its float64 bound, same bits on CPU; fp32 results in ulps; cascade: error <= its explosion "
+    f"cap 1 + {T.EXPLODED_SIGMA:g} sqrt(k) / ||ref||, the note 'error / explosion cap' <= 1); FAIL = outside; "
+    "expected-fail = outside on a row the seed fails by design ("
+    + ", ".join(f"{c} {cfg} {fam}" for c, cfg, fam in sorted(EXPECTED_FAILURES)) + ")")
 
 # The record's scalars of an engaged step at the top of the momentum schedule; the update
 # component steps with the record's matrix lr and weight decay.
@@ -91,15 +110,27 @@ def make_matrix(family: str, shape: tuple[int, ...], *, seed: int = 0, device="c
     return x.to(device)
 
 
-def rel_err(y: Tensor, ref: Tensor) -> float:
-    """max over matrices of ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf if y is not finite)."""
+def rel_errs(y: Tensor, ref: Tensor) -> Tensor:
+    """Per matrix ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf where y is not finite)."""
     y64 = y.detach().double().cpu().reshape(-1, *y.shape[-2:])
     r64 = ref.detach().double().cpu().reshape(-1, *ref.shape[-2:])
-    if not torch.isfinite(y64).all():
-        return math.inf
     num = (y64 - r64).flatten(1).norm(dim=1)
     den = r64.flatten(1).norm(dim=1)
-    return float(torch.where(den > 0, num / den.clamp_min(1e-300), num).max())
+    err = torch.where(den > 0, num / den.clamp_min(1e-300), num)
+    return torch.where(torch.isfinite(y64).flatten(1).all(dim=1), err, torch.full_like(err, math.inf))
+
+
+def rel_err(y: Tensor, ref: Tensor) -> float:
+    """max over matrices of ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf if y is not finite)."""
+    return float(rel_errs(y, ref).max())
+
+
+def cap_ratio(y: Tensor, ref: Tensor) -> float:
+    """max over matrices of the cascade's error / anvil_fast.tolerances.cascade_error_cap (> 1: exploded)."""
+    r64 = ref.detach().double().cpu().reshape(-1, *ref.shape[-2:])
+    k = min(r64.shape[-2:])
+    caps = torch.tensor([cascade_error_cap(float(n), k) for n in r64.flatten(1).norm(dim=1)], dtype=torch.float64)
+    return float((rel_errs(y, ref) / caps).max())
 
 
 def same_bits(a: Tensor, b: Tensor) -> float:
@@ -177,14 +208,18 @@ class Row:
     eager_sv: float | None = None
     #: the input is in WELL_CONDITIONED (the eager-vs-float64 side of the rule applies)
     well_conditioned: bool = False
+    #: cascade: max over matrices of the fast error / its explosion cap against float64
+    #: (anvil_fast.tolerances.cascade_error_cap; > 1: exploded); None elsewhere
+    cap_ratio: float | None = None
     #: where the fast path ran: on "cpu" fast and eager share a backend (plain torch or interpreted
     #: kernels against torch), on CUDA Triton kernels meet cuBLAS
     device: str = "cpu"
 
     def verdict(self) -> str:
-        from .tolerances import check_row
-
-        return "ok" if check_row(self, same_backend=self.device == "cpu") else "FAIL"
+        """"ok", "FAIL" or "expected-fail" (:data:`VERDICT_RULE`)."""
+        if check_row(self, same_backend=self.device == "cpu"):
+            return "ok"
+        return "expected-fail" if (self.component, self.config, self.family) in EXPECTED_FAILURES else "FAIL"
 
 
 def _to(dev, *ts):
@@ -230,10 +265,12 @@ def cascade_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu"
                                split=False if cfg.fused_axb else None)
     wc = family in WELL_CONDITIONED
     sv = mean_singular_value_error(e, ref, x.bfloat16()) if wc else None
+    cr = cap_ratio(y, ref)
+    notes = f"error / explosion cap: {cr:.3g}" + (
+        "" if sv is None else f"; eager mean singular-value error: {sv:.3g} sd of one output rounding")
     return Row("cascade", shape, family, cfg.name, rel_err(y, ref), rel_err(ref.bfloat16(), ref), rel_err(e, ref),
-               "" if sv is None else f"eager mean singular-value error: {sv:.3g} sd of one output rounding",
-               same_bits=same_bits(y.cpu(), e.cpu()), eager_sv=sv, well_conditioned=wc,
-               device=str(torch.device(device).type)), ref
+               notes, same_bits=same_bits(y.cpu(), e.cpu()), eager_sv=sv, well_conditioned=wc,
+               device=str(torch.device(device).type), cap_ratio=cr), ref
 
 
 def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None,
@@ -306,39 +343,58 @@ def run(shape, family, config: CascadeConfig | str, *, seed=0, device="cpu", com
 
 def format_table(rows: list[Row]) -> str:
     head = (f"{'component':<10} {'shape':<16} {'family':<11} {'config':<9} {'fast':>10} {'fp64->bf16':>10} "
-            f"{'eager':>10} {'fast/eager':>10} {'verdict':>7}  notes")
+            f"{'eager':>10} {'fast/eager':>10} {'verdict':>13}  notes")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = r.fast / r.eager if r.eager > 0 and math.isfinite(r.eager) else float("nan")
         lines.append(f"{r.component:<10} {'x'.join(map(str, r.shape)):<16} {r.family:<11} {r.config:<9} "
-                     f"{r.fast:>10.3g} {r.floor:>10.3g} {r.eager:>10.3g} {ratio:>10.3g} {r.verdict():>7}  {r.extra}")
+                     f"{r.fast:>10.3g} {r.floor:>10.3g} {r.eager:>10.3g} {ratio:>10.3g} {r.verdict():>13}  {r.extra}")
     lines.append("errors: relative Frobenius vs anvil_ref (max over matrices); update: max error of the fp32 master "
                  "vs the exact result, in fp32 ulps of the largest term (floor: anvil_ref.storage.store's rounding)")
+    lines.append(VERDICT_RULE)
     return "\n".join(lines)
 
 
+def summary(rows: list[Row]) -> str:
+    """The footer: how many rows got each verdict."""
+    counts = {v: 0 for v in ("ok", "FAIL", "expected-fail")}
+    for r in rows:
+        counts[r.verdict()] += 1
+    return f"{len(rows)} rows: " + ", ".join(f"{n} {v}" for v, n in counts.items())
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m anvil_fast.difftest", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="4x96x96,2x256x768,2x768x768,2x2816x768",
+    from anvil_ref.progress import Progress
+
+    shapes = shape_list(3, form="CHUNKxROWSxCOLS")
+    ap = argparse.ArgumentParser(prog="python -m anvil_fast.difftest", description=__doc__.split("\n\n")[0],
+                                 epilog="Exit status: 0, or 1 if a row is FAIL; 2 for bad arguments.")
+    ap.add_argument("--shapes", type=shapes, default="4x96x96,2x256x768,2x768x768,2x2816x768",
                     help="comma-separated CHUNKxROWSxCOLS (default: %(default)s)")
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--configs", default="safe,faithful")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--families", type=name_list(FAMILIES, what="family"), default=",".join(FAMILIES),
+                    help=f"comma-separated input families, any of: {', '.join(FAMILIES)} (default: all)")
+    ap.add_argument("--configs", type=name_list(CONFIGS, what="config"), default="safe,faithful",
+                    help=f"comma-separated cascade configurations, any of: {', '.join(CONFIGS)} "
+                         "(default: %(default)s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device of the fast path (default: %(default)s)")
+    ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+                    help="torch.compile the fast path's element-wise parts (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
+    check_device(ap, a.device)
     comp = {"auto": None, "yes": True, "no": False}[a.compile]
     rows = []
-    for cname in a.configs.split(","):
-        for s in a.shapes.split(","):
-            shape = tuple(int(v) for v in s.lower().split("x"))
-            for fam in a.families.split(","):
-                rows += run(shape, fam, cname, seed=a.seed, device=a.device, compile=comp)
+    cases = [(c, s, f) for c in a.configs for s in a.shapes for f in a.families]
+    with Progress(len(cases), "difftest", enabled=a.progress) as bar:
+        for i, (cname, shape, fam) in enumerate(cases):
+            bar.update(i, label=f"difftest: {cname} {'x'.join(map(str, shape))} {fam} ({i + 1}/{len(cases)})")
+            rows += run(shape, fam, cname, seed=a.seed, device=a.device, compile=comp)
+        bar.update(len(cases))
     print(format_table(rows))
-    bad = [r for r in rows if r.verdict() == "FAIL"]
-    print(f"\n{len(rows)} rows, {len(bad)} outside anvil_fast/tolerances.py "
-          "(faithful rows on near_rank1/huge are expected to fail: see anvil_fast/cascade.py)")
-    return 0
+    print("\n" + summary(rows))
+    return 1 if any(r.verdict() == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -35,13 +35,18 @@ import time
 import torch
 from torch import Tensor
 
+from anvil_ref.cli_args import add_progress_flags, check_device, name_list, positive_int, shape_list
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 
 from .cascade import FAITHFUL, GRAM_SIDE, SAFE, SAFE_MARGIN_SLACK, fast_cascade
 from .eager import eager_bf16_cascade
+from .tolerances import EXPLODED_SIGMA
 
 NOISE = 1e-4
-EXPLODED = 1.1
+#: Top singular value above which an output counts as exploded (anvil_fast/tolerances.py derives it).
+EXPLODED = EXPLODED_SIGMA
+#: The paths of the table, in its order (:func:`paths` builds them).
+PATHS = ("fp64", "eager-bf16", "fast-faithful", "+fp32-trace", "+slack", "fast-safe")
 ABLATIONS = {
     "+fp32-trace": dataclasses.replace(FAITHFUL, name="faithful+fp32trace", fp32_trace=True),
     "+slack": dataclasses.replace(FAITHFUL, name="faithful+slack", margin_slack=SAFE_MARGIN_SLACK),
@@ -100,29 +105,43 @@ def paths(device) -> dict:
     return p
 
 
-def study(shapes, count: int, *, batch: int = 100, seed: int = 0, device="cpu", only=None) -> list[dict]:
+def study(shapes, count: int, *, batch: int = 100, seed: int = 0, device="cpu", only=None,
+          progress: bool | None = None) -> list[dict]:
+    """The table's rows; ``only``: a subset of :data:`PATHS` (an unknown name is an error);
+    ``progress``: as anvil_ref.progress.Progress's ``enabled`` (None: a bar in a terminal, a line per
+    shape and batch in a pipe)."""
+    from anvil_ref.progress import Progress
+
+    unknown = sorted(set(only or ()) - set(PATHS))
+    if unknown:
+        raise ValueError(f"only: unknown paths {unknown}; expected a subset of {PATHS}")
     rows = []
-    for (m, n) in shapes:
-        sig = {k: [] for k in paths(device) if only is None or k in only}
-        dtr = []
-        for start in range(0, count, batch):
-            b = min(batch, count - start)
-            x = near_rank1(b, m, n, seed=seed + 1000 * start + m * 7 + n, device=device)
-            dtr.append(trace_error(x))
-            for name, fn in paths(device).items():
-                if name in sig:
-                    sig[name].append(top_singular_value(fn(x)))
-        dtr_t = torch.cat(dtr)
-        down = dtr_t < -1e-4
-        for name, parts in sig.items():
-            s = torch.cat(parts)
-            bad = s > EXPLODED
-            rows.append(dict(shape=f"{m}x{n}", path=name, count=len(s), exploded=int(bad.sum()),
-                             nonfinite=int((~torch.isfinite(s)).sum()), max=float(s.max()),
-                             median=float(s.median()),
-                             rate_down=float(bad[down].double().mean()) if down.any() else float("nan"),
-                             rate_rest=float(bad[~down].double().mean()) if (~down).any() else float("nan"),
-                             frac_down=float(down.double().mean())))
+    starts = range(0, count, batch)
+    with Progress(len(shapes) * len(starts), "near_rank1", enabled=progress) as bar:
+        for i, (m, n) in enumerate(shapes):
+            sig = {k: [] for k in paths(device) if only is None or k in only}
+            dtr = []
+            for j, start in enumerate(starts):
+                bar.update(i * len(starts) + j, label=f"near_rank1: {m}x{n}, inputs {start}..{min(start + batch, count)} "
+                                                      f"of {count}")
+                b = min(batch, count - start)
+                x = near_rank1(b, m, n, seed=seed + 1000 * start + m * 7 + n, device=device)
+                dtr.append(trace_error(x))
+                for name, fn in paths(device).items():
+                    if name in sig:
+                        sig[name].append(top_singular_value(fn(x)))
+            dtr_t = torch.cat(dtr)
+            down = dtr_t < -1e-4
+            for name, parts in sig.items():
+                s = torch.cat(parts)
+                bad = s > EXPLODED
+                rows.append(dict(shape=f"{m}x{n}", path=name, count=len(s), exploded=int(bad.sum()),
+                                 nonfinite=int((~torch.isfinite(s)).sum()), max=float(s.max()),
+                                 median=float(s.median()),
+                                 rate_down=float(bad[down].double().mean()) if down.any() else float("nan"),
+                                 rate_rest=float(bad[~down].double().mean()) if (~down).any() else float("nan"),
+                                 frac_down=float(down.double().mean())))
+        bar.update(len(shapes) * len(starts))
     return rows
 
 
@@ -145,17 +164,20 @@ def format_rows(rows) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m anvil_fast.near_rank1", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="256x768,768x768,2816x768,96x96")
-    ap.add_argument("--count", type=int, default=500, help="inputs per shape")
-    ap.add_argument("--batch", type=int, default=100)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--paths", default=None, help="comma-separated subset of: " + ",".join(paths("cpu")))
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shapes", type=shape_list(2, form="ROWSxCOLS"), default="256x768,768x768,2816x768,96x96",
+                    help="comma-separated ROWSxCOLS (default: %(default)s)")
+    ap.add_argument("--count", type=positive_int, default=500, help="inputs per shape (default: %(default)s)")
+    ap.add_argument("--batch", type=positive_int, default=100, help="inputs per call (default: %(default)s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device (default: %(default)s)")
+    ap.add_argument("--paths", type=name_list(PATHS, what="path"), default=None,
+                    help="comma-separated subset of: " + ", ".join(PATHS) + " (default: all)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    check_device(ap, a.device)
     t0 = time.time()
-    rows = study(shapes, a.count, batch=a.batch, seed=a.seed, device=a.device,
-                 only=a.paths.split(",") if a.paths else None)
+    rows = study(a.shapes, a.count, batch=a.batch, seed=a.seed, device=a.device, only=a.paths, progress=a.progress)
     print(format_rows(rows))
     print(f"device {a.device}, noise {NOISE}, exploded = top singular value > {EXPLODED}; {time.time() - t0:.1f} s")
     return 0

@@ -136,6 +136,20 @@ cascade do not apply to it:
   check exists to catch, so it cannot tell the two apart here. A wrong coefficient or map is caught
   instead by anvil_ref.gram_side's float64 equality with anvil_ref.cascade (to ~1e-13), the eager
   Frobenius bound above and the factor rule (tests/test_gram_side.py: five maps instead of six fail it).
+
+The fast cascade is also held to the float64 reference on *every* input, by a bound that only an
+explosion can break (the factor rule cannot see one where the eager seed explodes too). The input is
+divided by ``FROBENIUS_MARGIN * ||X||_F``, so its singular values lie in ``[0, 1/FROBENIUS_MARGIN]``,
+where the composite of ANVIL_MAPS stays below 1 + 4.1e-4 (``python -m derive_maps facts``); the bf16
+roundings of the output path move a singular value by about ``sqrt(CASCADE_ROUNDINGS_SPLIT) * 2**-8``
+(2%) at most. An output whose top singular value exceeds EXPLODED_SIGMA = 1.1 has therefore left the
+maps' range: it has *exploded* (anvil_fast.near_rank1 counts such outputs). Below it every singular
+value is <= EXPLODED_SIGMA, so ``||y||_F <= EXPLODED_SIGMA * sqrt(k)`` (k = min(rows, cols)) and
+
+    ||y - ref||_F / ||ref||_F <= 1 + EXPLODED_SIGMA * sqrt(k) / ||ref||_F     (cascade_error_cap)
+
+(absolute where ref is zero: ``EXPLODED_SIGMA * sqrt(k)``). A cascade row whose error passes that cap
+on a matrix has exploded there, whatever eager did.
 """
 
 from __future__ import annotations
@@ -163,6 +177,8 @@ CASCADE_ROUNDINGS_SPLIT = 27
 CASCADE_SV_SIGMAS = 4.0
 #: Largest rows / cols for which that error is judged (see above: beyond, Gram roundings dominate it).
 CASCADE_SV_MAX_DIM = 128
+#: Top singular value of the cascade's output beyond which it has exploded (see above).
+EXPLODED_SIGMA = 1.1
 
 
 def gram_side_roundings(n_maps: int, restarts: tuple[int, ...]) -> int:
@@ -186,6 +202,14 @@ def eager_bound(component: str, *, floor: float, roundings: int = CASCADE_ROUNDI
     if component == "cascade":
         return roundings ** 0.5 * RHO
     raise ValueError(f"eager_bound: unknown bf16 component {component!r}; expected one of {BF16_COMPONENTS}")
+
+
+def cascade_error_cap(ref_norm: float, k: int) -> float:
+    """The largest error against float64 of a cascade output that has not exploded: relative
+    ``1 + EXPLODED_SIGMA * sqrt(k) / ref_norm``, or absolute ``EXPLODED_SIGMA * sqrt(k)`` where the
+    reference (Frobenius norm ``ref_norm``) is zero."""
+    cap = EXPLODED_SIGMA * k ** 0.5
+    return 1.0 + cap / ref_norm if ref_norm > 0 else cap
 
 
 def cascade_sv_bound(roundings: int = CASCADE_ROUNDINGS) -> float:
@@ -215,10 +239,14 @@ def check_eager(component: str, *, eager: float, floor: float, eager_sv: float |
 
 def check_row(row, *, same_backend: bool = True) -> bool:
     """Both sides of the rule for one anvil_fast.difftest row: ``check`` (fast against eager by the
-    factor rule, and the fp32 side results), the share of identical bits where fast and eager run on
+    factor rule, and the fp32 side results), the cascade's explosion cap against float64 (its
+    ``cap_ratio``: the largest over matrices of error / cascade_error_cap, <= 1), the share of identical bits where fast and eager run on
     the same backend (``same_backend``: CPU), and eager against float64 (bf16 components)."""
     if not check(row.component, fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps):
         return False
+    cap_ratio = getattr(row, "cap_ratio", None)
+    if cap_ratio is not None and not cap_ratio <= 1.0:
+        return False  # exploded against float64 (cascade_error_cap), even where eager did too
     if row.component == "update":
         return True
     roundings = _gram_side_roundings(row) if row.component == "cascade" else None

@@ -23,6 +23,10 @@ Modules, in the order the update applies them:
 ``maps``           map sets by name or from JSON (``python -m derive_maps`` writes them)
 =================  =============================================================================
 
+Command-line plumbing, kept here because every package of the project (anvil_fast, derive_maps,
+papers, tools/) imports anvil_ref and nothing below it: ``progress`` (a bar in a terminal, a line per
+stage in a pipe) and ``cli_args`` (argument types that refuse bad values in one argparse line).
+
 Where the seed's comments and its code disagree
 -----------------------------------------------
 The seed is the record's optimizer source (its ``AnvilAndAdam``, ``_rail_equalizer``, ...), whose

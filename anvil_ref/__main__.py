@@ -11,9 +11,11 @@ import sys
 
 import numpy as np
 
+from ._arrays import ReferenceInputError
 from .cascade import cascade, frobenius_normalize
+from .cli_args import positive_int, unit_fraction
 from .constants import FROBENIUS_EPS, FROBENIUS_MARGIN
-from .maps import available_map_sets
+from .maps import available_map_sets, load_maps
 
 
 def demo(shape: tuple[int, int, int], seed: int, maps: str, decay: float) -> str:
@@ -45,12 +47,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="apply the reference cascade to a bank of random matrices")
-    d.add_argument("--shape", type=int, nargs=3, default=(4, 96, 64), metavar=("N", "ROWS", "COLS"))
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--maps", default="anvil", help=f"a map set name {available_map_sets()} or a .json path")
-    d.add_argument("--decay", type=float, default=1e-2,
-                   help="ratio of smallest to largest input singular value (default 1e-2)")
+    d.add_argument("--shape", type=positive_int, nargs=3, default=(4, 96, 64), metavar=("N", "ROWS", "COLS"),
+                   help="number of matrices and their shape (default: 4 96 64)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random matrices (default: %(default)s)")
+    d.add_argument("--maps", default="anvil",
+                   help=f"a map set name, one of {', '.join(available_map_sets())}, or a .json path "
+                        "(default: %(default)s)")
+    d.add_argument("--decay", type=unit_fraction, default=1e-2,
+                   help="ratio of smallest to largest input singular value, in (0, 1] (default: %(default)s)")
     a = ap.parse_args(argv)
+    try:
+        load_maps(a.maps)
+    except (ReferenceInputError, OSError, ValueError) as exc:
+        d.error(f"argument --maps: {exc}")
     if a.cmd == "demo":
         print(demo(tuple(a.shape), a.seed, a.maps, a.decay))
     return 0

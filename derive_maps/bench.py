@@ -32,7 +32,7 @@ def _time(fn, repeat: int) -> float:
     return best
 
 
-def run_bench(*, fmt: str = "text", repeat: int = 1) -> int:
+def run_bench(*, fmt: str = "text", repeat: int = 1, progress: bool | None = None) -> int:
     _pin_threads()
     from anvil_ref.constants import ANVIL_MAPS
 
@@ -64,12 +64,18 @@ def run_bench(*, fmt: str = "text", repeat: int = 1) -> int:
         ("certify anvil_express (421 extrema) (+ headroom)", certify(express), 30.0),
         ("full ANVIL-kind derivation (express, optimal, polished; certified)", full, 300.0),
     ]
+    from .progress import Progress
+
     rows, data = [], []
-    for name, fn, target in cases:
+    bar = Progress(len(cases), "bench", enabled=progress)
+    for i, (name, fn, target) in enumerate(cases):
+        bar.update(i, label=f"bench: {name}")
         t = _time(fn, repeat)
         ok = t < target
         rows.append([name, f"{t:.3f} s", f"< {target:g} s", "ok" if ok else "SLOW"])
         data.append(dict(case=name, seconds=t, target_seconds=target, ok=ok))
+    bar.update(len(cases))
+    bar.close()
     table = Table("derive_maps benchmark (one CPU core, best of %d)" % repeat,
                   ["case", "time", "target", ""], rows)
     import sys

@@ -185,7 +185,7 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
             cmin = min(cmin, lb[leave].min())
         blo, bhi = blo[~leave], bhi[~leave]
         if progress is not None:
-            progress.update(advance=0.0, label=f"level {level}, {blo.size} boxes open")
+            progress.update(advance=0.0, detail=f"level {level}, {blo.size} boxes open")
             progress.update(max(progress.done, 1.0 - float((bhi - blo).sum()) / total_width))
         mid = blo + (bhi - blo) / 2
         blo, bhi = np.concatenate([blo, mid]), np.concatenate([mid, bhi])

@@ -24,6 +24,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from anvil_ref.cli_args import add_progress_flags, positive_int
+from anvil_ref.progress import default_enabled
+
 from .errors import DeriveMapsError
 
 def _add_format(p: argparse.ArgumentParser) -> None:
@@ -33,8 +36,7 @@ def _add_format(p: argparse.ArgumentParser) -> None:
     g.add_argument("--latex", dest="fmt", action="store_const", const="latex", help="LaTeX tabular")
     g.add_argument("--markdown", dest="fmt", action="store_const", const="markdown", help="Markdown table")
     p.set_defaults(fmt="text")
-    p.add_argument("--progress", action="store_true", default=None,
-                   help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(p)
 
 
 def _add_interval(p: argparse.ArgumentParser, *, l: str, u: str) -> None:
@@ -120,7 +122,7 @@ def cmd_analyse(a) -> int:
     maps = _maps_arg(a.maps)
     band = a.band
     if band == "auto":
-        band = headroom_band(certify_envelope(maps, a.l, a.u).max_abs_log_certified)
+        band = headroom_band(certify_envelope(maps, a.l, a.u, progress=a.progress).max_abs_log_certified)
     r = analyse(maps, a.l, a.u, band=float(band), bf16=a.bf16, progress=a.progress)
     chain = Table(f"{a.maps}: interval chain on [{a.l}, {a.u}]",
                   ["stage", "a", "b", "c", "certified range of s_k", "headroom of the rest"],
@@ -177,7 +179,7 @@ def cmd_derive(a) -> int:
                    target=a.target, progress=a.progress)
         maps, info = r.maps, dict(method="polish", start=a.start, objective=a.objective, error=r.error,
                                   start_error=r.start_error, iterations=r.iterations, converged=r.converged)
-    e = certify_envelope(maps, a.l, u)
+    e = certify_envelope(maps, a.l, u, progress=a.progress)
     band = _band("auto", e.max_abs_log_certified)
     h = certify_headroom(maps, u, band=band) if band is not None else None
     doc = {"generated_by": a.cmdline, "name": a.name or f"derived_{a.method}",
@@ -240,7 +242,7 @@ def cmd_regenerate(a) -> int:
 
 def cmd_bench(a) -> int:
     from .bench import run_bench
-    return run_bench(fmt=a.fmt, repeat=a.repeat)
+    return run_bench(fmt=a.fmt, repeat=a.repeat, progress=a.progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--start", default=None, help="starting map set for polish/polished (None: ANVIL_MAPS "
                                                  "for polished)")
     s.add_argument("--target", type=float, default=2.5e-5, help="polish/polished: stop at this max|log F|")
-    s.add_argument("--max-iter", type=int, default=200, help="polish iterations at most")
-    s.add_argument("--dps", type=int, default=40, help="mpmath working precision (digits)")
+    s.add_argument("--max-iter", type=positive_int, default=200, help="polish iterations at most")
+    s.add_argument("--dps", type=positive_int, default=40, help="mpmath working precision (digits)")
     s.add_argument("--name", default=None, help="name recorded in the file written with --out")
     s.add_argument("--out", default=None, help="write the derived set to this JSON path")
     _add_format(s)
@@ -326,19 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("facts", help="check the published statements about ANVIL_MAPS")
-    s.add_argument("--polish-iterations", type=int, default=100,
+    s.add_argument("--polish-iterations", type=positive_int, default=100,
                    help="iterations of the polish that checks the published accuracy claim")
     _add_format(s)
     s.set_defaults(func=cmd_facts)
 
     s = sub.add_parser("regenerate", help="rewrite (or --check) every generated file")
     s.add_argument("--check", action="store_true", help="compare with the files on disk, change nothing")
-    s.add_argument("--progress", action="store_true", default=None,
-                   help="draw the progress bar even when stderr is not a terminal")
+    add_progress_flags(s)
     s.set_defaults(func=cmd_regenerate)
 
     s = sub.add_parser("bench", help="time the solvers (one CPU core)")
-    s.add_argument("--repeat", type=int, default=1, help="timings per solver (the best is shown)")
+    s.add_argument("--repeat", type=positive_int, default=1, help="timings per solver (the best is shown)")
     _add_format(s)
     s.set_defaults(func=cmd_bench)
     return p
@@ -351,7 +352,8 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     a.cmdline = "python -m derive_maps " + " ".join(shlex.quote(x) for x in argv)
     try:
-        return a.func(a)
+        with default_enabled(getattr(a, "progress", None)):
+            return a.func(a)
     except DeriveMapsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ def compare_rows(sets: dict, *, bf16: bool = True, quick: bool = False, l: str =
     rows = []
     with Progress(len(sets), "compare", enabled=progress) as bar:
         for i, (name, maps) in enumerate(sets.items()):
+            bar.update(i, label=f"compare: {name}")
             maps = check_maps(maps)
             row = dict(name=name, n_maps=len(maps), certified=certificate(maps, l=l, u=u, band=band))
             if bf16:
@@ -34,7 +35,7 @@ def compare_rows(sets: dict, *, bf16: bool = True, quick: bool = False, l: str =
                 row["bf16"] = dict(lo=round(e.lo, 6), hi=round(e.hi, 6), max_abs_log=round(e.max_abs_log, 6),
                                    matrices=e.matrices, input_range=[round(e.input_lo, 6), round(e.input_hi, 6)])
             rows.append(row)
-            bar.update(i + 1, label=f"compare: {name}")
+            bar.update(i + 1)
     return rows
 
 

@@ -230,7 +230,7 @@ def polish(maps, l: RealLike, u: RealLike, *, objective: str = "log", dps: int =
                     radius /= 2
             else:
                 radius /= 4
-            bar.update(it, label=f"{label}: E = {e_cur:.4g}")
+            bar.update(it, detail=f"E = {e_cur:.4g}")
             if radius < min_radius:
                 converged = True
                 break

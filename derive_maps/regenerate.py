@@ -102,27 +102,27 @@ def _comparison_sets(docs: dict) -> dict:
 def build_all(*, progress: bool | None = None) -> dict[Path, str]:
     """Every generated file's path and content."""
     files: dict[Path, str] = {}
-    with Progress(6, "regenerate", enabled=progress) as bar:
+    with Progress(6, "regenerate: map sets", enabled=progress) as bar:
         docs = {}
         for name in NAMED_SETS:
             docs[name] = map_set_document(name)
             files[MAP_SETS_DIR / f"{name}.json"] = dump(docs[name])
-        bar.update(1, label="map sets")
+        bar.update(1, label="regenerate: reproduction")
         rep = reproduction_data()
         files.update(_triple("maps_reproduction", rep, reproduction_tables(rep)))
-        bar.update(2, label="reproduction")
+        bar.update(2, label="regenerate: comparison")
         rows = compare_rows(_comparison_sets(docs))
         comp = {"generated_by": GENERATED_BY, "rows": rows}
         files.update(_triple("maps_comparison", comp, [comparison_table(rows), criteria_table(rows)]))
-        bar.update(3, label="comparison")
+        bar.update(3, label="regenerate: chains")
         chain = _chain_from(docs)
         files.update(_triple("maps_chain", chain, chain_tables(chain)))
-        bar.update(4, label="chains")
+        bar.update(4, label="regenerate: facts")
         anvil_bf16 = next(r["bf16"] for r in rows if r["name"] == "anvil")
         facts = {"generated_by": GENERATED_BY, **all_facts(bf16_row=anvil_bf16)}
         files[PAPERS_DATA / "maps_facts.json"] = dumps(facts)
         files[PAPERS_DATA / "maps_facts.md"] = _HEADER["md"] + facts_table(facts).markdown()
-        bar.update(6, label="facts")
+        bar.update(6)
     return files
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from anvil_fast import gpt
+from anvil_ref.cli_args import check_device, positive_int
 from papers import contenders as K
 from papers import corpus as C
 
@@ -237,13 +238,20 @@ def _plan(a) -> list[tuple[int, K.Contender, bool]]:
 
 
 def _parse_lr(items: list[str]) -> dict[str, float]:
+    """``NAME=VALUE`` pairs (a known contender, a positive finite rate); ValueError says which is wrong."""
     out = {}
     for it in items:
         name, sep, val = it.partition("=")
         if not sep:
-            raise SystemExit(f"--lr takes NAME=VALUE, got {it!r}")
+            raise ValueError(f"--lr takes NAME=VALUE, got {it!r}")
         K.get(name)
-        out[name] = float(val)
+        try:
+            lr = float(val)
+        except ValueError:
+            lr = float("nan")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"--lr {it!r}: expected a positive number after '='")
+        out[name] = lr
     return out
 
 
@@ -255,19 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contenders", nargs="+", default=list(K.DEFAULT_CONTENDERS), choices=list(K.REGISTRY))
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (a sweep: 0)")
     ap.add_argument("--data-seed", type=int, default=None, help="batch-order seed for every run (default: the run's seed)")
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=positive_int, default=1000)
+    ap.add_argument("--batch", type=positive_int, default=32)
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 20, at least 1)")
-    ap.add_argument("--eval-every", type=int, default=50,
+    ap.add_argument("--eval-every", type=positive_int, default=50,
                     help="steps between evaluations; steps to a target are interpolated between them")
-    ap.add_argument("--val-windows", type=int, default=128, help="fixed validation windows of ctx + 1 bytes")
+    ap.add_argument("--val-windows", type=positive_int, default=128, help="fixed validation windows of ctx + 1 bytes")
     ap.add_argument("--sweep", nargs="+", default=None, choices=[n for n, c in K.REGISTRY.items() if c.sweep])
     ap.add_argument("--lr", nargs="+", default=[], metavar="NAME=VALUE")
     ap.add_argument("--tuned-from", type=Path, default=None, help="take swept contenders' best lr from sweep JSONs here")
     ap.add_argument("--tuned-size", default=None, choices=list(gpt.SIZES),
                     help="the size whose sweep --tuned-from reads (default: --size)")
     ap.add_argument("--timing-warmup", type=int, default=5)
-    ap.add_argument("--timing-steps", type=int, default=20)
+    ap.add_argument("--timing-steps", type=int, default=20, help="timed steps per run (0: no timing)")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--skip-existing", nargs="?", type=Path, const=True, default=None, metavar="DIR",
                     help="skip runs whose JSON exists in --out (or in DIR: runs kept from an earlier command)")
@@ -278,19 +286,25 @@ def main(argv: list[str] | None = None) -> int:
     a.seeds = a.seeds if a.seeds is not None else [0, 1, 2]
     warmup = a.warmup if a.warmup is not None else max(1, a.steps // 20)
     if not 1 <= warmup < a.steps:
-        raise SystemExit(f"--warmup must be in [1, steps), got {warmup} with --steps {a.steps}")
-    if a.eval_every < 1 or a.batch < 1:
-        raise SystemExit("--eval-every and --batch must be >= 1")
+        ap.error(f"--warmup must be in [1, steps), got {warmup} with --steps {a.steps}")
+    if a.timing_warmup < 0 or a.timing_steps < 0:
+        ap.error(f"--timing-warmup and --timing-steps must be >= 0, got {a.timing_warmup} and {a.timing_steps}")
+    try:
+        lrs = _parse_lr(a.lr)
+    except ValueError as exc:
+        ap.error(str(exc))
     tuned = {}
     if a.tuned_from is not None:
         tsize = a.tuned_size or a.size
         sw = load_records(a.tuned_from, size=tsize, sweep=True)
         if not sw:
-            raise SystemExit(f"--tuned-from {a.tuned_from}: no sweep JSON of size {tsize} there")
+            ap.error(f"--tuned-from {a.tuned_from}: no sweep JSON of size {tsize} there")
         tuned = sweep_best(sw)
-    a.tuned = {**tuned, **_parse_lr(a.lr)}
+    a.tuned = {**tuned, **lrs}
 
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(ap, a.device)
+    device = torch.device(a.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -112,7 +112,7 @@ def test_certify_a_set_whose_composite_reaches_zero(capsys, tmp_path):
     # p(x) = x - 2 x^3 is negative above 1/sqrt(2), inside the default interval: no band, no headroom
     p = tmp_path / "neg.json"
     p.write_text(json.dumps({"maps": [[1.0, -2.0, 0.0]]}))
-    code, out, err = run(capsys, "certify", str(p))
+    code, out, err = run(capsys, "certify", str(p), "--no-progress")
     assert code == 0 and "headroom" in out and "reach 0" in out and err == ""
     code, out, _ = run(capsys, "compare", str(p), "--no-bf16", "--json")
     assert code == 0 and json.loads(out)["rows"][0]["certified"]["headroom_certified"] is None
@@ -129,7 +129,7 @@ def test_compare_on_a_given_interval(capsys):
                                   ("derive", "greedy", "--l", "1e-12", "--n-maps", "2")])
 def test_derive_far_from_the_anvil_interval_certifies_what_it_made(capsys, argv):
     # A large F somewhere must not spoil the certified lower bound (and with it the band).
-    code, out, err = run(capsys, *argv, "--json")
+    code, out, err = run(capsys, *argv, "--json", "--no-progress")
     doc = json.loads(out)
     assert code == 0 and err == ""
     assert math.isfinite(doc["certified"]["max_abs_log_certified"]) and doc["certified"]["envelope_certified"][0] > 0

@@ -5,6 +5,10 @@ differs named.
 
     python tools/chunk_independence.py [--shapes 24x768x768,24x3072x768,72x256x768] [--config safe]
 
+It runs wherever anvil_fast does: on a CUDA device (the default where one is present) with the Triton
+kernels, on CPU (``--device cpu``, the default elsewhere) with the plain-torch kernels; small shapes
+take seconds there (``--shapes 4x64x48,2x32x96``), the record's shapes minutes.
+
 Why: on two H200s the sharded optimizer's 20-step trajectory differed from the one-GPU run's by a
 relative 2.0e-5 (results/anvil_optimizer_h200/run4/), with or without cuBLAS among the tuner's
 candidates. Every phase is run on the same inputs in both layouts, so a difference is the phase's own.
@@ -19,6 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from anvil_ref.cli_args import add_progress_flags, check_device, shape_list  # noqa: E402  (after the path is set)
+from anvil_ref.progress import Progress  # noqa: E402
 
 
 def _bank(shape, dev, seed, config):
@@ -91,25 +98,42 @@ def compare(shape, config, dev, compile_post=None) -> list[tuple[str, bool, floa
     return rows
 
 
+def _bank_shapes(text: str) -> list[tuple[int, ...]]:
+    shapes = shape_list(3, form="CHUNKxROWSxCOLS")(text)
+    odd = [s for s in shapes if s[0] % 2]
+    if odd:
+        raise argparse.ArgumentTypeError(
+            f"shape {'x'.join(map(str, odd[0]))}: expected an even CHUNK (the bank is split into two halves)")
+    return shapes
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="24x768x768,24x3072x768,72x256x768")
-    ap.add_argument("--config", default="safe")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    from anvil_fast.cascade import CONFIGS, get_config
+
+    ap = argparse.ArgumentParser(prog="python tools/chunk_independence.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", type=_bank_shapes, default="24x768x768,24x3072x768,72x256x768",
+                    help="comma-separated CHUNKxROWSxCOLS, CHUNK even (default: %(default)s)")
+    ap.add_argument("--config", choices=tuple(CONFIGS), default="safe",
+                    help="cascade configuration (default: %(default)s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device: cuda (Triton kernels) or cpu (plain torch) (default: %(default)s)")
     ap.add_argument("--eager-post", action="store_true", help="run the equalizer and the update eagerly "
                     "(not through torch.compile)")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
-    from anvil_fast.cascade import get_config
-
+    check_device(ap, a.device)
     cfg = get_config(a.config)
     post = False if a.eager_post else None
     print(f"device {a.device}, config {cfg.name}{', eager equalizer and update' if a.eager_post else ''}: "
           "bank of 2c matrices vs two banks of c, phase by phase")
     print(f"{'shape':<14} {'phase':<24} {'bitwise':<8} max |diff|")
-    for s in a.shapes.split(","):
-        shape = tuple(int(x) for x in s.split("x"))
-        for k, same, diff in compare(shape, cfg, a.device, post):
-            print(f"{s:<14} {k:<24} {'yes' if same else 'NO':<8} {diff:.3g}")
+    with Progress(len(a.shapes), "chunk independence", enabled=a.progress) as bar:
+        for i, shape in enumerate(a.shapes):
+            s = "x".join(map(str, shape))
+            bar.update(i, label=f"chunk independence: {s} ({i + 1}/{len(a.shapes)})")
+            for k, same, diff in compare(shape, cfg, a.device, post):
+                print(f"{s:<14} {k:<24} {'yes' if same else 'NO':<8} {diff:.3g}", flush=True)
+        bar.update(len(a.shapes))
     return 0
 
 

@@ -136,5 +136,19 @@ def main(which: list[str]) -> None:
             G.aX_plus_mm(X, A, X, a=2.0, out=torch.empty_like(X), config=cfg, backend="triton")
 
 
+#: What the report can compile, and what it compiles when given nothing.
+GROUPS = ("gram", "baa", "mm", "rails")
+DEFAULT_GROUPS = ("gram", "baa", "mm")
+
+
+def parse_args(argv: list[str] | None = None) -> list[str]:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python tools/gram_sm90_report.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("groups", nargs="*", choices=GROUPS, metavar="GROUP",
+                    help=f"kernel groups to compile, any of: {', '.join(GROUPS)} (default: {' '.join(DEFAULT_GROUPS)})")
+    return ap.parse_args(argv).groups or list(DEFAULT_GROUPS)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["gram", "baa", "mm"])
+    main(parse_args())

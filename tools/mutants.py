@@ -334,8 +334,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     chosen = [m for m in MUTANTS if a.k.lower() in m.name.lower()]
     if not chosen:
-        print(f"no mutant matches {a.k!r}")
-        return 2
+        ap.error(f"argument -k: no mutant name contains {a.k!r} (--list shows them)")
     if a.list:
         for m in chosen:
             print(f"{m.name}\n    {' '.join(m.tests)}")
@@ -350,6 +349,8 @@ def main(argv=None) -> int:
                 if (work / path).read_text().count(old) != 1:
                     raise SystemExit(f"mutant {m.name!r}: the old text is not found exactly once in {path}")
         tests = sorted({t for m in chosen for t in m.tests})
+        # the baseline runs every chosen mutant's tests at once: minutes, so say what is running
+        print(f"baseline: {len(tests)} test targets on the unmutated tree ...", file=sys.stderr, flush=True)
         res, tail, dt = _pytest(work, tests, a.timeout)
         where = (res or {}).get("modules", {})
         wrong = {k: v for k, v in where.items() if not str(v).startswith(str(work))}

@@ -1,0 +1,251 @@
+"""The command-line tools as a user meets them: progress on long runs, one verdict rule in difftest,
+bad arguments refused in one line, valid values in ``--help``, tools that run on CPU.
+
+Each CLI is driven through its ``main(argv)`` (argparse errors raise SystemExit with status 2 and
+write to stderr); difftest also runs as a subprocess from a directory outside the repository, on a
+copy of the packages without ``tests/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from anvil_fast import difftest as D
+from anvil_fast import near_rank1 as N
+from anvil_fast import scaling
+from anvil_fast.cascade import FAITHFUL
+from anvil_fast.tolerances import EXPLODED_SIGMA, check
+
+REPO = Path(__file__).resolve().parents[1]
+#: CPU on every machine: the verdicts below are those of this seed on the CPU path
+TINY = ["--shapes", "2x16x8", "--configs", "safe", "--compile", "no", "--device", "cpu"]
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(f"_cli_tool_{name}", REPO / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _chunk_independence():
+    return _tool("chunk_independence")
+
+
+def _derive_maps_main(argv):
+    from derive_maps.cli import main
+    return main(argv)
+
+
+def _anvil_ref_main(argv):
+    from anvil_ref.__main__ import main
+    return main(argv)
+
+
+def _train_main(argv):
+    from papers.train import main
+    return main(argv)
+
+
+# --- difftest: one verdict rule ---------------------------------------------------------------
+
+def test_an_exploded_faithful_cascade_is_an_expected_failure_not_ok():
+    # the seed explodes on this near-rank-1 batch and FAITHFUL with it: fast ~ eager, so the factor
+    # rule alone passes; the explosion cap against float64 does not
+    row, _ = D.cascade_row((2, 48, 32), "near_rank1", FAITHFUL, compile=False)
+    assert row.fast > 1e3 and check("cascade", fast=row.fast, eager=row.eager, floor=row.floor)
+    assert row.cap_ratio > 1
+    assert row.verdict() == "expected-fail"
+    # the same numbers on a configuration that must not explode: a plain failure
+    assert dataclasses.replace(row, config="safe").verdict() == "FAIL"
+
+
+def test_the_explosion_cap_decides_where_the_factor_rule_passes():
+    def row(cap_ratio):
+        return D.Row("cascade", (2, 48, 32), "gaussian", "safe", fast=5.0, floor=0.0017, eager=5.0,
+                     same_bits=1.0, cap_ratio=cap_ratio)
+
+    assert row(0.5).verdict() == "ok"
+    assert row(1.5).verdict() == "FAIL"
+    assert dataclasses.replace(row(1.5), family="near_rank1", config="faithful").verdict() == "expected-fail"
+
+
+def test_cap_ratio_is_the_error_over_the_explosion_cap():
+    # a 16x16 orthogonal reference (||ref||_F = 4, k = 16): cap = 1 + EXPLODED_SIGMA * 4 / 4
+    q = torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64))[0]
+    ref = q[None]
+    cap = 1 + EXPLODED_SIGMA
+    assert D.cap_ratio(1.1 * ref, ref) == pytest.approx(0.1 / cap, rel=1e-9)
+    assert D.cap_ratio(4.0 * ref, ref) == pytest.approx(3.0 / cap, rel=1e-9)
+    # zero reference: the error is absolute and so is the cap, EXPLODED_SIGMA * sqrt(16)
+    y = torch.zeros(1, 16, 16, dtype=torch.float64)
+    y[0, 0, 0] = 2.0
+    assert D.cap_ratio(y, torch.zeros_like(y)) == pytest.approx(2.0 / (4 * EXPLODED_SIGMA), rel=1e-9)
+    assert D.cap_ratio(torch.full_like(ref, math.nan), ref) == math.inf
+
+
+def _verdicts(out: str) -> list[str]:
+    return [ln.split()[8] for ln in out.splitlines() if ln.split()[:1] and ln.split()[0] in
+            ("momentum", "cascade", "equalizer", "update")]
+
+
+def _footer(out: str) -> dict[str, int]:
+    m = re.search(r"^(\d+) rows: (\d+) ok, (\d+) FAIL, (\d+) expected-fail$", out, re.M)
+    assert m, out
+    return dict(rows=int(m[1]), ok=int(m[2]), FAIL=int(m[3]), expected=int(m[4]))
+
+
+def test_cli_footer_counts_agree_with_the_rows_and_state_the_rule(capsys):
+    assert D.main(["--shapes", "2x48x32", "--families", "near_rank1,gaussian", "--configs", "faithful",
+                   "--compile", "no", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    v = _verdicts(out)
+    assert len(v) == 8 and v[1] == "expected-fail" and v.count("expected-fail") == 1, out
+    assert _footer(out) == dict(rows=8, ok=v.count("ok"), FAIL=v.count("FAIL"), expected=1)
+    assert D.VERDICT_RULE in out
+
+
+def test_cli_exits_1_when_a_row_fails(monkeypatch, capsys):
+    from anvil_ref.constants import ANVIL_MAPS
+
+    real = D.fast_cascade   # a mutant: the fast cascade drops its last map
+    monkeypatch.setattr(D, "fast_cascade", lambda x, **kw: real(x, **{**kw, "maps": list(ANVIL_MAPS[:-1])}))
+    assert D.main(["--shapes", "2x48x32", "--families", "gaussian", "--configs", "safe", "--compile", "no",
+                   "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert _verdicts(out)[1] == "FAIL" and _footer(out)["FAIL"] == 1
+
+
+def test_cli_judges_every_row_outside_the_repository(tmp_path):
+    # an installed copy of the packages (no tests/ beside them), run from an unrelated directory
+    site = tmp_path / "site"
+    for pkg in ("anvil_ref", "anvil_fast", "derive_maps"):
+        shutil.copytree(REPO / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "-c", "import sys, runpy; import anvil_fast; "
+                        "assert anvil_fast.__file__.startswith(sys.argv[1]), anvil_fast.__file__; "
+                        "sys.argv = ['difftest'] + sys.argv[2:]; "
+                        "runpy.run_module('anvil_fast.difftest', run_name='__main__')",
+                        str(site), *TINY, "--families", "gaussian,zero"],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert _verdicts(r.stdout) == ["ok"] * 8, r.stdout
+    assert _footer(r.stdout) == dict(rows=8, ok=8, FAIL=0, expected=0)
+
+
+# --- bad arguments: one line, status 2, the bad value named ------------------------------------
+
+BAD = [
+    ("difftest shapes", lambda: D.main(["--shapes", "64by48"]), "64by48"),
+    ("difftest families", lambda: D.main(["--families", "gaussian,bogus"]), "bogus"),
+    ("difftest configs", lambda: D.main(["--configs", "safe,fast"]), "'fast'"),
+    ("difftest device", lambda: D.main(["--device", "gpu0"]), "gpu0"),
+    ("near_rank1 paths", lambda: N.main(["--paths", "fp64,bogus"]), "bogus"),
+    ("near_rank1 shapes", lambda: N.main(["--shapes", "64by48"]), "64by48"),
+    ("near_rank1 count", lambda: N.main(["--count", "0"]), "'0'"),
+    ("scaling world", lambda: scaling.main(["cpu", "--world", "3"]), "3"),
+    ("scaling worlds", lambda: scaling.main(["gpu", "--worlds", "1,x"]), "1,x"),
+    ("anvil_ref shape", lambda: _anvil_ref_main(["demo", "--shape", "0", "4", "4"]), "'0'"),
+    ("anvil_ref maps", lambda: _anvil_ref_main(["demo", "--maps", "bogus"]), "bogus"),
+    ("anvil_ref decay", lambda: _anvil_ref_main(["demo", "--decay", "-1"]), "-1"),
+    ("derive_maps iterations", lambda: _derive_maps_main(["facts", "--polish-iterations", "-3"]), "-3"),
+    ("derive_maps repeat", lambda: _derive_maps_main(["bench", "--repeat", "0"]), "'0'"),
+    ("train lr", lambda: _train_main(["--out", "unused", "--lr", "adamw=abc"]), "adamw=abc"),
+    ("train warmup", lambda: _train_main(["--out", "unused", "--steps", "10", "--warmup", "20"]), "20"),
+    ("train device", lambda: _train_main(["--out", "unused", "--device", "bogus"]), "bogus"),
+    ("chunk_independence shapes", lambda: _chunk_independence().main(["--shapes", "3x8x8"]), "3x8x8"),
+    ("chunk_independence config", lambda: _chunk_independence().main(["--config", "bogus"]), "bogus"),
+    ("mutants name", lambda: _tool("mutants").main(["-k", "no such mutant"]), "no such mutant"),
+    ("gram_sm90_report group", lambda: _tool("gram_sm90_report").parse_args(["gram", "bogus"]), "bogus"),
+]
+
+
+@pytest.mark.parametrize("call,needle", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_arguments_get_one_clear_line(call, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # nothing may be written, wherever it would go
+    with pytest.raises(SystemExit) as exc:
+        call()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and needle in errors[0] and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_study_refuses_an_unknown_path():
+    with pytest.raises(ValueError, match="bogus"):
+        N.study([(8, 8)], 2, only=["fp64", "bogus"])
+
+
+HELP = [
+    ("difftest", lambda: D.main(["--help"]), D.FAMILIES + ("safe", "faithful")),
+    ("near_rank1", lambda: N.main(["--help"]), N.PATHS),
+    ("scaling cpu", lambda: scaling.main(["cpu", "--help"]), ("{1,2,4,8}",)),
+    ("anvil_ref demo", lambda: _anvil_ref_main(["demo", "--help"]), ("anvil_express", "muon_jordan5")),
+    ("chunk_independence", lambda: _chunk_independence().main(["--help"]), ("faithful", "safe")),
+]
+
+
+@pytest.mark.parametrize("call,names", [h[1:] for h in HELP], ids=[h[0] for h in HELP])
+def test_help_lists_the_valid_values(call, names, capsys):
+    with pytest.raises(SystemExit) as exc:
+        call()
+    out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+    assert exc.value.code == 0
+    missing = [n for n in names if n not in out]
+    assert not missing, out
+
+
+# --- progress: a line per stage when stderr is not a terminal ---------------------------------
+
+@pytest.fixture
+def immediate_progress(monkeypatch):
+    from anvil_ref import progress
+
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+
+
+def test_difftest_reports_each_case_when_piped(immediate_progress, capsys):
+    assert D.main([*TINY, "--families", "gaussian,zero"]) == 0
+    err = capsys.readouterr().err
+    assert "difftest: safe 2x16x8 gaussian (1/2)" in err and "difftest: safe 2x16x8 zero (2/2)" in err, err
+    assert re.search(r"done after \d", err) and "\r" not in err
+
+
+def test_no_progress_silences_the_lines(immediate_progress, capsys):
+    assert D.main([*TINY, "--families", "zero", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_near_rank1_reports_each_batch_when_piped(immediate_progress, capsys):
+    assert N.main(["--shapes", "8x8", "--count", "4", "--batch", "2", "--paths", "fp64", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "near_rank1: 8x8, inputs 0..2 of 4" in err and "near_rank1: 8x8, inputs 2..4 of 4" in err, err
+
+
+def test_derive_maps_compare_reports_each_set_when_piped(immediate_progress, capsys):
+    assert _derive_maps_main(["compare", "anvil", "muon_jordan5", "--no-bf16"]) == 0
+    err = capsys.readouterr().err
+    assert "compare: anvil:" in err and "compare: muon_jordan5:" in err, err
+
+
+# --- tools/chunk_independence.py runs on CPU --------------------------------------------------
+
+def test_chunk_independence_runs_on_cpu(capsys):
+    assert _chunk_independence().main(["--device", "cpu", "--shapes", "2x16x8,2x8x24", "--eager-post"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith(("2x16x8", "2x8x24"))]
+    assert len(rows) == 14 and all("yes" in r for r in rows), rows
