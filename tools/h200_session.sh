@@ -7,6 +7,10 @@
 #   sweep   the training harness's AdamW and Muon learning-rate sweeps (small, seed 0)
 #   small   every contender on the small GPT, seeds 0 1 2, tuned from the sweep
 #   medium  AdamW, Muon and ANVIL on the medium GPT, seeds 0 1 2
+#   fingerprint  tools/fingerprint.py (digests of the fast path's bits) and its diff against FP_BEFORE
+#   chunk   tools/chunk_independence.py for SAFE and for the Gram side (GRAM_SIDE's bank shapes)
+#   gramside  the bank bench with its Gram-side table, difftest and the near-rank-1 study of GRAM_SIDE
+#   contenders  TRAIN_CONTENDERS on the small GPT, seeds 0 1 2 (runs that exist are skipped)
 # TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -32,6 +36,22 @@ for stage in ${STAGES:-suite bench}; do
     medium) timeout "${T_MEDIUM:-560}" python3 -m papers.train --size medium --seeds 0 1 2 \
              --contenders adamw muon anvil --tuned-from results/train/small/sweep --tuned-size small --out results/train/medium \
              --time-budget-s $(( ${T_MEDIUM:-560} - 30 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_medium.log" ;;
+    fingerprint) timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fingerprint.txt" 2>&1 \
+             | tee "$OUT/fingerprint.log"
+             [ -n "$FP_BEFORE" ] && { diff "$FP_BEFORE" "$OUT/fingerprint.txt" > "$OUT/fingerprint_diff.txt" \
+               && echo "fingerprint: identical to $FP_BEFORE" || echo "fingerprint: DIFFERS from $FP_BEFORE"; } ;;
+    chunk) { timeout "${T_CHUNK:-150}" python3 tools/chunk_independence.py --no-progress 2>&1 | tee "$OUT/chunk_safe.txt"
+             timeout "${T_CHUNK:-150}" python3 tools/chunk_independence.py --no-progress --config gram_side \
+               --shapes 24x2816x768,24x3072x768,24x768x3072,72x256x768 2>&1 | tee "$OUT/chunk_gram_side.txt"; } | tail -4 ;;
+    gramside) timeout "${T_GRAMSIDE_BENCH:-240}" python3 -m anvil_fast.bench bank --rep-ms 50 2>&1 | tee "$OUT/bench_bank.log" | tail -14
+             timeout 150 python3 -m anvil_fast.difftest --no-progress --device cuda --configs gram_side,safe \
+               --shapes 2x256x768,2x768x768,2x2816x768,2x3072x768,2x768x3072 2>&1 | tee "$OUT/difftest_gram_side.log" | tail -3
+             timeout 150 python3 -m anvil_fast.near_rank1 --no-progress --count 500 --shapes 256x768,2816x768,3072x768,768x3072 \
+               --paths fp64,fast-safe,fast-gram-side 2>&1 | tee "$OUT/near_rank1_gram_side.log" | tail -8 ;;
+    contenders) timeout "${T_CONTENDERS:-300}" python3 -m papers.train --size small --seeds 0 1 2 \
+             --contenders ${TRAIN_CONTENDERS:-anvil_gram_side} --tuned-from results/train/small/sweep \
+             --out results/train/small --skip-existing --time-budget-s $(( ${T_CONTENDERS:-300} - 20 )) ${TRAIN_ARGS} 2>&1 \
+             | tee "$OUT/train_contenders.log" | tail -5 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
