@@ -49,6 +49,10 @@ from .intervals import BIG, DTYPE, Interval, iv_add, iv_clamp, iv_intersect, iv_
 
 CONFIGS = ("safe", "faithful")
 
+#: Default tolerance of the verdict: the output may exceed 1 by at most a few bf16 units
+#: (2^-5 = 8 units of 2^-8) for every admissible perturbation.
+DEFAULT_EPS = 2.0 ** -5
+
 
 # ---------------------------------------------------------------------------------------------
 # The rounding model.
@@ -510,11 +514,11 @@ class RobustVerdict:
                     eps=self.eps, passed=self.passed, reason=self.reason)
 
 
-def robust_verdict(maps, model: RoundingModel, *, l: RealLike | None, u: RealLike, eps: float = 0.01,
+def robust_verdict(maps, model: RoundingModel, *, l: RealLike | None, u: RealLike, eps: float | None = None,
                    **kw) -> RobustVerdict:
     """Certify ``maps`` under ``model``: refused if the output may blow up on ``[0, u]`` or may exceed
-    ``1 + eps`` there; passed if the certified max is at most ``1 + eps``."""
-    check_positive(eps, "eps")
+    ``1 + eps`` there (``eps`` default DEFAULT_EPS); passed if the certified max is at most ``1 + eps``."""
+    eps = DEFAULT_EPS if eps is None else check_positive(eps, "eps")
     h = robust_envelope(maps, 0, u, model, **kw)
     e = robust_envelope(maps, l, u, model, **kw) if l is not None else None
     if h.blown_up:
