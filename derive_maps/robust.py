@@ -426,7 +426,7 @@ def _reached_at(maps_, C: Interval, idx: np.ndarray, model: RoundingModel, x_lo,
 
 
 def robust_envelope(maps, l: RealLike, u: RealLike, model: RoundingModel, *, cells: int = 256,
-                    pieces: int = 16, rtol: float = 0.05, max_levels: int = 40) -> RobustEnvelope:
+                    pieces: int = 64, rtol: float = 0.02, max_levels: int = 40) -> RobustEnvelope:
     """The robust envelope of ``maps`` on ``[l, u]`` under ``model`` (``l = 0`` allowed: then the max
     is what matters, the headroom; the certified ``max |log|`` is inf).
 
