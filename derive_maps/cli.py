@@ -116,7 +116,7 @@ def cmd_certify(a) -> int:
 
 def cmd_robust(a) -> int:
     from fractions import Fraction
-    from .robust import DEFAULT_EPS, model_for, robust_verdict, safe_u
+    from .robust import model_for, robust_verdict, safe_u
     from .tables import Table, interval, sig
     maps = _maps_arg(a.maps)
     model = model_for(a.config, delta=a.delta, delta0=a.delta0, rows=a.rows, cols=a.cols)

@@ -179,8 +179,10 @@ def _sym(r: np.ndarray) -> Interval:
     return -r, r
 
 
-def _abs_hi(a: Interval) -> np.ndarray:
-    return np.maximum(np.abs(a[0]), np.abs(a[1]))
+def _iv_abs(a: Interval) -> Interval:
+    """``|a|``."""
+    lo = np.where(a[0] >= 0, a[0], np.where(a[1] <= 0, -a[1], DTYPE(0)))
+    return lo, np.maximum(np.abs(a[0]), np.abs(a[1]))
 
 
 def _hull_h(T: Interval, b: float, c: float) -> Interval:
@@ -236,14 +238,12 @@ def _stage(S: Interval, coeffs, m: RoundingModel, *, eA=None, eB=None, gB=None, 
         D = iv_add(aa, iv_mul(fB, iv_add(iv_mul(iv_mul(iv_point(3.0), iv_point(b)), T),
                                          iv_mul(iv_mul(iv_point(5.0), iv_point(c)), iv_sqr(T)))))
         Y = iv_intersect(Y, iv_add(Ym, iv_mul(D, iv_sub(S, M))))
-    absS = iv_point(_abs_hi(S))
-    absT = iv_mul(iv_add(iv_mul(iv_point(abs(b)), T), iv_mul(iv_point(abs(c)), iv_sqr(T))), absS)
-    absY = iv_mul(iv_add(iv_point(abs(a)), iv_point(_abs_hi(H) + _abs_hi(iv_mul(iv_point(m.gamma_b), absT)))), absS)
-    for g, fixed, bound in ((m.gamma_b, gB, absT), (m.gamma_y, gY, absY)):
-        if fixed is None:
-            Y = iv_add(Y, _sym(iv_mul(iv_point(g), bound)[1]))
-        else:
-            Y = iv_add(Y, iv_mul(iv_point(fixed), bound))
+    # the fp32-sum terms: s g_B (|b| t + |c| t^2) and g_Y (|a| + |h_k|) |s|, with h_k = h (1 + e_B) + g_B (...)
+    absTs = iv_add(iv_mul(iv_point(abs(b)), T), iv_mul(iv_point(abs(c)), iv_sqr(T)))
+    G = _sym(iv_mul(iv_point(m.gamma_b), absTs)[1]) if gB is None else iv_mul(iv_point(gB), absTs)
+    Y = iv_add(Y, iv_mul(S, G))
+    V = iv_mul(iv_add(iv_point(abs(a)), _iv_abs(iv_add(H, G))), _iv_abs(S))
+    Y = iv_add(Y, _sym(iv_mul(iv_point(m.gamma_y), V)[1]) if gY is None else iv_mul(iv_point(gY), V))
     fX = _factor(m.delta_x) if eX is None else iv_add(one, iv_point(eX))
     return iv_mul(Y, fX)
 
@@ -542,54 +542,3 @@ def model_for(config: str | None, *, delta: float | None = None, delta0: float |
         check_positive(delta0, "delta0", allow_zero=True)
         m = replace(m, delta0=delta0)
     return m
-
-
-# ---------------------------------------------------------------------------------------------
-# The same propagation in plain float64 (no outward rounding): the objective of the optimizer in
-# derive_maps.frontier, whose results are then certified with robust_envelope.
-
-def _factor64(d):
-    return 1.0 - d, 1.0 + d
-
-
-def _mul64(a, b):
-    p = np.stack([a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1]])
-    return p.min(0), p.max(0)
-
-
-def _stage64(S, coeffs, m: RoundingModel):
-    a, b, c = coeffs
-    lo2, hi2 = S[0] ** 2, S[1] ** 2
-    s2lo = np.where((S[0] <= 0) & (S[1] >= 0), 0.0, np.minimum(lo2, hi2))
-    T = (s2lo * (1 - m.delta_gram), np.maximum(lo2, hi2) * (1 + m.delta_gram))
-    h0, h1 = b * T[0] + c * T[0] ** 2, b * T[1] + c * T[1] ** 2
-    lo, hi = np.minimum(h0, h1), np.maximum(h0, h1)
-    if c != 0:
-        ts = -b / (2 * c)
-        inside = (T[0] <= ts) & (T[1] >= ts)
-        v = -b * b / (4 * c)
-        lo, hi = np.where(inside, np.minimum(lo, v), lo), np.where(inside, np.maximum(hi, v), hi)
-    H = _mul64((lo, hi), _factor64(m.delta_b))
-    gb = m.gamma_b * (abs(b) * T[1] + abs(c) * T[1] ** 2)
-    H = (H[0] - gb, H[1] + gb)
-    Y = _mul64(S, (a + H[0], a + H[1]))
-    gy = m.gamma_y * (abs(a) + np.maximum(abs(H[0]), abs(H[1]))) * np.maximum(abs(S[0]), abs(S[1]))
-    return _mul64((Y[0] - gy, Y[1] + gy), _factor64(m.delta_x))
-
-
-def robust_max64(maps, u: float, m: RoundingModel, *, cells: int = 512, pieces: int = 4, limit: float = 1e6) -> float:
-    """Float64 estimate of the model's max output on ``[0, u]`` (inf past ``limit``)."""
-    hi_in = u * (1 + m.delta0)
-    e = np.concatenate([[0.0], np.geomspace(hi_in * ZERO_CELL, hi_in, cells)])
-    S = (e[:-1] * (1 - m.delta_x), e[1:] * (1 + m.delta_x))
-    for coeffs in maps:
-        w = (S[1] - S[0])[:, None]
-        f = np.arange(pieces + 1)[None, :] / pieces
-        E = S[0][:, None] + w * f
-        P = (E[:, :-1].ravel(), E[:, 1:].ravel())
-        with np.errstate(all="ignore"):
-            Y = _stage64(P, coeffs, m)
-        S = (Y[0].reshape(-1, pieces).min(1), Y[1].reshape(-1, pieces).max(1))
-        if not np.all(np.isfinite(S[1])) or S[1].max() > limit or S[0].min() < -limit:
-            return float("inf")
-    return float(S[1].max())
