@@ -312,9 +312,13 @@ def reached(maps, x: np.ndarray, m: RoundingModel) -> Interval:
     image of a box) is grown from its two ends by every corner of every perturbation."""
     x = np.asarray(x, dtype=np.float64)
     d = m.delta_x
-    # s_0 = x (1 + e_0): both ends are reached; keep the inner enclosure of each product
-    s_lo = iv_mul(iv_point(x), iv_point(np.full(x.shape, 1.0 - d)))[1]
-    s_hi = iv_mul(iv_point(x), iv_point(np.full(x.shape, 1.0 + d)))[0]
+    # s_0 = x (1 + e_0) with |e_0| <= d: factors one ulp inside 1 -+ d are admissible whatever the
+    # rounding of 1 -+ d; of each product keep the end of its enclosure that lies inside
+    one = DTYPE(1)
+    f_lo = np.nextafter(one - DTYPE(d), one) if d > 0 else one
+    f_hi = np.nextafter(one + DTYPE(d), one) if d > 0 else one
+    s_lo = iv_mul(iv_point(x), (np.full(x.shape, f_lo), np.full(x.shape, f_lo)))[1]
+    s_hi = iv_mul(iv_point(x), (np.full(x.shape, f_hi), np.full(x.shape, f_hi)))[0]
     corners = _corners(m)
     for coeffs in maps:
         cand_lo, cand_hi = [], []
