@@ -48,8 +48,8 @@ SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``, where the
 of the maps (:mod:`derive_maps.robust`, outward-rounded interval arithmetic) bounds the output by
 1.0052 under a relative perturbation of up to 4e-3 (~ one bf16 ulp) of every iterate at every stage.
 Its full rounding model of this cascade (every Gram, B and iterate rounding at its worst case, a
-per-element alignment that real roundings do not reach) needs a slack of 2**-6:
-``python -m derive_maps robust anvil``.
+per-element alignment that real roundings do not reach) needs a slack between 2**-7 and 2**-6:
+``python -m derive_maps robust anvil [--slack 1/64]``.
 """
 
 from __future__ import annotations
