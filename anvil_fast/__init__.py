@@ -42,7 +42,8 @@ module                  concept
 ``tolerances``          THE tolerance table of fast against reference (its derivations inside)
 **studies and baselines**
 ``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors
-``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study; ``safety``: SAFE's headroom
+``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study (SAFE's headroom under bf16
+                        is certified by ``derive_maps.robust``)
 ``gram_side_study``     ``python -m anvil_fast.gram_side_study``: the Gram side's error study (its schedule)
 ``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
 ``plain``               the benchmark's baseline: the seed's update with library matmuls
@@ -83,7 +84,7 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
 _SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
-               "tolerances", "difftest", "near_rank1", "safety", "eager", "plain", "scaling", "gpt", "bench",
+               "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
                "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)

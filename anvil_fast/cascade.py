@@ -47,9 +47,12 @@ and inf. The seed's trace is a sum of bf16-rounded diagonal entries, whose relat
 ``2**-8 / sqrt(3 n)`` (1.4e-4 for n = 768): roughly a third of the time it rounds down by more than
 the ~5e-5 the composite tolerates, and the output explodes. With the fp32 trace the remaining
 perturbation (roundings of A_1, X_1 and of every later iterate) is ~1e-5 and smaller, and
-SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``, where an interval analysis of
-the maps (:func:`anvil_fast.safety.worst_case_output`) shows the output stays <= 1.0005 under a
-relative perturbation of up to 4e-3 (~ one bf16 ulp) of every singular value at every stage.
+SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``, where the robust certificate
+of the maps (:mod:`derive_maps.robust`, outward-rounded interval arithmetic) bounds the output by
+1.0052 under a relative perturbation of up to 4e-3 (~ one bf16 ulp) of every iterate at every stage.
+Its full rounding model of this cascade (every Gram, B and iterate rounding at its worst case, a
+per-element alignment that real roundings do not reach) needs a slack between 2**-7 and 2**-6:
+``python -m derive_maps robust anvil [--slack 1/64]``.
 """
 
 from __future__ import annotations

@@ -90,3 +90,14 @@ __all__ = [
     "SPARSE_UPDATE_LABEL",
     "ANVIL_DEFAULTS", "ADAM_DEFAULTS",
 ]
+
+# ---------------------------------------------------------------------------------------------
+# Floating-point formats of the fast path (facts of IEEE binary32 and bfloat16, round to nearest).
+
+#: Unit roundoff of bfloat16 (8 significand bits): a rounding moves a normal number by at most
+#: this relative amount.
+BF16_UNIT_ROUNDOFF: float = 2.0 ** -8
+#: Unit roundoff of IEEE binary32 (24 significand bits).
+FP32_UNIT_ROUNDOFF: float = 2.0 ** -24
+
+__all__ += ["BF16_UNIT_ROUNDOFF", "FP32_UNIT_ROUNDOFF"]

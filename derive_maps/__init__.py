@@ -12,6 +12,10 @@ their composite ``F = p_K o ... o p_1`` to the singular values ``sigma`` of the 
 ``intervals``       outward-rounded interval arithmetic (vectorized, ``numpy.longdouble``)
 ``enclosure``       rigorous enclosures of ``F``, ``F'``, ``F''`` on boxes
 ``certify``         branch and bound: certified envelope, ``max |log F|``, headroom, extrema
+``robust``          the robust certificate: the bf16 cascade's rounding model (derived from its
+                    kernels), robust envelope, headroom and verdict
+``stage_errors``    measured per-stage rounding errors of the fast cascade against that model
+``frontier``        best certified max|log F| per number of maps, exact and bf16-robust
 ``analysis``        per-stage interval chain and stage headroom, alternation points
 ``bf16``            bf16-realized envelope via ``anvil_fast.eager.eager_bf16_cascade``
 ``anvil_kind``      the ANVIL-kind pipelines ``express`` (recommended), ``optimal``, ``polished``

@@ -1,4 +1,4 @@
-"""``python -m derive_maps``: reproduce, analyse, certify, derive, compare, facts, regenerate, bench.
+"""``python -m derive_maps``: reproduce, analyse, certify, robust, derive, compare, facts, regenerate, bench.
 
 Human-readable tables by default; ``--json`` prints machine-readable JSON to stdout, ``--latex``
 a table for the paper; ``derive --out FILE`` writes the derived set to a file that ``anvil_ref`` and
@@ -14,6 +14,7 @@ Examples::
     python -m derive_maps derive express --headroom 0.01 --name my_maps --out my_maps.json
     python -m derive_maps derive greedy --l 1e-3 --u 1 --n-maps 5 --cushion 0.02 --safety 1.02
     python -m derive_maps compare anvil anvil_express muon_jordan5
+    python -m derive_maps robust anvil --config safe
     python -m derive_maps regenerate --check
 """
 
@@ -110,6 +111,36 @@ def cmd_certify(a) -> int:
             ["boxes", str(e.boxes)]]
     _emit([Table(f"{a.maps} on [{a.l}, {a.u}]", ["quantity", "value"], rows)], data, a.fmt)
     return 0
+
+
+def cmd_robust(a) -> int:
+    from fractions import Fraction
+    from .robust import model_for, robust_verdict, safe_u
+    from .tables import Table, interval, sig
+    maps = _maps_arg(a.maps)
+    model = model_for(a.config, delta=a.delta, delta0=a.delta0, rows=a.rows, cols=a.cols)
+    if a.u is not None:
+        u = a.u
+    else:
+        from .errors import parse_real
+        slack = parse_real(a.slack, "slack") if a.slack is not None else None
+        u = safe_u(slack if a.config == "safe" else (slack or Fraction(0)))
+    v = robust_verdict(maps, model, l=a.l, u=u, eps=a.eps)
+    a.eps = v.eps
+    h, e = v.headroom, v.envelope
+    u_txt = u if isinstance(u, str) else f"{float(u):.12g}"
+    data = dict(maps=a.maps, config=a.config, interval=[a.l, u_txt], verdict=v.as_dict())
+    mdl = ", ".join(f"{k} {sig(x, 4)}" for k, x in model.as_dict().items())
+    rows = [["rounding model", mdl],
+            [f"output on [0, {u_txt}] (certified)", "blows up" if h.blown_up else interval(h.f_min_certified, h.f_max_certified, 8)],
+            ["max output reached", f"{h.f_max_reached:.8g} at sigma = {h.argmax:.10g}"],
+            ["robust headroom (max output - 1)", "inf (blow-up)" if h.blown_up else
+             f"{sig(h.headroom_reached, 4)} reached, {sig(h.headroom_certified, 4)} certified"],
+            [f"robust envelope on [{a.l}, {u_txt}]", "blows up" if e.blown_up else interval(e.f_min_certified, e.f_max_certified, 8)],
+            ["robust max |log| (certified)", sig(e.max_abs_log_certified, 6)],
+            [f"verdict (eps {sig(a.eps, 3)})", ("passed: " if v.passed else "refused: ") + v.reason]]
+    _emit([Table(f"{a.maps} under the {a.config} rounding model", ["quantity", "value"], rows)], data, a.fmt)
+    return 0 if v.passed else 1
 
 
 def cmd_analyse(a) -> int:
@@ -283,6 +314,23 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("--bf16", action="store_true", help="also measure the bf16-realized envelope")
             s.add_argument("--top", type=int, default=12, help="how many alternation points to list")
+
+    s = sub.add_parser("robust", help="robust certificate under the bf16 rounding model (exit 1 if refused)")
+    s.add_argument("maps", help="map set name or JSON path")
+    s.add_argument("--config", choices=("safe", "faithful"), default="safe",
+                   help="the fast cascade's configuration whose rounding model is used")
+    s.add_argument("--delta", type=float, default=None,
+                   help="override: relative perturbation of every rounding point (iterate, Gram, B)")
+    s.add_argument("--delta0", type=float, default=None, help="override: relative perturbation of the trace")
+    s.add_argument("--rows", type=int, default=768, help="matrix rows (the model's fp32 sum lengths)")
+    s.add_argument("--cols", type=int, default=768, help="matrix columns")
+    s.add_argument("--l", default=ANVIL_L, help="lower end of the envelope's interval")
+    s.add_argument("--u", default=None, help="end of the input interval (None: 1/(1.05 (1 + slack)))")
+    s.add_argument("--slack", default=None, help="margin slack when --u is not given (None: the config's, "
+                                                 "2^-7 for safe, 0 for faithful)")
+    s.add_argument("--eps", type=float, default=None, help="pass if the output stays <= 1 + eps (None: 2^-5)")
+    _add_format(s)
+    s.set_defaults(func=cmd_robust)
 
     s = sub.add_parser("derive", help="derive a new map set")
     s.add_argument("method", choices=("express", "optimal", "polished", "greedy", "polish"),

@@ -146,10 +146,12 @@ def build() -> dict[Path, str]:
     """Every output file and its content."""
     from papers import multigpu, training
 
+    from papers import frontier
+
     template = TEMPLATE.read_text()
-    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values()}
-    tables = {**TABLES, **extra_tables(), **training.tables(), **multigpu.tables()}
-    figures = {**FIGURE_PRODUCERS, **training.figures()}
+    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values()}
+    tables = {**TABLES, **extra_tables(), **training.tables(), **multigpu.tables(), "frontier": frontier.table}
+    figures = {**FIGURE_PRODUCERS, **training.figures(), "frontier": frontier.figure}
     outputs: dict[Path, str] = {}
 
     def sub(m: re.Match) -> str:

@@ -7,13 +7,16 @@ kernels and cuBLAS.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
 from anvil_fast.cascade import FAITHFUL, SAFE, SAFE_MARGIN_SLACK, fast_cascade
 from anvil_fast.eager import eager_bf16_cascade
 from anvil_fast.near_rank1 import near_rank1, top_singular_value, trace_error
-from anvil_fast.safety import worst_case_output
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_MARGIN
+from derive_maps.robust import RoundingModel, robust_envelope, safe_u
 
 
 def _study(device, count, m, n, compile=None):
@@ -48,12 +51,20 @@ def test_faithful_explodes_safe_holds_gpu():
         _check(x, sig, 64)
 
 
+def _iterate_only(delta: float) -> RoundingModel:
+    return RoundingModel(delta_x=delta, delta_gram=0.0, delta_b=0.0, gamma_b=0.0, gamma_y=0.0, delta0=0.0)
+
+
 def test_interval_analysis_supports_the_slack():
-    # the numbers quoted in anvil_fast/cascade.py
-    assert worst_case_output(0.0, 0.0) < 1.001
-    assert worst_case_output(0.0, 1e-4) > 20  # the seed's margin has no room for a 1e-4 perturbation
-    assert worst_case_output(SAFE_MARGIN_SLACK, 4e-3) < 1.0005  # SAFE's has room for ~one bf16 ulp per stage
-    assert worst_case_output(SAFE_MARGIN_SLACK, 8e-3) > 1.1  # and the analysis can fail
+    # the numbers quoted in anvil_fast/cascade.py (certified upper bounds on [0, u])
+    seed_u = 1 / Fraction(FROBENIUS_MARGIN)
+    assert robust_envelope(ANVIL_MAPS, 0, seed_u, _iterate_only(0.0)).f_max_certified < 1.001
+    # the seed's margin has no room for a 1e-4 perturbation: a perturbation sequence reaches > 20
+    assert robust_envelope(ANVIL_MAPS, 0, seed_u, _iterate_only(1e-4)).f_max_reached > 20
+    # SAFE's has room for ~one bf16 ulp per stage
+    assert robust_envelope(ANVIL_MAPS, 0, safe_u(SAFE_MARGIN_SLACK), _iterate_only(4e-3)).f_max_certified < 1.0052
+    # and the analysis can fail
+    assert robust_envelope(ANVIL_MAPS, 0, safe_u(SAFE_MARGIN_SLACK), _iterate_only(8e-3)).f_max_reached > 1.1
 
 
 @pytest.mark.parametrize("scale_exp", [100, -100])

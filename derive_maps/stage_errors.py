@@ -1,0 +1,137 @@
+"""Measured per-stage rounding errors of the fast SAFE cascade, against the robust certificate's model.
+
+The model (:mod:`derive_maps.robust`) says how far one stage of the bf16 cascade can move a
+singular value. This measures it: the normalization, then every map, run with the fast path's own
+kernels (:func:`anvil_fast.gram.XTX`/``XXT``, ``ba_plus_cAA``, ``aX_plus_mm``, the SAFE
+normalization) on a bf16 bank, each stage compared with the float64 application of the same map to
+the *same* bf16 input (stage-local error: earlier roundings are not counted twice):
+
+* trace: ``|d_fast^2 / d_64^2 - 1|`` (``d = margin sqrt(tr) + eps``, the squared ratio is the trace's
+  relative error plus the model's roundings of sqrt, margin and product), against ``delta0``;
+* stage k: the relative error of the top singular value of the bf16 output against the float64
+  output, against the model's bound for that stage at the input's singular values (the stage
+  enclosure of :func:`derive_maps.robust._stage` at each point, relative to the exact map).
+
+``python -m derive_maps.stage_errors`` prints the table on the available device.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
+
+from .intervals import DTYPE, iv_point
+from .robust import RoundingModel, _stage, rounding_model
+
+
+@dataclass(frozen=True)
+class StageError:
+    stage: int              #: 0: the normalization's trace; k >= 1: map k
+    measured: float         #: worst over the bank's matrices
+    bound: float            #: the model's bound (worst over the same matrices)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def stage_bound(s: np.ndarray, coeffs, model: RoundingModel) -> np.ndarray:
+    """The model's bound on the relative error of one stage's output at input singular values ``s``
+    (the enclosure of the perturbed stage at each point, against the exact map there)."""
+    s = np.asarray(s, dtype=np.float64)
+    Y = _stage(iv_point(s), coeffs, model)
+    a, b, c = (DTYPE(v) for v in coeffs)
+    sd = s.astype(DTYPE)
+    p = sd * (a + sd * sd * (b + c * sd * sd))
+    with np.errstate(all="ignore"):
+        rel = np.maximum(Y[1] - p, p - Y[0]) / np.abs(p)
+    # the exact value is rounded at ~1e-19 here; one part in 1e12 covers it
+    return (rel.astype(np.float64) + 1e-12)
+
+
+def _gram64(X: Tensor, tall: bool) -> Tensor:
+    return X.mT @ X if tall else X @ X.mT
+
+
+def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, backend: str = "auto",
+            slack: float | None = None) -> list[StageError]:
+    """Per-stage measured errors and bounds for the bank ``x`` ([batch, rows, cols], cast to bf16)."""
+    from anvil_fast.cascade import SAFE, CascadeWorkspace, _normalize, is_tall
+    from anvil_fast.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+    from anvil_fast.normalize import block_partials, normalize_from_partials
+    from anvil_fast.rails import PRESCALE_EXP_LIMIT, use_fused
+
+    if x.ndim != 3:
+        raise ValueError(f"x: expected a bank [batch, rows, cols], got shape {tuple(x.shape)}")
+    X0 = x.to(torch.bfloat16).contiguous()
+    batch, rows, cols = X0.shape
+    model = model or rounding_model("safe", rows=rows, cols=cols)
+    margin = SAFE.margin(FROBENIUS_MARGIN) if slack is None else FROBENIUS_MARGIN * (1 + slack)
+    tall = is_tall(X0.shape)
+    ws = CascadeWorkspace.for_shape(tuple(X0.shape), X0.device)
+    ws.X.copy_(X0)
+    if use_fused(ws.X, backend):
+        block_partials(ws.X, ws.partials, limit=PRESCALE_EXP_LIMIT)
+        normalize_from_partials(ws.X, ws.scale, ws.partials, margin=margin, eps=FROBENIUS_EPS, limit=PRESCALE_EXP_LIMIT)
+        d_fast = ws.partials.d.double().flatten()
+    else:
+        _normalize(ws.X, ws.A, ws.scale, True, True, margin, FROBENIUS_EPS)
+        s = ws.scale.float()
+        xf = X0.float() * s
+        d_fast = (xf.square().sum(dim=(-2, -1), keepdim=True).sqrt() * torch.tensor(margin, dtype=torch.float32)
+                  + FROBENIUS_EPS * s).double().flatten()
+    s64 = ws.scale.double()
+    x64 = X0.double() * s64
+    d64 = (x64.square().sum(dim=(-2, -1)).sqrt() * margin + FROBENIUS_EPS * s64.flatten())
+    out = [StageError(0, float((d_fast.square() / d64.square() - 1).abs().max()), model.delta0)]
+    gram = XTX if tall else XXT
+    X = ws.X.clone()
+    for k, (a, b, c) in enumerate(maps, start=1):
+        A = gram(X, backend=backend)
+        B = ba_plus_cAA(A, alpha=c, beta=b, backend=backend)
+        C = aX_plus_mm(X, X, B, a=a, backend=backend) if tall else aX_plus_mm(X, B, X, a=a, backend=backend)
+        X64 = X.double()
+        A64 = _gram64(X64, tall)
+        B64 = b * A64 + c * (A64 @ A64)
+        Y64 = a * X64 + (X64 @ B64 if tall else B64 @ X64)
+        s_in = torch.linalg.svdvals(X64).cpu().numpy()
+        top_ex = torch.linalg.svdvals(Y64)[:, 0].cpu().numpy()
+        top_fast = torch.linalg.svdvals(C.double())[:, 0].cpu().numpy()
+        measured = np.abs(top_fast - top_ex) / top_ex
+        bound = np.empty(batch)
+        for i in range(batch):
+            # the output's top value is the image of some input singular value: take the model's
+            # bound over every input whose exact image is at least half the top
+            p = s_in[i] * (a + s_in[i] ** 2 * (b + c * s_in[i] ** 2))
+            sel = np.abs(p) >= 0.5 * top_ex[i]
+            bound[i] = stage_bound(s_in[i][sel], (a, b, c), model).max()
+        out.append(StageError(k, float(measured.max()), float(bound[np.argmax(measured / bound)])))
+        X = C
+    return out
+
+
+def main(argv=None) -> int:
+    from anvil_fast.near_rank1 import near_rank1
+    p = argparse.ArgumentParser(prog="python -m derive_maps.stage_errors", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=768, help="matrix rows")
+    p.add_argument("--cols", type=int, default=768, help="matrix columns")
+    p.add_argument("--batch", type=int, default=8, help="matrices per bank")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    a = p.parse_args(argv)
+    g = torch.Generator().manual_seed(0)
+    banks = {"random": torch.randn(a.batch, a.rows, a.cols, generator=g),
+             "near_rank1": near_rank1(a.batch, a.rows, a.cols, seed=1)}
+    print(f"{'bank':>11} | stage | measured   | model bound")
+    for name, x in banks.items():
+        for r in measure(x.to(a.device)):
+            print(f"{name:>11} | {r.stage:5d} | {r.measured:10.3g} | {r.bound:10.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
