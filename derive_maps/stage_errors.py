@@ -64,7 +64,8 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
     from anvil_fast.cascade import SAFE, CascadeWorkspace, _normalize, is_tall
     from anvil_fast.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
     from anvil_fast.normalize import block_partials, normalize_from_partials
-    from anvil_fast.rails import PRESCALE_EXP_LIMIT, use_fused
+    from anvil_fast._triton import use_triton
+    from anvil_fast.rails import PRESCALE_EXP_LIMIT
 
     if x.ndim != 3:
         raise ValueError(f"x: expected a bank [batch, rows, cols], got shape {tuple(x.shape)}")
@@ -75,7 +76,7 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
     tall = is_tall(X0.shape)
     ws = CascadeWorkspace.for_shape(tuple(X0.shape), X0.device)
     ws.X.copy_(X0)
-    if use_fused(ws.X, backend):
+    if use_triton(ws.X, backend):
         block_partials(ws.X, ws.partials, limit=PRESCALE_EXP_LIMIT)
         normalize_from_partials(ws.X, ws.scale, ws.partials, margin=margin, eps=FROBENIUS_EPS, limit=PRESCALE_EXP_LIMIT)
         d_fast = ws.partials.d.double().flatten()
