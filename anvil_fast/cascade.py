@@ -95,7 +95,7 @@ class CascadeConfig:
     #: compiled torch code)
     triton_elementwise: bool = False
     #: the Gram-side cascade's restart schedule (map numbers, 1-based; :mod:`anvil_fast.gram_side`), run
-    #: on banks whose aspect ratio passes :func:`anvil_fast.gram_side.uses_gram_side`; None: never
+    #: on banks whose shape passes :func:`anvil_fast.gram_side.uses_gram_side`; None: never
     gram_side: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -224,7 +224,7 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
     if cfg.gram_side is not None:
 
-        if uses_gram_side(X.shape):
+        if uses_gram_side(X.shape, device=X.device):
             return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
                                        compile=compile, partials_ready=partials_ready)
     tall = is_tall(X.shape)

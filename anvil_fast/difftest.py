@@ -258,7 +258,7 @@ def cascade_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu"
     x = make_matrix(family, shape, seed=seed)
     y = fast_cascade(x.to(device), config=cfg, compile=compile, backend=backend)
     ref = R.cascade(x.bfloat16(), margin=cfg.margin())
-    if cfg.gram_side is not None and uses_gram_side(shape):
+    if cfg.gram_side is not None and uses_gram_side(shape, device=device):
         e = eager_gram_side_cascade(x.to(device), restarts=cfg.gram_side, margin=cfg.margin())
     else:
         e = eager_bf16_cascade(x.to(device), margin=cfg.margin(), fp32_trace=cfg.fp32_trace, prescale=cfg.prescale,

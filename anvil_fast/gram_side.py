@@ -64,15 +64,27 @@ from .gram import GramInputError, _check_out, _check_tensor, _same_device, _symm
 #: ``python -m anvil_fast.gram_side_study`` picks (papers/data/gram_side_study.md states the rule).
 GRAM_SIDE_RESTARTS: tuple[int, ...] = (4,)
 #: The Gram side runs where ``max(rows, cols) / min(rows, cols) >= GRAM_SIDE_MIN_ASPECT``; square-ish
-#: banks keep the standard cascade (no FLOP saving there, see the module docstring). Set from the
-#: bank benchmark's GPU numbers.
+#: banks keep the standard cascade (no FLOP saving there, see the module docstring).
 GRAM_SIDE_MIN_ASPECT: float = 2.0
+#: On CUDA it also needs ``min(rows, cols) >= GRAM_SIDE_MIN_SHORT``. Measured on an H200 (the bank
+#: benchmark's Gram-side table, results/h200_gram_side/bench_bank.log): the Gram side's cascade phase
+#: is 1.16-1.32x faster than SAFE's on the 2816 x 768, 3072 x 768 and 768 x 3072 banks (short side
+#: 768) and 0.78x on 8 x 256 x 768 (short side 256), where its n x n products are too small to fill
+#: the GPU and the kernels' launch count dominates. The threshold sits between the two measured short
+#: sides. Elsewhere (CPU, Triton's interpreter: the tests) speed is not the point, and every bank
+#: past the aspect ratio takes the Gram side, so small test shapes exercise it.
+GRAM_SIDE_MIN_SHORT: int = 512
 
 
-def uses_gram_side(shape, *, min_aspect: float = GRAM_SIDE_MIN_ASPECT) -> bool:
-    """Dispatch rule: whether a bank of ``shape`` ([..., rows, cols]) runs the Gram side."""
+def uses_gram_side(shape, *, device=None, min_aspect: float = GRAM_SIDE_MIN_ASPECT,
+                   min_short: int = GRAM_SIDE_MIN_SHORT) -> bool:
+    """Dispatch rule: whether a bank of ``shape`` ([..., rows, cols]) on ``device`` (a torch device or
+    its name; None: not CUDA) runs the Gram side."""
     m, n = int(shape[-2]), int(shape[-1])
-    return min(m, n) > 0 and max(m, n) >= min_aspect * min(m, n)
+    if min(m, n) <= 0 or max(m, n) < min_aspect * min(m, n):
+        return False
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return not on_cuda or min(m, n) >= min_short
 
 
 # ------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ NOISE = 1e-4
 #: Top singular value above which an output counts as exploded (anvil_fast/tolerances.py derives it).
 EXPLODED = EXPLODED_SIGMA
 #: The paths of the table, in its order (:func:`paths` builds them).
-PATHS = ("fp64", "eager-bf16", "fast-faithful", "+fp32-trace", "+slack", "fast-safe")
+PATHS = ("fp64", "eager-bf16", "fast-faithful", "+fp32-trace", "+slack", "fast-safe", "fast-gram-side")
 ABLATIONS = {
     "+fp32-trace": dataclasses.replace(FAITHFUL, name="faithful+fp32trace", fp32_trace=True),
     "+slack": dataclasses.replace(FAITHFUL, name="faithful+slack", margin_slack=SAFE_MARGIN_SLACK),

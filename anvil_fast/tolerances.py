@@ -273,7 +273,7 @@ def _gram_side_roundings(row) -> int | None:
     from .gram_side import uses_gram_side
 
     cfg = CONFIGS.get(row.config)
-    if cfg is None or cfg.gram_side is None or not uses_gram_side(row.shape):
+    if cfg is None or cfg.gram_side is None or not uses_gram_side(row.shape, device=getattr(row, "device", None)):
         return None
     return gram_side_roundings(len(ANVIL_MAPS), cfg.gram_side)
 

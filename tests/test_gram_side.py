@@ -133,7 +133,17 @@ def test_config_is_registered_and_validated():
                                         ((1, 256), True)])
 def test_dispatch_rule(shape, want):
     assert uses_gram_side(shape) is want
-    assert GRAM_SIDE_MIN_ASPECT == 2.0  # the documented default until the bank benchmark sets it
+    assert uses_gram_side(shape, device="cpu") is want
+    assert GRAM_SIDE_MIN_ASPECT == 2.0
+
+
+@pytest.mark.parametrize("shape,want", [((24, 2816, 768), True), ((24, 768, 3072), True), ((8, 256, 768), False),
+                                        ((8, 768, 256), False), ((1024, 512), True), ((1022, 511), False),
+                                        ((768, 768), False)])
+def test_dispatch_rule_on_cuda_needs_a_long_enough_short_side(shape, want):
+    # the H200 bank benchmark: the Gram side wins on short side 768 and loses on 256
+    assert uses_gram_side(shape, device="cuda") is want
+    assert uses_gram_side(shape, device=torch.device("cuda", 0)) is want
 
 
 def test_sym_aX_plus_mm_torch_and_interpreted_kernel():

@@ -207,7 +207,7 @@ def gram_side_rows(shapes, *, rep_ms: int) -> list[dict]:
 
     rows = []
     for shape in shapes:
-        r = {"shape": shape, "dispatch": uses_gram_side(shape), "flop_ratio": cascade_flops(*shape[-2:])["ratio"]}
+        r = {"shape": shape, "dispatch": uses_gram_side(shape, device="cuda"), "flop_ratio": cascade_flops(*shape[-2:])["ratio"]}
         for cfg in (SAFE, GRAM_SIDE):
             b = _make_bank(shape, cfg)
             anvil_bank_update(b)  # allocates the workspace (and the Gram side's buffers) before capture
