@@ -68,7 +68,8 @@ EXPECTED_FAILURES = frozenset({("cascade", "faithful", "near_rank1"), ("cascade"
 #: The verdict rule as the table's footer states it.
 VERDICT_RULE = (
     f"verdict: ok = within anvil_fast/tolerances.py (bf16: fast <= {T.FACTOR:g} eager + 2**{math.log2(T.ATOL):g}, "
-    "eager within its float64 bound, same bits on CPU; fp32 results in ulps; cascade: error <= its explosion "
+    f"eager within its float64 bound, same bits on CPU (cascades up to {T.SAME_BITS_CASCADE_MAX_DIM} wide); "
+    "fp32 results in ulps; cascade: error <= its explosion "
     f"cap 1 + {T.EXPLODED_SIGMA:g} sqrt(k) / ||ref||, the note 'error / explosion cap' <= 1); FAIL = outside; "
     "expected-fail = outside on a row the seed fails by design ("
     + ", ".join(f"{c} {cfg} {fam}" for c, cfg, fam in sorted(EXPECTED_FAILURES)) + ")")

@@ -13,6 +13,7 @@ import torch
 
 from anvil_fast import difftest as D
 from anvil_fast.cascade import FAITHFUL, SAFE
+from anvil_fast import tolerances as TOL
 from anvil_fast.tolerances import check, check_row
 
 # FAITHFUL is the seed: it explodes on near-rank-1 input and overflows on huge input (by design;
@@ -167,3 +168,18 @@ def test_the_eager_side_counts_roundings_by_path_and_size():
     assert not check_row(row((2, 40, 24), "faithful", 0.004, None))
     assert check_row(row((2, 40, 24), "faithful", 0.004, 0.5 * TOL.cascade_sv_bound()))
     assert not check_row(row((2, 40, 24), "faithful", 0.004, 1.5 * TOL.cascade_sv_bound()))
+
+
+def test_the_cascades_shared_bits_check_holds_only_where_it_separates_a_slip():
+    # Below the size limit a share under SAME_BITS fails the row; above it the share is not judged
+    # (honest and slipped shares overlap there), the other sides of the rule still are.
+    import dataclasses
+
+    small = D.Row("cascade", (2, 48, 32), "gaussian", "safe", 0.005, 0.002, 0.005, "", same_bits=0.3,
+                  well_conditioned=False, device="cpu", cap_ratio=0.01)
+    big = dataclasses.replace(small, shape=(2, 256, 768))
+    assert not TOL.check_row(small)
+    assert TOL.check_row(dataclasses.replace(small, same_bits=0.9))
+    assert TOL.check_row(big)
+    assert not TOL.check_row(dataclasses.replace(big, fast=0.05))  # the factor rule still applies
+    assert max(small.shape[-2:]) <= TOL.SAME_BITS_CASCADE_MAX_DIM < max(big.shape[-2:])
