@@ -382,28 +382,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn, n: int, warmup: int, device) -> float:
-    """Median ms of ``fn`` (CUDA events on a GPU, the wall clock on the CPU)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def _host_ms(fn, n: int, device) -> float:
     """Host time to issue ``fn`` with the device idle at the start (no sync inside)."""
     times = []
@@ -420,20 +398,22 @@ def _time_pieces(opt, grads: dict, n: int, device) -> dict[str, float]:
     """Each label's update as rank ``opt.rank`` of ``opt.world_size`` runs it (after one step, so
     the scalars are staged and the bank updates compiled): a bank's on its matrices, a sharded Adam
     parameter's on its rows; the replicated labels share one fused pass, split by element count."""
+    from .bench.common import median_ms
+
     upd = {}
     for label in opt.labels:
         cfg = opt.param_cfgs[label]
         if cfg.comms == "replicated":
             continue
         if cfg.optim == "anvil":
-            upd[label] = _median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n, 2,
-                                    device)
+            upd[label] = median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n=n,
+                                   warmup=2, device=device)
         else:
             chunk = grads[label][: cfg.chunk_size].contiguous()
-            upd[label] = _median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n, 2, device)
+            upd[label] = median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n=n, warmup=2, device=device)
     rep = [l for l in opt.labels if opt.param_cfgs[l].comms == "replicated"]
     if rep:
-        ms = _median_ms(lambda: opt.replicated.update(opt.adam_table), n, 2, device)
+        ms = median_ms(lambda: opt.replicated.update(opt.adam_table), n=n, warmup=2, device=device)
         sizes = {l: opt.params[l].numel() for l in rep}
         for l in rep:
             upd[l] = ms * sizes[l] / sum(sizes.values())
@@ -551,6 +531,7 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
     """Rank 0's pieces of ``layout`` at each world size, on one GPU (module docstring)."""
     import torch
 
+    from .bench.common import median_ms
     from .bench.optimizer import SCATTER, WORK, make_grads, make_params, step_fn, table_of
     from .comms import LocalComms, NullComms
     from .optimizer import AnvilAndAdam
@@ -567,7 +548,7 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
         opt.copy_lm_state_to_embed()  # untied: every parameter updated, as anvil_fast.scaling times it
         grads = make_grads(params)
         step = step_fn(opt, params, grads, True)
-        step_ms = _median_ms(step, n, 3, device)  # also the warm-up: compiles the bank updates
+        step_ms = median_ms(step, n=n, warmup=3, device=device)  # also the warm-up: compiles the bank updates
         host = _host_ms(step, n, device)
         step()
         upd = _time_pieces(opt, grads, n, device)
@@ -583,6 +564,7 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
 def _collective_rank(rank: int, world: int, sizes: list[int], n: int, device: str) -> dict:
     import torch
 
+    from .bench.common import median_ms
     from .comms import DistComms
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
@@ -596,7 +578,7 @@ def _collective_rank(rank: int, world: int, sizes: list[int], n: int, device: st
             fn = {"reduce_scatter": lambda: comms.reduce_scatter_avg(part, full).wait(),
                   "all_gather": lambda: comms.all_gather(full, part).wait(),
                   "all_reduce": lambda: comms.all_reduce_avg(full).wait()}[kind]
-            pts.append((nbytes, _median_ms(fn, n, 3, dev)))
+            pts.append((nbytes, median_ms(fn, n=n, warmup=3, device=dev)))
         res[kind] = pts
     return res
 

@@ -811,16 +811,20 @@ class ANVIL(torch.optim.Optimizer):
         if not flags.any().item():
             return True
         self.inner.cancel_prepared(prepared)
-        names = self._nonfinite_names()
-        where = "" if self.comms.world_size == 1 else " (on at least one rank)"
+        self._skip_or_raise(self._nonfinite_names(), world_size=self.comms.world_size, stacklevel=4)
+        return False
+
+    def _skip_or_raise(self, names: list[str], *, world_size: int, stacklevel: int) -> None:
+        """The ``nonfinite`` policy for a step whose gradients hold NaN/inf in ``names``: raise, or
+        count the skipped step and warn (``stacklevel`` points the warning at the caller's step)."""
+        where = "" if world_size == 1 else " (on at least one rank)"
         if self.nonfinite == "raise":
             raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}{where}; nothing "
                                          "was updated")
         self.skipped_steps += 1
         warnings.warn(f"ANVIL: step skipped for every parameter: non-finite gradient (NaN or inf) in "
                       f"{', '.join(names)}{where} ({self.skipped_steps} step(s) skipped so far)",
-                      NonFiniteGradientWarning, stacklevel=3)
-        return False
+                      NonFiniteGradientWarning, stacklevel=stacklevel)
 
     def _nonfinite_names(self) -> list[str]:
         """The parameters whose gradient slot holds NaN/inf on any rank (the rare path: one flag each)."""

@@ -54,10 +54,9 @@ from anvil_ref.rails import rail_scalars
 from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .comms import LocalComms
-from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, NonFiniteGradientError,
-                     NonFiniteGradientWarning, _check_hyperparameters, classify, holds_dtensors,
-                     named_parameters_of, plan_routes, refuse_ddp_with_own_averaging, refuse_dtensors_in,
-                     register_dtensor_path)
+from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, _check_hyperparameters, classify,
+                     holds_dtensors, named_parameters_of, plan_routes, refuse_ddp_with_own_averaging,
+                     refuse_dtensors_in, register_dtensor_path)
 
 FSDP_STATE_FORMAT = "anvil_fast.ANVIL.fsdp/1"
 #: The ANVIL keyword arguments the owners' local optimizer receives unchanged.
@@ -428,14 +427,7 @@ class FSDPAnvil(ANVIL):
                              "ranks must agree on which parameters have gradients; nothing was updated")
         nonfinite = [entries[i][0] for i, b in enumerate(bad) if b]
         if nonfinite:
-            where = "" if self.world == 1 else " (on at least one rank)"
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(nonfinite)}{where}; "
-                                             "nothing was updated")
-            self.skipped_steps += 1
-            warnings.warn(f"ANVIL: step skipped for every parameter: non-finite gradient (NaN or inf) in "
-                          f"{', '.join(nonfinite)}{where} ({self.skipped_steps} step(s) skipped so far)",
-                          NonFiniteGradientWarning, stacklevel=2)
+            self._skip_or_raise(nonfinite, world_size=self.world, stacklevel=3)
             return loss
         with_grad = [n for (n, _, _), h in zip(entries, has) if h]
         mats = [n for n, _ in self._mat if n in local]

@@ -30,15 +30,14 @@ Each writes its table (markdown, with the command that produced it) to ``--out``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from anvil_ref.cli_args import add_progress_flags, positive_int, positive_int_list
 
+from .bench.common import emit_table, median_ms
 from .bench.optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
 from .distributed import all_digests, replica_digest, spawn
 
@@ -197,37 +196,15 @@ def run_cpu(a: argparse.Namespace) -> int:
     lines += ["", f"Distance after {STEPS} steps, ||p - p_ref|| / ||p_ref - p_0||, on the mean of the ranks' gradients:",
               "", f"| parameter | {a.world} ranks | 1 process |", "|---|---:|---:|"]
     lines += [f"| {l} | {dist_rel[l]:.2e} | {single_rel[l]:.2e} |" for l in dist_rel]
-    _emit(lines, a.out)
+    emit_table(lines, a.out)
     return 0 if ok else 1
 
 
 
-def _emit(lines: list[str], out: str | None) -> None:
-    """Print the table and, with ``--out``, write it there too (folders created)."""
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text)
-
 # --------------------------------------------------------------------------------------------- GPU
 def _time_steps(fn, n: int, warmup: int) -> float:
     """Median ms of ``fn`` over ``n`` runs (CUDA events), every rank running the same count."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    if dist.is_initialized():
-        dist.barrier()
-    times.sort()
-    return times[len(times) // 2]
+    return median_ms(fn, n=n, warmup=warmup, device="cuda")
 
 
 def _comm_only(opt, grads):
@@ -350,7 +327,7 @@ def run_gpu(a: argparse.Namespace) -> int:
         ok &= same and rnd and (eq1 or rel <= 2.0 ** -5)
         lines.append(f"| {w} | {'yes' if same else 'NO'} | {'yes' if eq1 else 'no'} | {rel:.2e} | "
                      f"{'yes' if rnd else 'NO'} |")
-    _emit(lines, a.out)
+    emit_table(lines, a.out)
     return 0 if ok else 1
 
 

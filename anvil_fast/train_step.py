@@ -55,6 +55,7 @@ from torch.nn import functional as F
 from anvil_ref.config import ConfigError
 from anvil_ref.constants import EMBED_LABEL, LM_HEAD_LABEL
 
+from .bench.common import emit_table, median_ms, timer
 from .comms import Handle
 from .gpt import SIZES, GPTConfig
 
@@ -451,27 +452,10 @@ def _config(size: str) -> GPTConfig:
     return SIZES[size]
 
 
-def _timer(device):
-    if device.type == "cuda":
-        def timed(fn):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e)
-    else:
-        def timed(fn):
-            t0 = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - t0)
-    return timed
-
-
 def _steady_ms(fn, n: int, warmup: int, device, *, blocks: int = 3) -> float:
     """Per-step ms of ``n`` back-to-back calls of ``fn`` (no synchronization between them, so the
     host runs ahead and a step's tail overlaps the next as in training), the median of ``blocks``."""
-    timed = _timer(device)
+    timed = timer(device)
     for _ in range(warmup):
         timed(fn)
 
@@ -480,16 +464,6 @@ def _steady_ms(fn, n: int, warmup: int, device, *, blocks: int = 3) -> float:
             fn()
 
     times = sorted(timed(block) / n for _ in range(blocks))
-    if dist.is_initialized():
-        dist.barrier()
-    return times[len(times) // 2]
-
-
-def _median_ms(fn, n: int, warmup: int, device) -> float:
-    timed = _timer(device)
-    for _ in range(warmup):
-        timed(fn)
-    times = sorted(timed(fn) for _ in range(n))
     if dist.is_initialized():
         dist.barrier()
     return times[len(times) // 2]
@@ -553,7 +527,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         if one.driver is not None:
             one.driver.wait_all()
         if mode == "end":
-            res["comm_ms"] = _median_ms(_comm_only(opt), a["n_time"], a["warmup"], dev) if world > 1 else 0.0
+            res["comm_ms"] = median_ms(_comm_only(opt), n=a["n_time"], warmup=a["warmup"], device=dev) if world > 1 else 0.0
         del model, opt, one
     model, opt = fresh(NullComms(world, rank) if world > 1 else real)
     one = train(model, opt, mode="end", steps=1, fixed_data=True, **kw)
@@ -614,15 +588,6 @@ def table(results: dict[int, list[dict]], a: dict) -> tuple[list[str], bool]:
         lines.append(f"| {w} | {a['global_batch'] // w} | {pre:.2f} | {end:.2f} | {seq:.2f} | {noc:.2f} | {com:.2f} | "
                      f"{'' if math.isnan(hid) else f'{hid:.0%}'} | {ratio} | {'yes' if same else 'NO'} |")
     return lines, ok
-
-
-def _emit(lines: list[str], out: str | None) -> None:
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text)
 
 
 #: the ``python -m anvil_fast.bench train_step`` one-line summary
@@ -732,7 +697,7 @@ def run(a: argparse.Namespace) -> int:
              "parameter of every rank, overlapped (both waits) against backward + step_from_buffers on the same gradients "
              "(paired_check).", ""]
     body, ok = table(results, s)
-    _emit(lines + body, a.out)
+    emit_table(lines + body, a.out)
     for w, res in results.items():
         if "profile" in res[0]:
             print(f"profile, {w} rank(s), rank 0 (traces in {s['profile']}):\n{res[0]['profile']}")

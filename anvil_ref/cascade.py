@@ -79,6 +79,23 @@ def frobenius_normalize(x: Any, *, margin: float = FROBENIUS_MARGIN, eps: float 
     return like(x_ / frobenius_scale(gram(x_), margin=margin, eps=eps), x)
 
 
+def normalized_pair(x: Any, *, margin: float = FROBENIUS_MARGIN,
+                    eps: float = FROBENIUS_EPS) -> tuple[np.ndarray, np.ndarray]:
+    """``X_1 = X / d`` and ``A_1 = A_0 / d^2`` (the first Gram rescaled, not recomputed), float64
+    NumPy arrays, after checking what the cascade needs: matrices of at least one row and one column,
+    ``margin, eps >= 0`` and not both 0 (the normalization would divide by zero)."""
+    x_ = to_f64(x, "x", min_ndim=2)
+    if x_.shape[-1] == 0 or x_.shape[-2] == 0:
+        raise ReferenceInputError(f"x: matrices must have at least one row and one column, got shape {x_.shape}")
+    margin = to_scalar(margin, "margin", lo=0.0)
+    eps = to_scalar(eps, "eps", lo=0.0)
+    if margin == 0.0 and eps == 0.0:
+        raise ReferenceInputError("margin and eps are both 0: the normalization would divide by zero")
+    a0 = gram(x_)
+    d = frobenius_scale(a0, margin=margin, eps=eps)
+    return x_ / d, a0 / (d * d)
+
+
 def quintic_map(x: Any, coeffs: tuple[float, float, float], *, a_gram: Any = None) -> Any:
     """One map of the cascade on a matrix: ``a X + X (b A + c A^2)`` if tall, else
     ``a X + (b A + c A^2) X``, with ``A = G(X)`` (or ``a_gram`` when the caller has it)."""
@@ -96,17 +113,8 @@ def cascade(x: Any, *, maps: MapsLike = ANVIL_MAPS, margin: float = FROBENIUS_MA
     ``x`` has shape ``[..., m, n]`` with m, n >= 1 and finite entries. Returns float64 of the same
     shape (a CPU torch.float64 tensor for torch input, else a NumPy array).
     """
-    x_ = to_f64(x, "x", min_ndim=2)
-    if x_.shape[-1] == 0 or x_.shape[-2] == 0:
-        raise ReferenceInputError(f"x: matrices must have at least one row and one column, got shape {x_.shape}")
     maps_ = load_maps(maps)
-    margin = to_scalar(margin, "margin", lo=0.0)
-    eps = to_scalar(eps, "eps", lo=0.0)
-    if margin == 0.0 and eps == 0.0:
-        raise ReferenceInputError("margin and eps are both 0: the normalization would divide by zero")
-    a0 = gram(x_)
-    d = frobenius_scale(a0, margin=margin, eps=eps)
-    xk, ak = x_ / d, a0 / (d * d)
+    xk, ak = normalized_pair(x, margin=margin, eps=eps)
     for k, coeffs in enumerate(maps_):
         xk = quintic_map(xk, coeffs, a_gram=ak if k == 0 else None)
     return like(xk, x)

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import ReferenceInputError, like, to_f64, to_scalar
-from .cascade import frobenius_scale, gram, is_tall
+from ._arrays import ReferenceInputError, like, to_f64
+from .cascade import gram, is_tall, normalized_pair
 from .constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 from .maps import MapsLike, load_maps
 
@@ -85,18 +85,9 @@ def gram_side_cascade(x: Any, *, maps: MapsLike = ANVIL_MAPS, restarts: Any = ()
     torch input, else a NumPy array), equal to ``cascade(x, maps=maps, margin=margin, eps=eps)`` in
     exact arithmetic for every schedule.
     """
-    x_ = to_f64(x, "x", min_ndim=2)
-    if x_.shape[-1] == 0 or x_.shape[-2] == 0:
-        raise ReferenceInputError(f"x: matrices must have at least one row and one column, got shape {x_.shape}")
     maps_ = load_maps(maps)
     sched = check_restarts(restarts, len(maps_))
-    margin = to_scalar(margin, "margin", lo=0.0)
-    eps = to_scalar(eps, "eps", lo=0.0)
-    if margin == 0.0 and eps == 0.0:
-        raise ReferenceInputError("margin and eps are both 0: the normalization would divide by zero")
-    a0 = gram(x_)
-    d = frobenius_scale(a0, margin=margin, eps=eps)
-    x0, ak = x_ / d, a0 / (d * d)
+    x0, ak = normalized_pair(x, margin=margin, eps=eps)
     r = np.broadcast_to(np.eye(ak.shape[-1]), ak.shape).copy()
     for k, coeffs in enumerate(maps_, start=1):
         if k in sched:
@@ -104,6 +95,6 @@ def gram_side_cascade(x: Any, *, maps: MapsLike = ANVIL_MAPS, restarts: Any = ()
             ak = gram(x0)
             r = np.broadcast_to(np.eye(ak.shape[-1]), ak.shape).copy()
         q = map_polynomial(ak, coeffs)
-        r = r @ q if is_tall(x_.shape) else q @ r
+        r = r @ q if is_tall(x0.shape) else q @ r
         ak = gram_update(ak, q)
     return like(apply_side(x0, r), x)

@@ -10,6 +10,8 @@ in a benchmark table is the quantity the tuner compared when it chose the kernel
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -32,6 +34,49 @@ def bench_ms(fn: Callable[[], object], *, rep_ms: float, warmup: int) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep_ms, return_mode="median"))
+
+
+def timer(device) -> Callable[[Callable[[], object]], float]:
+    """A function that runs ``fn()`` once and returns its ms: CUDA events on a GPU (the host waits
+    for the end event), the wall clock elsewhere."""
+    if torch.device(device).type == "cuda":
+        def timed(fn):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e)
+    else:
+        def timed(fn):
+            t0 = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t0)
+    return timed
+
+
+def median_ms(fn: Callable[[], object], *, n: int, warmup: int, device) -> float:
+    """Median ms of ``n`` timed runs of ``fn`` (:func:`timer`) after ``warmup`` untimed ones. Under an
+    initialized process group every rank then waits for the others, so all time the same count."""
+    import torch.distributed as dist
+
+    timed = timer(device)
+    for _ in range(warmup):
+        fn()
+    times = sorted(timed(fn) for _ in range(n))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return times[len(times) // 2]
+
+
+def emit_table(lines: list[str], out: str | None) -> None:
+    """Print a table and, with ``out``, write it there too (folders created)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
 
 
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
@@ -99,5 +144,5 @@ def flops(shape, *, block: int = SYMMETRIC_BLOCK) -> tuple[float, float]:
     return MAPS_PER_CASCADE * f.plain, MAPS_PER_CASCADE * f.executed
 
 
-__all__ = ["ELEMENTWISE_BYTES", "MAPS_PER_CASCADE", "SYMMETRIC_BLOCK", "bench_ms", "graphed", "kernel_us",
+__all__ = ["ELEMENTWISE_BYTES", "MAPS_PER_CASCADE", "SYMMETRIC_BLOCK", "bench_ms", "timer", "median_ms", "emit_table", "graphed", "kernel_us",
            "measure_peaks", "MapFlops", "map_flops", "flops"]
