@@ -651,7 +651,9 @@ class ANVIL(torch.optim.Optimizer):
             for _, p, first, count in bank.plan.members:
                 s = self._local_slots(bank, first, count)
                 views = dict(fast_rail=st["velocity"][0, s], slow_rail=st["velocity"][1, s],
-                             lane_energy=st["lane_energy"][s], mantissa=st["mantissa"][s])
+                             lane_energy=st["lane_energy"][s])
+                if "mantissa" in st:  # a bf16 matrix's fp32 master is its value + this low half
+                    views["mantissa"] = st["mantissa"][s]
                 if count == 1:
                     views = {k: v.squeeze(0) if v.shape[0] == 1 else v for k, v in views.items()}
                 self.state[p] = _StateView(lambda views=views: dict(views))
@@ -874,7 +876,8 @@ class ANVIL(torch.optim.Optimizer):
             _, p, first, count = b.plan.members[i]
             st = self.inner.param_states[b.label]
             s = self._local_slots(b, first, count)
-            live = [p.data, st["velocity"][:, s], st["lane_energy"][s], st["mantissa"][s]]
+            live = [p.data, st["velocity"][:, s], st["lane_energy"][s]] + \
+                ([st["mantissa"][s]] if "mantissa" in st else [])
             trips = getattr(self.inner.banks[b.label], "guard_trips", None)
             if trips is not None:
                 live.append(trips[s])

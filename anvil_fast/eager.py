@@ -136,15 +136,21 @@ def eager_equalizer(v: Tensor, lane_energy: Tensor, *, beta2: float) -> tuple[Te
     return v * scale.to(v.dtype), energy
 
 
-def eager_update(p: Tensor, mantissa: Tensor, update: Tensor, gate: Tensor, *, eff_wd: Tensor,
-                 eff_lr: Tensor) -> tuple[Tensor, Tensor]:
+def eager_update(p: Tensor, mantissa: Tensor | None, update: Tensor, gate: Tensor, *, eff_wd: Tensor,
+                 eff_lr: Tensor) -> tuple[Tensor, Tensor | None]:
     """The seed's sign-aligned decay + update in eager fp32, out of place: returns the new (bf16
-    parameter, uint16 mantissa). The master is joined by stacking the int16 halves (low half first,
-    little-endian) and viewing the pair as one float32."""
-    lo, hi = mantissa.view(torch.int16), p.view(torch.int16)
-    w = torch.stack([lo, hi], dim=-1).view(torch.float32).squeeze(-1)
+    parameter, uint16 mantissa), or (float32 parameter, None) for a float32 parameter (its own
+    master, ``mantissa=None``). The bf16 master is joined by stacking the int16 halves (low half
+    first, little-endian) and viewing the pair as one float32."""
+    if mantissa is None:
+        w = p.float()
+    else:
+        lo, hi = mantissa.view(torch.int16), p.view(torch.int16)
+        w = torch.stack([lo, hi], dim=-1).view(torch.float32).squeeze(-1)
     wd, lr = eff_wd.to(torch.float32), eff_lr.to(torch.float32)
     aligned = (gate.float() * w) >= 0
     w_new = w - (w * aligned * wd * lr) - (update.float() * lr)
+    if mantissa is None:
+        return w_new, None
     halves = w_new.unsqueeze(-1).view(torch.int16)
     return halves[..., 1].contiguous().view(torch.bfloat16), halves[..., 0].contiguous().view(torch.uint16)

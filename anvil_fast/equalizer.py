@@ -78,19 +78,25 @@ def _rail_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int) 
     return v.mul_(eq_scale.type_as(v))
 
 
-def _guarded_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, guard_trips: Tensor) -> Tensor:
+def _guarded_equalizer(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, guard_trips: Tensor,
+                       bound: float | None = None, active: Tensor | None = None) -> Tensor:
     lane_power = v.float().square().mean(dim=red_dim, keepdim=True)
     lane_len = v.size(red_dim)
     pre_norm = lane_power.sum(dim=(-2, -1), keepdim=True).mul_(lane_len).sqrt_()
-    bound = GUARD_NORM_RATIO * math.sqrt(min(v.size(-2), v.size(-1)))
+    if bound is None:
+        bound = GUARD_NORM_RATIO * math.sqrt(min(v.size(-2), v.size(-1)))
     ok = torch.isfinite(pre_norm) & (pre_norm <= bound)
-    lane_energy.copy_(torch.where(ok, lane_energy.lerp(lane_power.to(dtype=lane_energy.dtype), 1 - beta2),
+    # an inactive matrix (no gradient this step, or a refused step) keeps its lane energy and is not
+    # counted as a refusal (its V is zero)
+    keep = ok if active is None else ok & (active.reshape(ok.shape) != 0)
+    lane_energy.copy_(torch.where(keep, lane_energy.lerp(lane_power.to(dtype=lane_energy.dtype), 1 - beta2),
                                   lane_energy))
     lane_gain = lane_energy.clamp_min(LANE_ENERGY_FLOOR).rsqrt()
     post_power = (lane_power * lane_len) * lane_gain.float().square()
     post_norm = post_power.sum(dim=(-2, -1), keepdim=True).sqrt_()
     eq_scale = lane_gain * (pre_norm / post_norm.clamp_min_(LANE_ENERGY_FLOOR))
-    guard_trips.add_((~ok).reshape(guard_trips.shape).to(guard_trips.dtype))
+    refused = ~ok if active is None else ~ok & (active.reshape(ok.shape) != 0)
+    guard_trips.add_(refused.reshape(guard_trips.shape).to(guard_trips.dtype))
     return v.copy_(torch.where(ok, v * eq_scale.type_as(v), torch.zeros((), dtype=v.dtype, device=v.device)))
 
 
@@ -136,8 +142,9 @@ if triton is not None:
         tl.store(lp_ptr + c * lanes + lane, tl.div_rn(tl.sum(acc, axis=1), red.to(tl.float32)), mask=lane < lanes)
 
     @triton.jit
-    def _equalizer_stats_kernel(lp_ptr, e_ptr, gain_ptr, ok_ptr, trips_ptr, lanes, lane_len, bound, omb2, floor,
-                                GUARD: tl.constexpr, ROUND_FIX: tl.constexpr, SB: tl.constexpr):
+    def _equalizer_stats_kernel(lp_ptr, e_ptr, gain_ptr, ok_ptr, trips_ptr, act_ptr, lanes, lane_len, bound, omb2,
+                                floor, GUARD: tl.constexpr, ACTIVE: tl.constexpr, ROUND_FIX: tl.constexpr,
+                                SB: tl.constexpr):
         c = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, SB)
         acc = tl.zeros([SB], dtype=tl.float32)
@@ -148,6 +155,12 @@ if triton is not None:
             ok = pre <= bound  # false for NaN and inf: isfinite(pre) and pre <= bound
         else:
             ok = tl.zeros([], dtype=tl.int32) == 0
+        if ACTIVE:
+            # an inactive matrix (no gradient, or a refused step) keeps its lane energy, uncounted
+            act = tl.load(act_ptr + c) != 0
+        else:
+            act = tl.zeros([], dtype=tl.int32) == 0
+        keep = ok & act
         # The new lane energy is computed twice (same inputs, same operations, same bits) and stored
         # only in the last pass, so no pass reads what another thread of this program wrote.
         acc = tl.zeros([SB], dtype=tl.float32)
@@ -155,7 +168,7 @@ if triton is not None:
             m = k + i < lanes
             lp = tl.load(lp_ptr + c * lanes + k + i, mask=m, other=0.0)
             e = tl.load(e_ptr + c * lanes + k + i, mask=m, other=1.0)
-            g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(tl.where(ok, _lerp(e, lp, omb2), e), floor)))
+            g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(tl.where(keep, _lerp(e, lp, omb2), e), floor)))
             acc += tl.where(m, (lp * lane_len) * (g * g), 0.0)
         post = tl.sqrt_rn(tl.sum(acc, axis=0))
         ratio = tl.div_rn(pre, tl.maximum(post, floor))
@@ -163,13 +176,13 @@ if triton is not None:
             m = k + i < lanes
             lp = tl.load(lp_ptr + c * lanes + k + i, mask=m, other=0.0)
             e = tl.load(e_ptr + c * lanes + k + i, mask=m, other=1.0)
-            e = tl.where(ok, _lerp(e, lp, omb2), e)
+            e = tl.where(keep, _lerp(e, lp, omb2), e)
             g = tl.div_rn(1.0, tl.sqrt_rn(tl.maximum(e, floor)))
             tl.store(e_ptr + c * lanes + k + i, e, mask=m)
             tl.store(gain_ptr + c * lanes + k + i, to_bf16(g * ratio, ROUND_FIX), mask=m)
         tl.store(ok_ptr + c, ok.to(tl.int32))
         if GUARD:
-            tl.store(trips_ptr + c, tl.load(trips_ptr + c) + (1 - ok.to(tl.int32)))
+            tl.store(trips_ptr + c, tl.load(trips_ptr + c) + (act & (ok == 0)).to(tl.int32))
 
     @triton.jit
     def _equalizer_apply_kernel(v_ptr, gain_ptr, ok_ptr, mn, cols, lanes, LANE_IS_ROW: tl.constexpr,
@@ -188,7 +201,7 @@ if triton is not None:
 
 
 def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, guard_trips: Tensor | None,
-                     work: EqualizerWork) -> Tensor:
+                     work: EqualizerWork, active: Tensor | None = None) -> Tensor:
     shape = tuple(v.shape)
     if len(shape) != 3 or v.dtype != torch.bfloat16 or not v.is_contiguous():
         raise ValueError(f"equalizer: v must be a contiguous [chunk, rows, cols] bf16 tensor, got {v.dtype} {shape}")
@@ -207,9 +220,10 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
             v[s:e], work.lane_power[s:e], lanes, red, s_lane, s_red, mn, WIDEN_FIX=widen_fix(),
             LB=_LANE_BLOCK, RB=_RED_BLOCK, num_warps=8)
     _equalizer_stats_kernel[(chunk,)](
-        work.lane_power, lane_energy, work.gain, work.ok, guard_trips if guard else work.ok, lanes, float(red),
+        work.lane_power, lane_energy, work.gain, work.ok, guard_trips if guard else work.ok,
+        active.reshape(-1) if active is not None else work.ok, lanes, float(red),
         GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2), LANE_ENERGY_FLOOR, GUARD=guard,
-        ROUND_FIX=round_fix(), SB=_STAT_BLOCK, num_warps=4)
+        ACTIVE=active is not None, ROUND_FIX=round_fix(), SB=_STAT_BLOCK, num_warps=4)
     for s, e in matrix_slices(chunk):
         _equalizer_apply_kernel[(nb, e - s)](
             v[s:e], work.gain[s:e], work.ok[s:e], mn, cols, lanes, LANE_IS_ROW=red_dim == -1, ROUND_FIX=round_fix(),
@@ -219,22 +233,30 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
 
 def equalize(v: Tensor, lane_energy: Tensor, *, beta2: float, red_dim: int | None = None,
              guard_trips: Tensor | None = None, compile: bool | None = None, fused: bool = False,
-             work: EqualizerWork | None = None, backend: str = "auto") -> Tensor:
+             work: EqualizerWork | None = None, active: Tensor | None = None, finite_only: bool = False,
+             backend: str = "auto") -> Tensor:
     """:func:`anvil_ref.equalizer.equalize` in place: equalize ``v`` ([chunk, rows, cols] bf16) and
     update ``lane_energy``; returns ``v``. ``red_dim``: the lane-reduction axis, by default
     :func:`anvil_ref.equalizer.reduction_axis` of ``v``'s shape (a bank passes the one it stored).
-    With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on. ``fused``:
-    the Triton kernels where they can run (:func:`anvil_fast._triton.use_triton`), with ``work`` as
-    their buffers (allocated here if not given; a CUDA graph wants them allocated once)."""
+    With ``guard_trips`` (an int32 tensor of one entry per matrix) the guard is on; ``finite_only``
+    narrows it to non-finite updates (the FAITHFUL configuration: the seed's arithmetic for every
+    finite update, and never a NaN or inf into the weights or the lane energy). ``active``: an int32
+    ``[chunk]`` device mask; an inactive matrix keeps its lane energy. ``fused``: the Triton kernels
+    where they can run (:func:`anvil_fast._triton.use_triton`), with ``work`` as their buffers
+    (allocated here if not given; a CUDA graph wants them allocated once)."""
     if red_dim is None:
         red_dim = reduction_axis(v.shape)
     if red_dim not in (-1, -2):
         raise ValueError(f"red_dim: expected -1 or -2, got {red_dim}")
-    if fused and use_triton(v, backend):
+    if fused and use_triton(v, backend) and not finite_only:
         if work is None:
             work = EqualizerWork.for_shape(tuple(v.shape), v.device, red_dim)
-        return _equalizer_fused(v, lane_energy, beta2, red_dim, guard_trips, work)
+        return _equalizer_fused(v, lane_energy, beta2, red_dim, guard_trips, work, active)
     c = want_compile(compile, v)
     if guard_trips is None:
+        if active is not None:
+            raise ValueError("equalize: active needs guard_trips (the masked form is the guarded one)")
         return maybe_compiled(_rail_equalizer, c)(v, lane_energy, float(beta2), red_dim)
-    return maybe_compiled(_guarded_equalizer, c)(v, lane_energy, float(beta2), red_dim, guard_trips)
+    act = None if active is None else active.reshape(v.shape[0], 1, 1)
+    return maybe_compiled(_guarded_equalizer, c)(v, lane_energy, float(beta2), red_dim, guard_trips,
+                                                 math.inf if finite_only else None, act)

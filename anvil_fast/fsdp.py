@@ -467,10 +467,16 @@ class FSDPAnvil(ANVIL):
             for n, _, first, count in b.plan.members:
                 if n == name:
                     st = self.local.inner.param_states[b.label]
+                    if "mantissa" in st:
+                        mantissa = st["mantissa"][first:first + count]
+                    else:  # a float32 matrix is its own master: its low halves, as a bf16 one's mantissa
+                        w = b.param.data.view(b.plan.n_pad, b.plan.rows, b.plan.cols)[first:first + count]
+                        mantissa = w.contiguous().view(torch.int16).view(*w.shape, 2)[..., 0].contiguous() \
+                            .view(torch.uint16)
                     return dict(fast_rail=st["velocity"][0, first:first + count],
                                 slow_rail=st["velocity"][1, first:first + count],
-                                lane_energy=st["lane_energy"][first:first + count],
-                                mantissa=st["mantissa"][first:first + count])
+                                lane_energy=st["lane_energy"][first:first + count], mantissa=mantissa,
+                                own_master="mantissa" not in st)
         raise KeyError(name)
 
     def _lane_shape(self, name: str) -> tuple[int, int, int]:
@@ -581,6 +587,8 @@ class FSDPAnvil(ANVIL):
         for n in self._local_mat:
             live = self._bank_slices(n)
             for f in fields:
+                if f == "mantissa" and live["own_master"]:
+                    continue  # pull_weights below reads the whole float32 master from the model
                 live[f].copy_(got[(n, f)].reshape(live[f].shape))
             live["lane_energy"].copy_(state[n]["lane_energy"])
         for n, _ in self._adam:

@@ -153,9 +153,9 @@ def step_tensors(opt) -> dict[str, torch.Tensor]:
     for label, bank in opt.banks.items():
         for k, v in bank.mutated().items():
             out[f"bank.{label}.{k}"] = v
-        out[f"bank.{label}.grad"] = bank.grad
-    for label, t in opt._fp32_bank_slices.items():
-        out[f"fp32_hi.{label}"] = t
+        if bank.grad is not None:
+            out[f"bank.{label}.grad"] = bank.grad
+    out["rail_step"] = opt.rail_step
     if opt.replicated is not None:
         for g in opt.replicated.groups:
             name = str(g.dtype).split(".")[-1]

@@ -79,7 +79,6 @@ from .bank_scalars import ADAM_COLUMNS, BankScalarStaging
 from .comms import DONE, Comms, Handle, resolve_comms
 from .replicated_adam import ReplicatedAdam
 from .transpose import transpose_add, transpose_copy
-from .update import join_fp32_, split_fp32_
 
 
 STATE_FORMAT = "anvil_fast.AnvilAndAdam/1"
@@ -239,9 +238,11 @@ def plan_rows(labels: Sequence[str], param_cfgs: Mapping[str, ParamConfig]) -> R
 
 # ====================================================================================== build
 def new_param_states(params: Mapping[str, Tensor], param_cfgs: Mapping[str, ParamConfig],
-                     device: torch.device) -> dict[str, dict[str, Any]]:
+                     device: torch.device, rails_dtype: torch.dtype = torch.float32) -> dict[str, dict[str, Any]]:
     """Zeroed optimizer state for this rank: Adam's moments (a chunk of a sharded parameter, the whole
-    of a replicated one); a bank's two rails, lane energy and mantissa for its chunk of matrices."""
+    of a replicated one); a bank's two rails (``rails_dtype``: fp32, or bf16 for the lean state) and
+    lane energy for its chunk of matrices, and for a bf16 bank the mantissa (the fp32 masters' low
+    halves; a float32 bank is its own master)."""
     states: dict[str, dict[str, Any]] = {}
     for label, cfg in param_cfgs.items():
         p = params[label]
@@ -252,9 +253,10 @@ def new_param_states(params: Mapping[str, Tensor], param_cfgs: Mapping[str, Para
         else:
             chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
             states[label] = dict(
-                velocity=torch.zeros((2, *chunk_shape), dtype=torch.float32, device=device),
-                lane_energy=torch.zeros(lane_energy_shape(chunk_shape), dtype=torch.float32, device=device),
-                mantissa=torch.zeros(chunk_shape, dtype=torch.uint16, device=device))
+                velocity=torch.zeros((2, *chunk_shape), dtype=rails_dtype, device=device),
+                lane_energy=torch.zeros(lane_energy_shape(chunk_shape), dtype=torch.float32, device=device))
+            if p.dtype != torch.float32:
+                states[label]["mantissa"] = torch.zeros(chunk_shape, dtype=torch.uint16, device=device)
     return states
 
 
@@ -287,7 +289,11 @@ class AnvilAndAdam:
                  adam_defaults: Mapping = ADAM_DEFAULTS, anvil_defaults: Mapping = ANVIL_DEFAULTS,
                  bank_update: Callable | None = None, *, comms: Comms | Any = None, check_finite: bool = False,
                  tie_embeddings: bool | None = None, allow_fp32_banks: bool = False, bank_config: Any = None,
-                 maps: Any = None):
+                 maps: Any = None, rails_dtype: torch.dtype = torch.float32, grad_in_place: bool = False):
+        if rails_dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"rails_dtype must be torch.float32 (the seed's rails) or torch.bfloat16 (the lean "
+                              f"state), got {rails_dtype!r}")
+        self.rails_dtype = rails_dtype
         self.comms = resolve_comms(comms)
         self.world_size, self.rank = self.comms.world_size, self.comms.rank
         self.adam_defaults, self.anvil_defaults = dict(adam_defaults), dict(anvil_defaults)
@@ -310,15 +316,16 @@ class AnvilAndAdam:
         self.adam_labels, self.adam_row = rows.adam_labels, rows.adam_row
         self.replicated_labels, self.bank_labels = rows.replicated_labels, rows.bank_labels
 
-        self.param_states = new_param_states(self.params, self.param_cfgs, self.device)
-        self._fp32_bank_slices: dict[str, Tensor] = {}
+        self.param_states = new_param_states(self.params, self.param_cfgs, self.device, rails_dtype)
+        #: 0-D int64: bank updates run so far (the lean rails' rounding draws its bits from it)
+        self.rail_step = torch.zeros((), dtype=torch.int64, device=self.device)
         self.replicated = ReplicatedAdam(
             [(l, self.params[l], self.param_states[l], self.adam_row[l]) for l in self.replicated_labels],
             self.device, self.comms) if self.replicated_labels else None
-        self._build_banks(bank_config, maps)
+        self._build_banks(bank_config, maps, grad_in_place)
         self._init_step_state()
 
-    def _build_banks(self, bank_config: Any, maps: Any) -> None:
+    def _build_banks(self, bank_config: Any, maps: Any, grad_in_place: bool = False) -> None:
         """One staging buffer for every device scalar, then each bank over the live state tensors."""
         self.staging = BankScalarStaging([self.param_cfgs[l].chunk_size for l in self.bank_labels],
                                          self.device, adam_rows=len(self.adam_labels))
@@ -334,15 +341,15 @@ class AnvilAndAdam:
             extra["maps"] = maps
         for i, label in enumerate(self.bank_labels):
             cfg = self.param_cfgs[label]
-            chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
-            if self.params[label].dtype == torch.float32:
-                self._fp32_bank_slices[label] = torch.empty(chunk_shape, dtype=torch.bfloat16, device=self.device)
             live = self.live_bank_state(label)
-            self.banks[label] = AnvilBank.create(
+            bank = AnvilBank.create(
                 label, live["p_slice"], beta2=cfg.beta2, velocity=live["velocity"],
-                lane_energy=live["lane_energy"], mantissa=live["mantissa"],
-                grad=torch.zeros(chunk_shape, dtype=torch.bfloat16, device=self.device),
-                scalars=self.staging.scalars(i), eff_lr=self.staging.eff_lr(i), **extra)
+                lane_energy=live["lane_energy"], mantissa=live.get("mantissa"), scalars=self.staging.scalars(i),
+                eff_lr=self.staging.eff_lr(i), rails_dtype=self.rails_dtype,
+                persistent_workspace=not grad_in_place, grad_buffer=not grad_in_place, **extra)
+            bank.rail_step = self.rail_step
+            bank.first = self.rank * cfg.chunk_size
+            self.banks[label] = bank
 
     def _init_step_state(self) -> None:
         """The rails before :meth:`set_rails`, and the per-step caches (host tables, index maps)."""
@@ -376,10 +383,10 @@ class AnvilAndAdam:
         """The bank's state tensors as the live optimizer and parameter hold them now (the one
         definition both the bank and the CUDA graphs' address check use)."""
         st = self.param_states[label]
-        p_slice = self._fp32_bank_slices.get(label)
-        if p_slice is None:
-            p_slice = self._param_shard(label)
-        return dict(velocity=st["velocity"], lane_energy=st["lane_energy"], mantissa=st["mantissa"], p_slice=p_slice)
+        out = dict(velocity=st["velocity"], lane_energy=st["lane_energy"], p_slice=self._param_shard(label))
+        if "mantissa" in st:
+            out["mantissa"] = st["mantissa"]
+        return out
 
     def set_rails(self, fast_beta: float, fast_weight: float) -> None:
         """The fast rail's beta and its weight in the twin-rail blend, for the following steps."""
@@ -539,12 +546,7 @@ class AnvilAndAdam:
     def _anvil_update(self, label: str, grad_chunk: Tensor, bank_update: Callable) -> None:
         bank = self.banks[label]
         assert grad_chunk is bank.grad
-        fp32_slice = self._fp32_bank_slices.get(label)
-        if fp32_slice is not None:
-            split_fp32_(self._param_shard(label), fp32_slice, bank.mantissa)
         bank_update(bank)
-        if fp32_slice is not None:
-            join_fp32_(fp32_slice, bank.mantissa, self._param_shard(label))
 
     @torch.no_grad()
     def adam_update_shard(self, param: Tensor, grad_chunk: Tensor) -> None:
@@ -671,6 +673,9 @@ class AnvilAndAdam:
                 lm_gather = g
             else:
                 gathers.append(g)
+
+        if self.rails_dtype == torch.bfloat16 and any(l in self.banks for l in plan.read):
+            self.rail_step.add_(1)  # the lean rails' next rounding draws new bits
 
         # ---- phase 3: lm_head's gather, the tied copy, the sparse finish, the other gathers
         if lm_gather is not None:
@@ -828,9 +833,10 @@ class AnvilAndAdam:
         for label in self.bank_labels:
             st = self.param_states[label]
             st["velocity"].zero_()
-            st["mantissa"].zero_()
             st["lane_energy"].zero_()
-            if self.params[label].dtype == torch.float32:
+            if "mantissa" in st:
+                st["mantissa"].zero_()
+            else:
                 self.params[label].data.view(torch.int32).bitwise_and_(-65536)  # 0xFFFF0000
 
     # ------------------------------------------------------------------ checkpoints
@@ -846,7 +852,8 @@ class AnvilAndAdam:
         pending = {l: c(self.params[l].grad) for l in self.adam_labels if self.params[l].grad is not None}
         return dict(format=STATE_FORMAT, world_size=self.world_size, rank=self.rank, labels=list(self.labels),
                     state=state, param_cfgs={l: _plain_cfg(cfg) for l, cfg in self.param_cfgs.items()},
-                    rails=(self.fast_beta, self.fast_weight), split_embed=self.split_embed, pending_grads=pending)
+                    rails=(self.fast_beta, self.fast_weight), split_embed=self.split_embed, pending_grads=pending,
+                    rail_step=c(self.rail_step))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -861,8 +868,14 @@ class AnvilAndAdam:
                               f"{self.rank} of {self.world_size} (sharded state is per rank)")
         if list(sd["labels"]) != self.labels:
             raise ConfigError(f"state dict labels {sd['labels']} differ from this optimizer's {self.labels}")
+        state = {}
         for label, st in sd["state"].items():
             live = self.param_states[label]
+            if "mantissa" in st and "mantissa" not in live:
+                # a float32 bank saved with a mantissa: it held the parameter's own low halves, which
+                # the parameter (its own master now) still has
+                st = {k: v for k, v in st.items() if k != "mantissa"}
+            state[label] = st
             if set(st) != set(live):
                 raise ConfigError(f"{label}: state keys {sorted(st)} differ from {sorted(live)}")
             for k, v in st.items():
@@ -879,7 +892,7 @@ class AnvilAndAdam:
             if label not in self.adam_labels or tuple(g.shape) != tuple(self.params[label].shape):
                 raise ConfigError(f"pending gradient {label!r}: not an Adam parameter of this shape")
         # ---- write
-        for label, st in sd["state"].items():
+        for label, st in state.items():
             live = self.param_states[label]
             for k, v in st.items():
                 if isinstance(live[k], Tensor):
@@ -893,6 +906,8 @@ class AnvilAndAdam:
                 if k in names:
                     setattr(cfg, k, frozenset(v) if k == "frozen_matrices" else (tuple(v) if isinstance(v, list) else v))
         self.fast_beta, self.fast_weight = (float(x) for x in sd["rails"])
+        if "rail_step" in sd:
+            self.rail_step.copy_(torch.as_tensor(sd["rail_step"]))
         self.split_embed = bool(sd["split_embed"])
         for label in self.adam_labels:
             p = self.params[label]

@@ -81,17 +81,31 @@ def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
     l_.copy_(lo.view(torch.int16))
 
 
-def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
-                               gate_src: Tensor) -> None:
-    update = update.float()
+def _decayed(w: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor, gate_src: Tensor) -> Tensor:
+    """W' from the fp32 master W, in the seed's order of operations."""
     wd_factor = wd_tensor.to(torch.float32)
     lr_factor = lr_tensor.to(torch.float32)
-    w = join_fp32(p16, m16)
     aligned = (gate_src.float() * w) >= 0
-    w_new = w - (w * aligned * wd_factor * lr_factor) - (update * lr_factor)
+    return w - (w * aligned * wd_factor * lr_factor) - (update.float() * lr_factor)
+
+
+def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
+                               gate_src: Tensor, active: Tensor | None = None) -> None:
+    w = join_fp32(p16, m16)
+    w_new = _decayed(w, update, wd_tensor, lr_tensor, gate_src)
+    if active is not None:
+        w_new = torch.where(active != 0, w_new, w)
     hi, lo = split_fp32(w_new)
     p16.copy_(hi)
     m16.copy_(lo)
+
+
+def _sign_aligned_decay_update_fp32(w32: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
+                                    gate_src: Tensor, active: Tensor | None = None) -> None:
+    # The same expression on the float32 master itself: the bf16 + mantissa form's join and split
+    # are exact bit copies, so both write the same bits; this one skips the two passes over halves.
+    w_new = _decayed(w32, update, wd_tensor, lr_tensor, gate_src)
+    w32.copy_(w_new if active is None else torch.where(active != 0, w_new, w32))
 
 
 def _int16_view(t: Tensor, name: str) -> Tensor:
@@ -100,16 +114,26 @@ def _int16_view(t: Tensor, name: str) -> Tensor:
     return t.view(torch.int16)
 
 
-def sign_aligned_update(p: Tensor, mantissa: Tensor, update: Tensor, *, gate: Tensor, eff_lr: Tensor, eff_wd: Tensor,
-                        compile: bool | None = None) -> None:
-    """:func:`anvil_ref.update.sign_aligned_update` in place on ``p`` (the bf16 parameter slice, or
-    its uint16 view) and ``mantissa`` (uint16), which together hold the fp32 master ``W``:
-    ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr``. ``eff_wd`` is a 0-D fp32 tensor,
-    ``eff_lr`` ``[chunk, 1, 1]`` fp32, ``gate`` fp32 like ``p``. The gate and the two rates are
-    keyword-only: each pair has the same type, so a positional swap would run and be wrong."""
-    if p.shape != mantissa.shape or p.shape != update.shape or p.shape != gate.shape:
-        raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa {tuple(mantissa.shape)}, "
-                         f"update {tuple(update.shape)}, gate {tuple(gate.shape)}")
+def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, gate: Tensor, eff_lr: Tensor,
+                        eff_wd: Tensor, active: Tensor | None = None, compile: bool | None = None) -> None:
+    """:func:`anvil_ref.update.sign_aligned_update` in place on the fp32 master ``W``:
+    ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr``. The master is either ``p`` itself
+    (a float32 parameter slice, ``mantissa=None``) or the pair ``p`` (the bf16 parameter slice, or
+    its uint16 view) + ``mantissa`` (uint16, the low halves: the seed's storage). ``eff_wd`` is a
+    0-D fp32 tensor, ``eff_lr`` ``[chunk, 1, 1]`` fp32, ``gate`` fp32 like ``p``. ``active``: an
+    optional ``[chunk, 1, 1]`` int32 device mask; a matrix whose entry is 0 keeps its master bit
+    for bit (a member without a gradient, or a step the device refused). The gate and the two
+    rates are keyword-only: each pair has the same type, so a positional swap would run and be
+    wrong."""
+    if p.shape != update.shape or p.shape != gate.shape or (mantissa is not None and p.shape != mantissa.shape):
+        raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa "
+                         f"{None if mantissa is None else tuple(mantissa.shape)}, update {tuple(update.shape)}, "
+                         f"gate {tuple(gate.shape)}")
+    c = want_compile(compile, p)
+    if mantissa is None:
+        if p.dtype != torch.float32:
+            raise ValueError(f"p: without a mantissa the master must be the float32 parameter itself, got {p.dtype}")
+        maybe_compiled(_sign_aligned_decay_update_fp32, c)(p, update, eff_wd, eff_lr, gate, active)
+        return
     p16, m16 = _int16_view(p, "p"), _int16_view(mantissa, "mantissa")
-    fn = maybe_compiled(_sign_aligned_decay_update, want_compile(compile, p))
-    fn(p16, m16, update, eff_wd, eff_lr, gate)
+    maybe_compiled(_sign_aligned_decay_update, c)(p16, m16, update, eff_wd, eff_lr, gate, active)

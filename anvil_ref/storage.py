@@ -102,3 +102,52 @@ def store(master64: Any) -> Halves:
     r = round_to_fp32(master64)
     halves = split_fp32(r)
     return Halves(_out(halves.hi, master64), _out(halves.lo, master64))
+
+
+# ---------------------------------------------------------------------------------------------- lean rails
+# The opt-in lean state stores the two rails in bf16. Each rail update is computed in fp32 (as the
+# fp32 rails are) and rounded to bf16 *stochastically*: up with probability equal to the dropped
+# fraction of an ulp, so the stored rail is an unbiased estimate of the fp32 one. Round-to-nearest
+# would be biased where it matters: the slow rail's step ``(1 - 0.98) * (g - v)`` falls below half a
+# bf16 ulp of ``v`` (2**-9 relative) whenever ``|g - v| < 0.1 |v|``, and every such step would be
+# dropped, freezing the rail. The random bits are a hash of (step, salt, element index), not a
+# generator's state: every device, every sharding and every replay draws the same bits.
+
+#: Multiplier of the step in the per-step key (the golden ratio's 32-bit constant).
+RAIL_KEY_MULTIPLIER = 0x9E3779B9
+
+
+def hash32(x: Any) -> np.ndarray:
+    """A 32-bit integer mixer (lowbias32): ``x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15;
+    x *= 0x846ca68b; x ^= x >> 16``, all modulo 2**32, on uint32 arrays (a bijection of uint32)."""
+    x = np.asarray(x, dtype=np.uint64) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(16)
+    return x.astype(np.uint32)
+
+
+def rail_random_bits(*, step: int, salt: int, index: Any) -> np.ndarray:
+    """The 16 random bits of element ``index`` (its position in its bank, an integer array) at
+    ``step`` (the optimizer's taken-step count) for rail ``salt``:
+    ``hash32(index ^ hash32(step * RAIL_KEY_MULTIPLIER + salt)) & 0xFFFF`` (mod 2**32)."""
+    key = hash32((int(step) * RAIL_KEY_MULTIPLIER + int(salt)) & 0xFFFFFFFF)
+    idx = np.asarray(index, dtype=np.uint64) & np.uint64(0xFFFFFFFF)
+    return (hash32(idx ^ key.astype(np.uint64)) & np.uint32(0xFFFF)).astype(np.uint32)
+
+
+def stochastic_round_bf16(x: Any, *, step: int, salt: int, index: Any) -> Any:
+    """``x`` (float32) rounded to bf16 stochastically (returned as float32 values): add the 16
+    random bits of :func:`rail_random_bits` to the fp32 bit pattern and clear the low half. For a
+    finite ``x`` between two bf16 neighbours this rounds away from zero with probability equal to
+    ``x``'s distance from the lower-magnitude neighbour in units of their gap (sign and magnitude
+    are separate fields, so the carry always moves the magnitude up), hence ``E[round(x)] = x``."""
+    a = _f32(x, "x")
+    bits = a.view(np.uint32).astype(np.uint64)
+    r = rail_random_bits(step=step, salt=salt, index=index).astype(np.uint64)
+    if r.shape != bits.shape:
+        r = np.broadcast_to(r, bits.shape)
+    out = (((bits + r) & np.uint64(0xFFFF0000)) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return _out(out.view(np.float32), x)

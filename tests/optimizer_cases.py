@@ -202,7 +202,8 @@ def eager_bank_update(bank) -> None:
     bank.velocity[1].copy_(v1)
     bank.lane_energy.copy_(e)
     bank.p_slice.copy_(p)
-    bank.mantissa.copy_(m)
+    if m is not None:
+        bank.mantissa.copy_(m)
 
 
 def adam_terms(cfg, p_old: np.ndarray, g: np.ndarray, m_old: np.ndarray, v_old: np.ndarray, step: int) -> np.ndarray:

@@ -180,8 +180,12 @@ def test_compiled_cpu_smoke_and_scalars_do_not_recompile():
 
 
 def test_create_checks_its_input():
-    with pytest.raises(ValueError, match="bf16"):
-        AnvilBank.create("x", torch.zeros(2, 4, 4), beta2=0.9)
+    with pytest.raises(ValueError, match="bf16 or float32"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4, dtype=torch.float64), beta2=0.9)
+    with pytest.raises(ValueError, match="own master"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4), beta2=0.9, mantissa=torch.zeros(2, 4, 4, dtype=torch.uint16))
+    with pytest.raises(ValueError, match="rails_dtype"):
+        AnvilBank.create("x", torch.zeros(2, 4, 4), beta2=0.9, rails_dtype=torch.float16)
     with pytest.raises(ValueError, match="contiguous"):
         AnvilBank.create("x", torch.zeros(2, 4, 6, dtype=torch.bfloat16).mT, beta2=0.9)
     with pytest.raises(ValueError, match="velocity"):
