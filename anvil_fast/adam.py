@@ -103,6 +103,78 @@ if triton is not None:
         tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
 
 
+    @triton.jit
+    def _adam_table_kernel(blocks_ptr, addr_ptr, gaddr_ptr, meta_ptr, table_ptr, BF16_P: tl.constexpr,
+                           ROUND_FIX: tl.constexpr, BLOCK: tl.constexpr):
+        # Many parameters in one launch: program i updates block blocks[i, 1] of parameter
+        # j = blocks[i, 0], whose parameter and moments are at the addresses addr[j, 0:3], its
+        # gradient at gaddr[j], its element count and table row meta[j]. A gradient address of 0 (no
+        # gradient this step) leaves the parameter and its moments untouched, as an inactive row does.
+        j = tl.load(blocks_ptr + 2 * tl.program_id(0)).to(tl.int64)
+        blk = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1).to(tl.int64)
+        n = tl.load(meta_ptr + 2 * j).to(tl.int64)
+        row = tl.load(meta_ptr + 2 * j + 1).to(tl.int64)
+        g_addr = tl.load(gaddr_ptr + j)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        mask = (offs < n) & (offs * 0 + g_addr != 0)
+        if BF16_P:
+            p_ptr = tl.load(addr_ptr + 3 * j).to(tl.pointer_type(tl.bfloat16))
+            g_ptr = g_addr.to(tl.pointer_type(tl.bfloat16))
+        else:
+            p_ptr = tl.load(addr_ptr + 3 * j).to(tl.pointer_type(tl.float32))
+            g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(addr_ptr + 3 * j + 1).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(addr_ptr + 3 * j + 2).to(tl.pointer_type(tl.float32))
+        t = table_ptr + row * 8
+        beta1 = tl.load(t + 0)
+        omb1 = tl.load(t + 1)
+        beta2 = tl.load(t + 2)
+        omb2 = tl.load(t + 3)
+        eps = tl.load(t + 4)
+        step_size = tl.load(t + 5)
+        eff_wd = tl.load(t + 6)
+        active = tl.load(t + 7)
+        p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        p = p_raw.to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m_new = m * beta1 + g * omb1
+        v_new = v * beta2 + g * g * omb2
+        u = tl.div_rn(m_new, tl.sqrt_rn(v_new) + eps) * step_size
+        u = u + tl.where(u * p > 0, p * eff_wd, 0.0)
+        p_new = p - u
+        keep = active > 0
+        tl.store(m_ptr + offs, tl.where(keep, m_new, m), mask=mask)
+        tl.store(v_ptr + offs, tl.where(keep, v_new, v), mask=mask)
+        if BF16_P:
+            p_out = to_bf16(p_new, ROUND_FIX)
+        else:
+            p_out = p_new.to(p_raw.dtype)
+        tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
+
+
+def adam_block_table(numels: list[int], rows: list[int], device) -> tuple[Tensor, Tensor]:
+    """The launch tables of :func:`adam_table_`: ``blocks`` (int32 [total blocks, 2]: parameter,
+    block) and ``meta`` (int64 [parameters, 2]: element count, table row), built once."""
+    blocks = [(j, b) for j, n in enumerate(numels) for b in range(-(-n // BLOCK))]
+    return (torch.tensor(blocks or [(0, 0)], dtype=torch.int32, device=device).reshape(-1, 2),
+            torch.tensor(list(zip(numels, rows)), dtype=torch.int64, device=device).reshape(-1, 2))
+
+
+def adam_table_(blocks: Tensor, addresses: Tensor, grad_addresses: Tensor, meta: Tensor, table: Tensor, *,
+                bf16: bool) -> None:
+    """Adam on many parameters of one dtype in one launch, each read and written where it lives:
+    ``addresses`` (int64 ``[parameters, 3]``: parameter, exp_avg, exp_avg_sq) and
+    ``grad_addresses`` (int64 ``[parameters]``; 0: no gradient this step) are device tables; the
+    same update as :func:`adam_update_`, each parameter's scalars from its ``table`` row. Triton
+    only (CUDA, or the interpreter)."""
+    if not use_triton(blocks, "triton"):
+        raise ValueError("adam_table_ needs Triton (CUDA, or TRITON_INTERPRET=1)")
+    _adam_table_kernel[(blocks.shape[0],)](blocks, addresses, grad_addresses, meta, table, BF16_P=bool(bf16),
+                                          ROUND_FIX=round_fix(), BLOCK=BLOCK)
+
+
 def _check(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> None:
     for name, x in (("grad", g), ("exp_avg", m), ("exp_avg_sq", v)):
         if x.numel() != p.numel():
@@ -166,4 +238,4 @@ def fused_adam_(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segme
         adam_torch_(p, g, exp_avg, exp_avg_sq, [per_elem[:, k] for k in range(N_COLS)])
 
 
-__all__ = ["adam_row", "adam_update_", "fused_adam_", "adam_torch_", "N_COLS"]
+__all__ = ["adam_row", "adam_update_", "fused_adam_", "adam_torch_", "adam_table_", "adam_block_table", "N_COLS"]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -390,6 +391,16 @@ def register_dtensor_path(cls: type) -> None:
     _DTENSOR_PATH[:] = [cls]
 
 
+def default_grad_read(device: torch.device, bank_config: Any) -> str:
+    """How a one-process step reads the gradients by default: in place where the bank update's
+    rails are the Triton kernel (SAFE and GRAM_SIDE on CUDA), else through the banks' buffers."""
+    from ._triton import triton_available
+    from .cascade import DEFAULT_CONFIG, get_config
+
+    cfg = DEFAULT_CONFIG if bank_config is None else get_config(bank_config)
+    return "in_place" if device.type == "cuda" and triton_available() and cfg.triton_elementwise else "buffers"
+
+
 class ANVIL(torch.optim.Optimizer):
     """ANVIL for the hidden matrices + Adam for everything else, for any model.
 
@@ -548,7 +559,7 @@ class ANVIL(torch.optim.Optimizer):
                  head_names: Sequence[str] = HEAD_NAMES, split_rows: Mapping[str, int] | None = None,
                  nonfinite: str = "skip", shard_min_numel: int = 1 << 16, comms: Any = None,
                  bank_config: Any = None, maps: Any = None, cuda_graphs: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, rails_dtype: torch.dtype = torch.float32, grad_read: str | None = None):
         anvil_group = dict(kind="anvil", lr=lr, momentum=momentum, fast_beta=fast_beta, fast_weight=fast_weight,
                            beta2=beta2, weight_decay=weight_decay)
         adam_group = dict(kind="adam", lr=adam_lr, betas=tuple(float(b) for b in adam_betas), eps=adam_eps,
@@ -564,6 +575,13 @@ class ANVIL(torch.optim.Optimizer):
             raise ValueError(f"lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {lr_scale!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if rails_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"rails_dtype must be torch.float32 (default) or torch.bfloat16 (the lean state), got "
+                             f"{rails_dtype!r}")
+        from .device_step import GRAD_READS
+
+        if grad_read is not None and grad_read not in GRAD_READS:
+            raise ValueError(f"grad_read must be None or one of {GRAD_READS}, got {grad_read!r}")
 
         named, owners = named_parameters_of(params)
         if not named:
@@ -583,13 +601,23 @@ class ANVIL(torch.optim.Optimizer):
                            shard_min_numel=shard_min_numel)
         self._banks = build_banks(plan, device)
         self._adam_named = [(n, p) for n, p, _ in plan.adam]
+        engine = self.comms.world_size == 1
+        if engine and grad_read is None:
+            grad_read = default_grad_read(device, bank_config)
+        elif not engine and grad_read == "in_place":
+            raise ValueError("grad_read='in_place' is the one-process step's; on several ranks every gradient is "
+                             "reduced into the banks' buffers")
+        self.grad_read = grad_read if engine else "buffers"
         self.inner = self._build_inner(plan, anvil_group, adam_group, lr_scale=lr_scale, bank_config=bank_config,
-                                       maps=maps, compile=compile)
+                                       maps=maps, compile=compile, rails_dtype=rails_dtype,
+                                       grad_in_place=self.grad_read == "in_place")
         self.plan: list[PlanEntry] = plan.entries
         self.rails, self.total_steps, self.nonfinite = rails, total_steps, nonfinite
         self._slots = None
-        self.taken_steps = 0  #: steps taken (the rails' t)
-        self.skipped_steps = 0  #: steps skipped for non-finite gradients
+        self._engine = None  #: the one-process, device-decided step (anvil_fast.device_step)
+        self._taken = 0
+        self._skipped = 0
+        self._hyper_key = None
 
         groups = []
         bank_params = [p for b in self._banks for _, p, _, _ in b.plan.members]
@@ -608,11 +636,14 @@ class ANVIL(torch.optim.Optimizer):
             warnings.warn("ANVIL: no parameter was banked, so every parameter trains with Adam and lr= changes "
                           "nothing; see opt.describe() for each parameter's route and pass anvil=[names] to bank "
                           "matrices", UserWarning, stacklevel=2)
-        self._use_cuda_graphs(cuda_graphs, device)
+        if engine:
+            self._build_engine(cuda_graphs, device)
+        else:
+            self._use_cuda_graphs(cuda_graphs, device)
 
     # ------------------------------------------------------------------ construction helpers
     def _build_inner(self, plan: Plan, anvil_group: dict, adam_group: dict, *, lr_scale: str, bank_config,
-                     maps, compile) -> AnvilAndAdam:
+                     maps, compile, rails_dtype=torch.float32, grad_in_place: bool = False) -> AnvilAndAdam:
         table: dict[str, dict] = {}
         for b in plan.banks:
             table[b.label] = {"optim": "anvil", "comms": "sharded", "reshape": (b.n_pad, b.rows, b.cols),
@@ -635,7 +666,7 @@ class ANVIL(torch.optim.Optimizer):
         adam_defaults = {k: adam_group[k] for k in ("lr", "eps", "weight_decay")}
         return AnvilAndAdam(named, table, order, order, adam_defaults, anvil_defaults, bank_update,
                             comms=self.comms, check_finite=False, tie_embeddings=False, allow_fp32_banks=True,
-                            bank_config=bank_config, maps=maps)
+                            bank_config=bank_config, maps=maps, rails_dtype=rails_dtype, grad_in_place=grad_in_place)
 
     def _local_slots(self, bank: Bank, first: int, count: int) -> slice:
         """A member's matrices within this rank's chunk of the bank's state."""
@@ -659,12 +690,38 @@ class ANVIL(torch.optim.Optimizer):
                 self.state[p] = _StateView(lambda views=views: dict(views))
         for name, p in self._adam_named:
             st = self.inner.param_states[name]
-            self.state[p] = _StateView(lambda st=st: dict(step=st["step"], exp_avg=st["exp_avg"],
-                                                          exp_avg_sq=st["exp_avg_sq"]))
+            self.state[p] = _StateView(lambda st=st, name=name: dict(step=self._adam_step(name), exp_avg=st["exp_avg"],
+                                                                     exp_avg_sq=st["exp_avg_sq"]))
+
+    def _adam_step(self, name: str):
+        """An Adam parameter's step count (in the one-process step, a 0-D view of the device's)."""
+        return self.inner.param_states[name]["step"]
 
     def _record_storage(self) -> None:
         self._storage = [(n, p, p.data_ptr(), p.dtype, p.device) for b in self._banks for n, p, _, _ in b.plan.members]
         self._storage += [(n, p, p.data_ptr(), p.dtype, p.device) for n, p in self._adam_named]
+
+    def _build_engine(self, flag: bool | None, device: torch.device) -> None:
+        """The one-process step (:class:`~anvil_fast.device_step.DeviceStep`): graphs where capture is
+        valid (``cuda_graphs`` as in the class docstring)."""
+        from .device_step import DeviceStep
+        from .graphs import capture_unsupported_reason
+
+        graphs = False
+        if flag is True or (flag is None and device.type == "cuda"):
+            reason = capture_unsupported_reason(self.inner)
+            if reason is None:
+                graphs = True
+            elif flag:
+                raise ValueError(f"cuda_graphs=True: {reason}")
+            else:
+                warnings.warn(f"ANVIL: CUDA graphs are off ({reason}); the step runs eagerly", UserWarning,
+                              stacklevel=3)
+        record = None
+        if self.rails == "record":
+            record = np.array([tuple(rail_scalars(t, self.total_steps)) for t in range(self.total_steps)],
+                              dtype=np.float64).astype(np.float32)
+        self._engine = DeviceStep(self, grad_read=self.grad_read, cuda_graphs=graphs, record=record)
 
     def _use_cuda_graphs(self, flag: bool | None, device: torch.device) -> None:
         """Replay each step's device part as one CUDA graph (:class:`~anvil_fast.graphs.StepGraph`,
@@ -686,6 +743,35 @@ class ANVIL(torch.optim.Optimizer):
             raise ValueError("ANVIL plans its parameter groups once, at construction (banks are views of the "
                              "parameters); build a new ANVIL over every parameter instead of add_param_group")
         super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def taken_steps(self) -> int:
+        """Steps taken (the record rails' t). On CUDA reading it waits for the device."""
+        return self._engine.counts()[0] if self._engine is not None else self._taken
+
+    @taken_steps.setter
+    def taken_steps(self, v: int) -> None:
+        if self._engine is not None:
+            self._engine.set_counts(int(v), self.skipped_steps)
+        else:
+            self._taken = int(v)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients. On CUDA reading it waits for the device and
+        reports (warns about) the skips not reported yet."""
+        if self._engine is None:
+            return self._skipped
+        self._report(wait=True, stacklevel=3)
+        return self._engine.counts()[1]
+
+    @skipped_steps.setter
+    def skipped_steps(self, v: int) -> None:
+        if self._engine is not None:
+            self._engine.set_counts(self._engine.counts()[0], int(v))
+        else:
+            self._skipped = int(v)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -726,6 +812,9 @@ class ANVIL(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_storage()
+        if self._engine is not None:
+            self._engine_step()
+            return loss
         read, without_grad = self._collect_gradients()
         # the verdict's kernels are launched first and read last: the host prepares the step while
         # the device checks, so the one host sync waits on little but those kernels
@@ -737,8 +826,77 @@ class ANVIL(torch.optim.Optimizer):
         saved = self._save_members(without_grad)
         self.inner.run_prepared(prepared)  # one graph replay where captured; .grad is not read
         self._restore_members(saved)
-        self.taken_steps += 1
+        self._taken += 1
         return loss
+
+    def _engine_step(self) -> None:
+        """The one-process step: the host part (hyper-parameters when they changed, the record
+        schedule's end) and the device part (:class:`~anvil_fast.device_step.DeviceStep`)."""
+        eng = self._engine
+        self._report(wait=False, stacklevel=4)
+        if self.rails == "record" and self._host_taken() >= self.total_steps:
+            self._report(wait=True, stacklevel=4)
+            if eng.counts()[0] >= self.total_steps:
+                raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and all "
+                                 f"were taken; build the optimizer with a larger total_steps")
+        key = tuple(v for g in self.param_groups for k, v in g.items() if k != "params")
+        if self.rails == "record" or key != self._hyper_key:
+            self._apply_hyperparameters()
+            eng.set_hyper(self._hyper_values())
+            self._hyper_key = tuple(v for g in self.param_groups for k, v in g.items() if k != "params")
+        if not eng.step():
+            return  # no parameter has a gradient: nothing ran, nothing counted
+        if self.nonfinite == "raise" or not eng.cuda:
+            self._report(wait=True, stacklevel=4)
+
+    def _host_taken(self) -> int:
+        """The host's count of taken steps without waiting: exact once every step was reported
+        (always on the CPU); on CUDA a skip not reported yet counts as taken here."""
+        eng = self._engine
+        return int(eng.seen[0]) + (eng.attempted - int(eng.seen[0] + eng.seen[1]))
+
+    def _hyper_values(self) -> list[float]:
+        """The inbox's hyper-parameters (:data:`anvil_fast.device_step.HYPER`) from the groups."""
+        vals = [0.0] * 10
+        for g in self.param_groups:
+            if g["kind"] == "anvil":
+                mom = float(g["momentum"])
+                vals[0:5] = [float(g["lr"]), mom, mom if g["fast_beta"] is None else float(g["fast_beta"]),
+                             float(g["fast_weight"]), float(g["weight_decay"])]
+            else:
+                vals[5:10] = [float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                              float(g["weight_decay"])]
+        return vals
+
+    def _report(self, *, wait: bool, stacklevel: int) -> None:
+        """Warn about (or, ``nonfinite="raise"``, raise for) what the device refused in steps not
+        reported yet: skipped steps (non-finite gradients) and refused matrix updates."""
+        eng = self._engine
+        if eng is None:
+            return
+        news = eng.news(wait)
+        if news is None:
+            return
+        skipped, names, refused = news
+        if skipped:
+            more = f" ({skipped} step(s) since the last report)" if skipped > 1 else ""
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}{more}; nothing "
+                                             "was updated")
+            warnings.warn(f"ANVIL: step skipped for every parameter: non-finite gradient (NaN or inf) in "
+                          f"{', '.join(names)}{more} ({int(eng.seen[1])} step(s) skipped so far)",
+                          NonFiniteGradientWarning, stacklevel=stacklevel)
+        if refused:
+            from .device_step import NonFiniteUpdateError, NonFiniteUpdateWarning
+
+            cfg = next(iter(self.inner.banks.values())).config.name
+            what = ", ".join(f"{label}: {k} matrix update(s)" for label, k in refused.items())
+            msg = (f"ANVIL ({cfg} configuration): {what} came out non-finite"
+                   f"{' or exploded' if cfg != 'faithful' else ''} and were not applied (those matrices kept their "
+                   "weights; their rails took the step)")
+            if self.nonfinite == "raise":
+                raise NonFiniteUpdateError(msg)
+            warnings.warn(msg, NonFiniteUpdateWarning, stacklevel=stacklevel)
 
     def _check_storage(self) -> None:
         stale = [(name, p, dtype, device) for name, p, ptr, dtype, device in self._storage
@@ -823,9 +981,9 @@ class ANVIL(torch.optim.Optimizer):
         if self.nonfinite == "raise":
             raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}{where}; nothing "
                                          "was updated")
-        self.skipped_steps += 1
+        self._skipped += 1
         warnings.warn(f"ANVIL: step skipped for every parameter: non-finite gradient (NaN or inf) in "
-                      f"{', '.join(names)}{where} ({self.skipped_steps} step(s) skipped so far)",
+                      f"{', '.join(names)}{where} ({self._skipped} step(s) skipped so far)",
                       NonFiniteGradientWarning, stacklevel=stacklevel)
 
     def _nonfinite_names(self) -> list[str]:
@@ -843,7 +1001,7 @@ class ANVIL(torch.optim.Optimizer):
         optimizer (checked before anything is written)."""
         for g in self.param_groups:
             if g["kind"] == "anvil" and self.rails == "record":
-                t = self.taken_steps
+                t = self._host_taken() if self._engine is not None else self._taken
                 if t >= self.total_steps:
                     raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and "
                                      f"all were taken; build the optimizer with a larger total_steps")
@@ -915,8 +1073,12 @@ class ANVIL(torch.optim.Optimizer):
                 p.grad = kept[n]
         for g, saved in zip(self.param_groups, groups):
             g.update(saved)
-        self.taken_steps = int(state_dict["taken_steps"])
-        self.skipped_steps = int(state_dict["skipped_steps"])
+        if self._engine is not None:
+            self._engine.set_counts(int(state_dict["taken_steps"]), int(state_dict["skipped_steps"]))
+            self._hyper_key = None
+        else:
+            self._taken = int(state_dict["taken_steps"])
+            self._skipped = int(state_dict["skipped_steps"])
 
 
 # ANVIL defines __new__ (the FSDP2 dispatch), which inspect.signature(ANVIL) would report instead

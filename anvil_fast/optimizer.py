@@ -879,6 +879,8 @@ class AnvilAndAdam:
             if set(st) != set(live):
                 raise ConfigError(f"{label}: state keys {sorted(st)} differ from {sorted(live)}")
             for k, v in st.items():
+                if k == "step":  # an int, or a 0-D tensor (the one-process step keeps it on the device)
+                    continue
                 if isinstance(live[k], Tensor) and (tuple(v.shape) != tuple(live[k].shape) or v.dtype != live[k].dtype):
                     raise ConfigError(f"{label}.{k}: saved {tuple(v.shape)} {v.dtype}, live "
                                       f"{tuple(live[k].shape)} {live[k].dtype}")
@@ -896,9 +898,9 @@ class AnvilAndAdam:
             live = self.param_states[label]
             for k, v in st.items():
                 if isinstance(live[k], Tensor):
-                    live[k].copy_(v)
+                    live[k].copy_(torch.as_tensor(v))
                 else:
-                    live[k] = v
+                    live[k] = int(v) if k == "step" else v
         names = {f.name for f in fields(ParamConfig)}
         for label, f in sd["param_cfgs"].items():
             cfg = self.param_cfgs[label]

@@ -109,7 +109,7 @@ def _rails_lookahead_masked(grad: Tensor, velocity: Tensor, momentum_t: Tensor, 
     v1 = v1_old.lerp(g, 1 - RAIL_SLOW_BETA)
     w = fast_weight_t.to(g.dtype)
     x = g.lerp(w * v0 + (1 - w) * v1, momentum)
-    if sr_step is None:
+    if index is None:  # fp32 rails
         velocity[0].copy_(torch.where(on, v0, v0_old))
         velocity[1].copy_(torch.where(on, v1, v1_old))
     else:
@@ -236,7 +236,9 @@ def _rails_fused(grad: Tensor | None, velocity: Tensor, momentum_t: Tensor, fast
     mn, nb = rows * cols, blocks_per_matrix(rows, cols)
     v0, v1 = velocity[0], velocity[1]
     lean = velocity.dtype == torch.bfloat16
-    if lean and sr_step is None:
+    if not lean:
+        sr_step = None
+    elif sr_step is None:
         raise ValueError("rails: bf16 rails (the lean state) need sr_step, the device step counter of their rounding")
     for s, e in matrix_slices(chunk):
         pa = partials.amax[s:e] if partials is not None else x_out  # unused when PARTIALS is off
@@ -299,5 +301,5 @@ def twin_rail(grad: Tensor | None, velocity: Tensor, *, momentum: Tensor, fast_b
         index = (first * rows * cols + torch.arange(chunk * rows * cols, device=x_out.device)).view(chunk, rows, cols)
     fn = maybe_compiled(_rails_lookahead_masked, want_compile(compile, grad))
     fn(grad, velocity, momentum, fast_beta, fast_weight, x_out, bool(prescale), active.reshape(chunk, 1, 1),
-       sr_step, index)
+       sr_step if index is not None else None, index)
     return False

@@ -166,7 +166,7 @@ def to_reference(opt, *, extra_pending: dict | None = None, margin: float = A.FR
             ref.state[l] = dict(velocity=st["velocity"].double().cpu().numpy(),
                                 lane_energy=st["lane_energy"].double().cpu().numpy())
         else:
-            ref.state[l] = dict(step=st["step"], exp_avg=st["exp_avg"].double().cpu().numpy(),
+            ref.state[l] = dict(step=int(st["step"]), exp_avg=st["exp_avg"].double().cpu().numpy(),
                                 exp_avg_sq=st["exp_avg_sq"].double().cpu().numpy())
         for k in ("lr", "momentum"):
             setattr(ref.param_cfgs[l], k, getattr(opt.param_cfgs[l], k))

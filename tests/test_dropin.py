@@ -420,7 +420,7 @@ def test_member_without_grad_is_untouched_inside_a_bank(dtype):
         assert "mantissa" not in st
     keep = {k: v.clone() for k, v in live.items()}
     keep_w, keep_moving, keep_gain = idle.detach().clone(), moving.detach().clone(), m.gain.detach().clone()
-    gain_step = opt.inner.param_states["gain"]["step"]
+    gain_step = int(opt.inner.param_states["gain"]["step"])
     assert torch.count_nonzero(keep["velocity"]) > 0 and torch.count_nonzero(keep["lane_energy"]) > 0
     opt.step()
     assert torch.equal(_bits(idle), _bits(keep_w))
