@@ -21,6 +21,8 @@ module                  concept
 ``comms``               the collectives (NCCL, gloo, one process); ``distributed``: a launcher
 ``fsdp``                ``ANVIL`` on FSDP2 (``fully_shard``) models: owner ranks, all-to-all exchange,
                         resharding checkpoints (``torch.distributed.checkpoint``)
+``device_step``         the drop-in's one-process step decided on the device: gradients read in place,
+                        the non-finite verdict, the scalars, banks on side streams, Adam, one graph launch
 ``graphs``              the bank updates and the whole step as CUDA graphs, and their staleness check
 **the update's parts**
 ``rails``               twin-rail momentum + Nesterov lookahead (Triton element-wise kernel)
@@ -34,7 +36,9 @@ module                  concept
                         launch configurations (``TileConfig``, ``ProblemKey``) and the per-shape tuner
 ``equalizer``           ``equalize``: the lane-energy equalizer and SAFE's guard (Triton)
 ``update``              ``sign_aligned_update`` on the bf16 + mantissa master; the fp32 split/join
-``adam``                Adam's kernel; ``transpose``: the tied embedding's tiled transposes
+``adam``                Adam's kernels (one tensor, flat buffers, many tensors through address tables);
+                        ``transpose``: the tied embedding's tiled transposes
+``nonfinite``           the non-finite gradient check on the device (address tables or buffers)
 **shared machinery**
 ``_triton``             what every kernel shares: ``use_triton`` (the one ``backend=`` rule), ``to_bf16`` /
                         ``from_bf16``, the SM count, the interpreter's probes and work-arounds
@@ -77,6 +81,7 @@ import importlib
 _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is dropin.ANVIL
           "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".dropin",
          "NonFiniteGradientError": ".optimizer", "AnvilAndAdam": ".optimizer",
+         "NonFiniteUpdateWarning": ".device_step", "NonFiniteUpdateError": ".device_step",
          # the bank update and its parts (anvil_fast.bank, .cascade, .gram)
          "AnvilBank": ".bank", "anvil_bank_update": ".bank",
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
@@ -85,7 +90,7 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
 _SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp")
+               "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp", "device_step", "nonfinite")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

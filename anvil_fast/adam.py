@@ -58,6 +58,29 @@ def adam_row(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay:
 if triton is not None:
 
     @triton.jit
+    def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, omb1, beta2, omb2, eps, step_size, eff_wd, active,
+                       BF16_P: tl.constexpr, ROUND_FIX: tl.constexpr):
+        # The update of the elements ``offs`` (the module docstring's formulas); shared by the kernels.
+        p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        p = p_raw.to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m_new = m * beta1 + g * omb1
+        v_new = v * beta2 + g * g * omb2
+        u = tl.div_rn(m_new, tl.sqrt_rn(v_new) + eps) * step_size
+        u = u + tl.where(u * p > 0, p * eff_wd, 0.0)
+        p_new = p - u
+        keep = active > 0
+        tl.store(m_ptr + offs, tl.where(keep, m_new, m), mask=mask)
+        tl.store(v_ptr + offs, tl.where(keep, v_new, v), mask=mask)
+        if BF16_P:
+            p_out = to_bf16(p_new, ROUND_FIX)
+        else:
+            p_out = p_new.to(p_raw.dtype)
+        tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
+
+    @triton.jit
     def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, seg_ptr, table_ptr, row, n, SEGMENTED: tl.constexpr,
                      BF16_P: tl.constexpr, ROUND_FIX: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -83,24 +106,8 @@ if triton is not None:
             step_size = tl.load(t + 5)
             eff_wd = tl.load(t + 6)
             active = tl.load(t + 7)
-        p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        p = p_raw.to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        m_new = m * beta1 + g * omb1
-        v_new = v * beta2 + g * g * omb2
-        u = tl.div_rn(m_new, tl.sqrt_rn(v_new) + eps) * step_size
-        u = u + tl.where(u * p > 0, p * eff_wd, 0.0)
-        p_new = p - u
-        keep = active > 0
-        tl.store(m_ptr + offs, tl.where(keep, m_new, m), mask=mask)
-        tl.store(v_ptr + offs, tl.where(keep, v_new, v), mask=mask)
-        if BF16_P:
-            p_out = to_bf16(p_new, ROUND_FIX)
-        else:
-            p_out = p_new.to(p_raw.dtype)
-        tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
+        _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, omb1, beta2, omb2, eps, step_size, eff_wd,
+                       active, BF16_P, ROUND_FIX)
 
 
     @triton.jit
@@ -134,24 +141,8 @@ if triton is not None:
         step_size = tl.load(t + 5)
         eff_wd = tl.load(t + 6)
         active = tl.load(t + 7)
-        p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        p = p_raw.to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        m_new = m * beta1 + g * omb1
-        v_new = v * beta2 + g * g * omb2
-        u = tl.div_rn(m_new, tl.sqrt_rn(v_new) + eps) * step_size
-        u = u + tl.where(u * p > 0, p * eff_wd, 0.0)
-        p_new = p - u
-        keep = active > 0
-        tl.store(m_ptr + offs, tl.where(keep, m_new, m), mask=mask)
-        tl.store(v_ptr + offs, tl.where(keep, v_new, v), mask=mask)
-        if BF16_P:
-            p_out = to_bf16(p_new, ROUND_FIX)
-        else:
-            p_out = p_new.to(p_raw.dtype)
-        tl.store(p_ptr + offs, tl.where(keep, p_out, p_raw), mask=mask)
+        _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, omb1, beta2, omb2, eps, step_size, eff_wd,
+                       active, BF16_P, ROUND_FIX)
 
 
 def adam_block_table(numels: list[int], rows: list[int], device) -> tuple[Tensor, Tensor]:

@@ -253,6 +253,8 @@ class DeviceStep:
         self.replays = self.captures = 0
         self._status_host = torch.zeros(self.status.shape, dtype=torch.int32, pin_memory=pin)
         self._status_event = torch.cuda.Event() if pin else None
+        self._status_np = self.status.numpy() if not pin else None  # a view: the CPU's status is the host's
+        self._status_host_np = self._status_host.numpy()
         self._status_pending = False
         self._key: tuple | None = None  # the gradient state the inbox holds
         self._hyper_key: tuple | None = None
@@ -516,12 +518,13 @@ class DeviceStep:
         """The status buffer once the last step's part of it is on the host (``wait``: block for
         it; else None while the device is still busy)."""
         if not self.cuda:
-            return self.status.numpy().astype(np.int64)
+            return self._status_np.astype(np.int64)
         if self._status_pending:
             if not wait and not self._status_event.query():
                 return None
             self._status_event.synchronize()
-        return self._status_host.numpy().astype(np.int64)
+            self._status_pending = False
+        return self._status_host_np.astype(np.int64)
 
     def news(self, wait: bool = False):
         """What happened since the last call: (newly skipped steps, names of the last skipped
@@ -530,6 +533,8 @@ class DeviceStep:
         st = self.read_status(wait)
         if st is None:
             return None
+        if np.array_equal(st, self.seen):
+            return 0, [], {}
         skipped = int(st[1] - self.seen[1])
         names = []
         if skipped:

@@ -490,9 +490,22 @@ class ANVIL(torch.optim.Optimizer):
     * non-finite gradients never reach the state: with ``nonfinite="skip"`` (default) a step whose
       gradients hold NaN/inf (on any rank) is skipped for every parameter (nothing written, no step
       counted), a :class:`NonFiniteGradientWarning` names the parameters and ``skipped_steps``
-      counts; ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` instead. The check is one
-      fused pass per dtype over the gradients as the step reads them (a bank's in bf16, so an fp32
-      gradient beyond bf16's range counts as infinite) and one host sync;
+      counts; ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` instead. The check reads
+      the gradients as the step reads them (a bank's in bf16, so an fp32 gradient beyond bf16's
+      range counts as infinite). On one process the verdict is the device's
+      (:mod:`anvil_fast.device_step`): the step never waits for the device; every kernel that
+      writes state is masked by it, so a refused step leaves every weight and state tensor bit for
+      bit as it was. On CUDA the warning therefore comes at a later step, or when ``skipped_steps``
+      (or ``taken_steps``) is read, which waits for the device; ``nonfinite="raise"`` waits after
+      every step (one host sync per step) and raises there. On the CPU, and on several ranks (one
+      host sync), it comes from the step itself;
+    * a matrix whose update comes out non-finite (FAITHFUL: the seed's cascade can overflow on
+      rank-1-like input; SAFE's guard also refuses an exploded one) is not applied: that matrix
+      only takes its sign-aligned decay, and a :class:`anvil_fast.device_step.NonFiniteUpdateWarning`
+      names the bank and the configuration (``nonfinite="raise"``:
+      :class:`~anvil_fast.device_step.NonFiniteUpdateError`); no NaN or inf reaches a weight or
+      the lane energies;
+    * a step in which no parameter has a ``.grad`` does nothing and counts nothing;
     * a parameter whose storage, dtype or device changed since construction (``model.to(dtype)``,
       ``model.double()``, ``p.data = ...``) raises :class:`StaleParameterError`: build a new optimizer;
     * ``.grad`` is left as the caller gave it.
@@ -530,12 +543,23 @@ class ANVIL(torch.optim.Optimizer):
         comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group if
             torch.distributed is initialized, else one process).
         bank_config, maps: the bank update's cascade configuration and map set.
-        cuda_graphs: None (default): on CUDA, replay each step's device part (every bank update and
-            Adam) as one CUDA graph, captured once per set of parameters with gradients, where
-            capture is valid (off with a warning giving the reason where it is not, e.g. gloo; off
-            on the CPU); True: capture or raise; False: off. Either way a step first copies every
-            ``.grad`` into persistent buffers (one ``_foreach_copy_`` per dtype pair).
+        cuda_graphs: None (default): on CUDA, replay each step's device part (the check, the
+            scalars, every bank update, Adam) as one CUDA graph where capture is valid (off with a
+            warning giving the reason where it is not, e.g. gloo; off on the CPU); True: capture or
+            raise; False: off.
         compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
+        rails_dtype: ``torch.float32`` (default: the seed's rails) or ``torch.bfloat16``, the lean
+            state: both rails stored in bf16 (2 x 2 B per banked weight instead of 2 x 4 B), each
+            update computed in fp32 and rounded stochastically
+            (:func:`anvil_ref.storage.stochastic_round_bf16`: unbiased, and the same bits on every
+            device and sharding).
+        grad_read: how a one-process step reads the gradients: ``"in_place"`` (the kernels read
+            each ``.grad`` where autograd wrote it, through device tables of addresses: no copy and
+            no gradient buffer; SAFE and GRAM_SIDE on CUDA, the default there) or ``"buffers"``
+            (every ``.grad`` copied into the banks' bf16 buffers first: FAITHFUL's compiled rails
+            read those; the default on the CPU); None picks. In place, a gradient must be
+            contiguous (autograd's always are; an assigned strided one is refused). On several
+            ranks the gradients are reduced into the buffers.
     """
 
     def __new__(cls, params=None, *args, **kwargs):
@@ -700,6 +724,8 @@ class ANVIL(torch.optim.Optimizer):
     def _record_storage(self) -> None:
         self._storage = [(n, p, p.data_ptr(), p.dtype, p.device) for b in self._banks for n, p, _, _ in b.plan.members]
         self._storage += [(n, p, p.data_ptr(), p.dtype, p.device) for n, p in self._adam_named]
+        self._storage_params = [p for _, p, _, _, _ in self._storage]
+        self._storage_ptrs = [ptr for _, _, ptr, _, _ in self._storage]
 
     def _build_engine(self, flag: bool | None, device: torch.device) -> None:
         """The one-process step (:class:`~anvil_fast.device_step.DeviceStep`): graphs where capture is
@@ -748,12 +774,14 @@ class ANVIL(torch.optim.Optimizer):
     @property
     def taken_steps(self) -> int:
         """Steps taken (the record rails' t). On CUDA reading it waits for the device."""
-        return self._engine.counts()[0] if self._engine is not None else self._taken
+        eng = getattr(self, "_engine", None)
+        return eng.counts()[0] if eng is not None else getattr(self, "_taken", 0)
 
     @taken_steps.setter
     def taken_steps(self, v: int) -> None:
-        if self._engine is not None:
-            self._engine.set_counts(int(v), self.skipped_steps)
+        eng = getattr(self, "_engine", None)
+        if eng is not None:
+            eng.set_counts(int(v), eng.counts()[1])
         else:
             self._taken = int(v)
 
@@ -761,15 +789,17 @@ class ANVIL(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients. On CUDA reading it waits for the device and
         reports (warns about) the skips not reported yet."""
-        if self._engine is None:
-            return self._skipped
+        eng = getattr(self, "_engine", None)
+        if eng is None:
+            return getattr(self, "_skipped", 0)
         self._report(wait=True, stacklevel=3)
-        return self._engine.counts()[1]
+        return eng.counts()[1]
 
     @skipped_steps.setter
     def skipped_steps(self, v: int) -> None:
-        if self._engine is not None:
-            self._engine.set_counts(self._engine.counts()[0], int(v))
+        eng = getattr(self, "_engine", None)
+        if eng is not None:
+            eng.set_counts(eng.counts()[0], int(v))
         else:
             self._skipped = int(v)
 
@@ -833,7 +863,8 @@ class ANVIL(torch.optim.Optimizer):
         """The one-process step: the host part (hyper-parameters when they changed, the record
         schedule's end) and the device part (:class:`~anvil_fast.device_step.DeviceStep`)."""
         eng = self._engine
-        self._report(wait=False, stacklevel=4)
+        if eng.cuda:
+            self._report(wait=False, stacklevel=4)  # what earlier steps refused, if the device is done
         if self.rails == "record" and self._host_taken() >= self.total_steps:
             self._report(wait=True, stacklevel=4)
             if eng.counts()[0] >= self.total_steps:
@@ -892,13 +923,17 @@ class ANVIL(torch.optim.Optimizer):
             cfg = next(iter(self.inner.banks.values())).config.name
             what = ", ".join(f"{label}: {k} matrix update(s)" for label, k in refused.items())
             msg = (f"ANVIL ({cfg} configuration): {what} came out non-finite"
-                   f"{' or exploded' if cfg != 'faithful' else ''} and were not applied (those matrices kept their "
-                   "weights; their rails took the step)")
+                   f"{' or exploded' if cfg != 'faithful' else ''} and were not applied (those matrices only took "
+                   "their sign-aligned weight decay; their rails took the step)")
             if self.nonfinite == "raise":
                 raise NonFiniteUpdateError(msg)
             warnings.warn(msg, NonFiniteUpdateWarning, stacklevel=stacklevel)
 
     def _check_storage(self) -> None:
+        # every change the check is for (model.to(dtype), .double(), a new device, p.data = ...)
+        # gives the parameter new memory, so the addresses alone are compared on every step
+        if [p.data_ptr() for p in self._storage_params] == self._storage_ptrs:
+            return
         stale = [(name, p, dtype, device) for name, p, ptr, dtype, device in self._storage
                  if p.data_ptr() != ptr or p.dtype != dtype or p.device != device]
         if stale:

@@ -597,7 +597,10 @@ class FSDPAnvil(ANVIL):
                 ps = self.local.inner.param_states[n]
                 ps["exp_avg"].copy_(state[n]["exp_avg"].to_local())
                 ps["exp_avg_sq"].copy_(state[n]["exp_avg_sq"].to_local())
-                ps["step"] = self._adam_steps[n]
+                if isinstance(ps["step"], Tensor):  # the one-process step's device count (a 0-D view)
+                    ps["step"].fill_(self._adam_steps[n])
+                else:
+                    ps["step"] = self._adam_steps[n]
         self.pull_weights()
         for g, saved in zip(self.param_groups, groups):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})

@@ -9,11 +9,12 @@ is timed step by step with CUDA events until ``--rep-ms`` of steps have run; the
 median (and the median host time of one call, which exceeds the device time when the step is
 launch-bound). The floor is the bytes the step must move at the copy bandwidth measured in the same
 run plus the cascade's executed FLOPs at the measured bf16 peak (:func:`anvil_fast.bench.common.measure_peaks`,
-:func:`anvil_fast.bench.common.flops`): per bank element 6 B of gradient copy and cast (fp32 read, bf16
-write), the bank update's element-wise bytes (:data:`anvil_fast.bench.common.ELEMENTWISE_BYTES`) and 16 B
-to split the fp32 master into its bf16 and mantissa halves and join it back; per Adam element 8 B
-of gradient copy and 28 B of Adam. The phase table times each phase of the default ANVIL step
-alone (eagerly, and captured in a CUDA graph where it can be), with its share of their sum.
+:func:`anvil_fast.bench.common.flops`): per bank element the non-finite check's read of the gradient,
+the bank update's element-wise bytes (:data:`anvil_fast.bench.common.ELEMENTWISE_BYTES`, which count a
+bf16 gradient; an fp32 one read in place adds 2 B; the lean rails take 10 B less), and, where the
+gradients are read through buffers, their copy; per Adam element 4 B of check and 28 B of Adam. The
+phase table times each phase of the default ANVIL step alone (eagerly, and captured in a CUDA graph
+where it can be), with its share of the whole device part.
 
 ``--device cpu`` runs a tiny model with every variant that exists on CPU, quickly, so a test can run
 the command end to end; its times mean nothing.
@@ -34,10 +35,10 @@ from anvil_ref.constants import ADAM_DEFAULTS
 from ..gpt import GPTConfig
 from .common import ELEMENTWISE_BYTES, flops, graphed, measure_peaks
 
-VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "muon_adamw", "adamw")
+VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "anvil_lean", "muon_adamw", "adamw")
 VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cuda_graphs=True",
-                 "anvil_eager": "ANVIL, cuda_graphs=False", "muon_adamw": "torch Muon + fused AdamW",
-                 "adamw": "fused AdamW alone"}
+                 "anvil_eager": "ANVIL, cuda_graphs=False", "anvil_lean": "ANVIL, rails_dtype=bf16 (lean state)",
+                 "muon_adamw": "torch Muon + fused AdamW", "adamw": "fused AdamW alone"}
 #: The CPU smoke mode's model: one block, width unequal to the context length.
 SMOKE = GPTConfig(n_layer=1, n_embd=32, n_head=2, ctx=16)
 GRAD_SCALE = 1e-3
@@ -79,7 +80,8 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
     if name.startswith("anvil"):
         from ..dropin import ANVIL
 
-        kw = {"anvil_graphs": dict(cuda_graphs=True), "anvil_eager": dict(cuda_graphs=False)}.get(name, {})
+        kw = {"anvil_graphs": dict(cuda_graphs=True), "anvil_eager": dict(cuda_graphs=False),
+              "anvil_lean": dict(rails_dtype=torch.bfloat16)}.get(name, {})
         return ANVIL(model, **kw)
     if name == "muon_adamw":
         if not hasattr(torch.optim, "Muon"):
@@ -130,51 +132,88 @@ def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min
 
 def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
     """(memory ms, matmul ms) of one default ANVIL step (module docstring)."""
-    inner = opt.inner
+    inner, eng = opt.inner, opt._engine
     fl, nbytes = 0.0, 0.0
+    lean = inner.rails_dtype == torch.bfloat16
     for label in inner.bank_labels:
-        chunk = tuple(inner.banks[label].p_slice.shape)
+        bank = inner.banks[label]
+        chunk = tuple(bank.p_slice.shape)
+        g = bank.p_slice.element_size()  # the gradient's bytes per element (the parameter's dtype)
+        # the check and the rails read the gradient where it is (the rails' count assumes bf16)
+        per = ELEMENTWISE_BYTES + g + (g - 2) - (10 if lean else 0)
+        if eng is None or eng.grad_read == "buffers":
+            per += g + 2  # the copy into the bf16 buffer
         fl += flops(chunk)[1]
-        nbytes += (6 + ELEMENTWISE_BYTES + 16) * math.prod(chunk)
+        nbytes += per * math.prod(chunk)
     for label in inner.adam_labels:
-        nbytes += (8 + 28) * inner.param_states[label]["exp_avg"].numel()
+        nbytes += (4 + 28) * inner.param_states[label]["exp_avg"].numel()  # the check, then Adam
     return nbytes / (gbs * 1e6), fl / (tflops * 1e9)
 
 
 def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> list[tuple[str, float, float | None]]:
-    """(phase, eager ms, graphed ms or None) for each phase of the default ANVIL step."""
+    """(phase, eager ms, graphed ms or None) for each phase of the default ANVIL step, each alone
+    (:mod:`anvil_fast.device_step`: host part, check, scalars, banks on one stream and on the lanes,
+    Adam, and the whole device part)."""
+    eng = opt._engine
+    if eng is None:
+        raise ValueError("the phase table is the one-process step's (anvil_fast.device_step)")
+    eng._collect()
+    eng._upload()
     inner = opt.inner
-    bufs = inner.grad_buffers()
-    labels, _ = opt._collect_gradients()
-    grads = {l: bufs[l] for l in labels}
-    active = inner._active_adam(True, labels)
     update = inner.bank_update
-    update = getattr(update, "update", update)
-    sharded = [l for l in active if inner.param_cfgs[l].comms == "sharded"]
-    replicated = set(active) & set(inner.replicated_labels)
+    lanes = eng.lanes
 
-    def banks():
-        for l in inner.bank_labels:
-            if l in grads:
-                inner._anvil_update(l, inner.banks[l].grad, update)
+    def host():
+        eng._key = None  # the gradient part refilled too, as when the addresses change
+        eng._collect()
+        eng._upload()
 
-    def adam():
-        for l in sharded:
-            inner._adam_update(l, grads[l])
-        if inner.replicated is not None:
-            inner.replicated.launch_reduce(replicated, grads)
-            inner.replicated.update(inner.adam_table)
+    def check():
+        eng.flags.zero_()
+        if eng.grad_read == "in_place":
+            from ..nonfinite import check_addresses
 
-    rows = [("grad copy", opt._collect_gradients, True), ("finite check", lambda: inner.nonfinite_labels(grads), False),
-            ("scalar upload", lambda: inner.stage_bank_scalars(active), False), ("bank updates", banks, True),
-            ("Adam", adam, True)]
+            for chk, sl in eng.addr_checks:
+                check_addresses(chk, eng.addr[sl], eng.flags)
+        else:
+            from ..nonfinite import check_buffers
+
+            check_buffers(eng.buffer_check, eng.flags, mask=eng.has.index_select(0, eng.param_first))
+
+    def one_stream():
+        for lane in lanes:
+            for bank in lane.banks:
+                update(bank)
+
+    def on_lanes():
+        if device.type != "cuda" or len(lanes) == 1:
+            return one_stream()
+        main = torch.cuda.current_stream()
+        for lane in lanes:
+            lane.stream.wait_stream(main)
+            with torch.cuda.stream(lane.stream):
+                for bank in lane.banks:
+                    update(bank)
+        for lane in lanes:
+            main.wait_stream(lane.stream)
+
+    state = {k: t.clone() for k, t in eng._mutated().items()}  # the phases below change the state
+
+    rows = [("host part (inbox)", host, False), ("non-finite check", check, True),
+            ("scalars", lambda: None, False), (f"banks, one stream", one_stream, True),
+            (f"banks, {len(lanes)} stream(s)", on_lanes, True), ("Adam", eng._adam, True),
+            ("whole device part", eng.device_part, True)]
     out = []
     for name, fn, graphable in rows:
+        if name == "scalars":
+            continue
         eager = time_fn(fn, device, rep_ms=rep_ms, warmup=warmup, min_calls=min_calls)[0]
         graphed_ms = None
         if graphable and device.type == "cuda":
             graphed_ms = time_fn(graphed(fn), device, rep_ms=rep_ms, warmup=warmup)[0]
         out.append((name, eager, graphed_ms))
+    for k, t in eng._mutated().items():
+        t.copy_(state[k])
     return out
 
 
@@ -196,14 +235,14 @@ def profile_step(step: Callable[[], object], device, *, rows: int = 20) -> str:
 
 
 def format_phases(size: str, rows) -> str:
-    tot_e = sum(e for _, e, _ in rows)
-    tot_g = sum(e if g is None else g for _, e, g in rows)
-    lines = [f"phases of the default ANVIL step, {size} (each alone, median ms; graphed = captured in one CUDA graph)",
+    whole = {n: (e, g) for n, e, g in rows}.get("whole device part")
+    lines = [f"phases of the default ANVIL step, {size} (each alone, median ms; graphed = captured in one CUDA graph; "
+             "the two bank rows are alternatives; share: of the whole device part, the last row)",
              "| phase | eager ms | share | graphed ms | share |", "|---|---:|---:|---:|---:|"]
     for name, e, g in rows:
-        gg = e if g is None else g
-        lines.append(f"| {name} | {e:.3f} | {e / tot_e:.0%} | {'-' if g is None else f'{g:.3f}'} | {gg / tot_g:.0%} |")
-    lines.append(f"| sum | {tot_e:.3f} | | {tot_g:.3f} | |")
+        se = f"{e / whole[0]:.0%}" if whole else ""
+        sg = f"{g / whole[1]:.0%}" if whole and g is not None and whole[1] else ""
+        lines.append(f"| {name} | {e:.3f} | {se} | {'-' if g is None else f'{g:.3f}'} | {sg} |")
     return "\n".join(lines)
 
 

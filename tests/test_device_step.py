@@ -1,0 +1,422 @@
+"""anvil_fast.device_step: the drop-in's one-process step decided on the device, and its kernels
+(anvil_fast.nonfinite's check, anvil_fast.adam's table kernel).
+
+Each test holds the device-decided step against something it does not compute itself: the host's
+float64 formulas of the scalars (anvil_fast.bank_scalars / anvil_fast.adam.adam_row), the other
+way of reading the gradients (in place vs through the buffers), anvil_ref.storage's rounding spec
+of the lean rails, a twin that never saw a refused step, and torch's own isfinite."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import anvil_fast
+import anvil_ref.storage as S
+from anvil_fast.adam import adam_block_table, adam_row, adam_table_, adam_update_
+from anvil_fast.bank_scalars import ADAM_COLUMNS, BankScalarStaging
+from anvil_fast.device_step import NonFiniteUpdateError, NonFiniteUpdateWarning
+from anvil_fast.dropin import ANVIL, NonFiniteGradientWarning
+from anvil_fast.nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
+from anvil_fast.optimizer import NonFiniteGradientError
+from anvil_ref.rails import rail_scalars
+
+from tests.test_dropin import TinyLM
+
+
+def _bits(t):
+    return t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _fixed_grads(model, seed, *, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- the scalars
+@pytest.mark.parametrize("rails", ["nesterov", "record"])
+def test_device_scalars_are_the_host_formulas(rails):
+    """After a step, the staging buffer the kernels read holds exactly what the host's float64
+    formulas give for the same hyper-parameters and step counts (AnvilAndAdam._bank_fields and
+    anvil_fast.adam.adam_row, packed by BankScalarStaging)."""
+    torch.manual_seed(0)
+    m = TinyLM()
+    kw = {"rails": "record", "total_steps": 9} if rails == "record" else {"momentum": 0.9, "fast_weight": 0.4}
+    opt = ANVIL(m, lr=0.0173, adam_lr=0.0031, weight_decay=1.7, adam_weight_decay=0.013, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.37 * s))
+    m.gain.requires_grad_(True)
+    for step in range(3):
+        _fixed_grads(m, step)
+        if step == 2:
+            m.gain.grad = None  # an Adam row without a gradient: inactive
+        opt.step()
+        sched.step()
+    inner = opt.inner
+    got = inner.staging.buffer.clone()
+    # the host's computation, for the values the last step used
+    host = BankScalarStaging([inner.param_cfgs[l].chunk_size for l in inner.bank_labels], "cpu",
+                             adam_rows=len(inner.adam_labels))
+    g_anvil, g_adam = opt.param_groups
+    lr = g_anvil["lr"]  # the scheduler moved it after the step: undo one factor
+    lr_used = 0.0173 / (1 + 0.37 * 2)
+    assert lr != lr_used
+    if rails == "record":
+        mom, fb, fw = rail_scalars(2, 9)
+    else:
+        mom, fb, fw = 0.9, 0.9, 0.4
+    fields, lrs = [], []
+    for l in inner.bank_labels:
+        cfg = inner.param_cfgs[l]
+        fields.append((mom, cfg.wd_mul * 1.7 * lr_used, fb, fw))
+        lrs.append([cfg.lr_mul * mm * lr_used for mm in cfg.per_matrix_lr_mul])
+    table = np.zeros((len(inner.adam_labels), len(ADAM_COLUMNS)))
+    alr = 0.0031 / (1 + 0.37 * 2)
+    for l in inner.adam_labels:
+        cfg = inner.param_cfgs[l]
+        active = not (l == "gain")
+        table[inner.adam_row[l]] = adam_row(lr=alr * cfg.lr_mul, beta1=0.9, beta2=0.95, eps=1e-10,
+                                            weight_decay=0.013, wd_mul=cfg.wd_mul, step=3, active=active)
+    want = torch.from_numpy(host.pack(fields, lrs, table))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert int(opt.state[m.gain]["step"]) == 2 and int(opt.state[m.lm_head.weight]["step"]) == 3
+
+
+# ----------------------------------------------------------------------------------------------- semantics
+def test_a_step_without_any_gradient_runs_and_counts_nothing():
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, rails="record", total_steps=2)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.step()  # every .grad is None
+    assert opt.taken_steps == 0 and opt.skipped_steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    for s in range(2):
+        _fixed_grads(m, s)
+        opt.step()
+    assert opt.taken_steps == 2
+    _fixed_grads(m, 5)
+    with pytest.raises(ValueError, match="total_steps=2"):
+        opt.step()
+
+
+def _explosive(model):
+    """Gradients whose FAITHFUL cascade overflows: finite in bf16, but their Gram is not."""
+    _fixed_grads(model, 0)
+    model.blocks[0].q.weight.grad.fill_(3.0e38)
+
+
+def test_faithful_nonfinite_update_is_refused_and_named():
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, bank_config="faithful")
+    label = next(l for l, names in opt.banks.items() if "blocks.0.q.weight" in names)
+    w_q = m.blocks[0].q.weight.detach().clone()
+    _explosive(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, NonFiniteUpdateWarning)]
+    assert len(msgs) == 1 and label in msgs[0] and "faithful" in msgs[0], msgs
+    # the update was not applied: the guard's zero update leaves the sign-aligned decay alone
+    bank = opt.inner.banks[label]
+    decay = float(bank.eff_wd) * float(bank.eff_lr.max())
+    assert torch.all((m.blocks[0].q.weight - w_q).abs() <= w_q.abs() * (decay + 2 ** -23))  # + one fp32 rounding
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert all(torch.isfinite(v).all() for st in opt.inner.param_states.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+def test_faithful_nonfinite_update_raises_with_nonfinite_raise():
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, bank_config="faithful", nonfinite="raise")
+    _explosive(m)
+    with pytest.raises(NonFiniteUpdateError, match="faithful"):
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_safe_takes_the_same_gradients_without_a_refusal():
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m)  # SAFE: the prescale keeps the Gram finite
+    _explosive(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteUpdateWarning)
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_lean_rails_are_bf16_rounded_as_specified():
+    """rails_dtype=bf16: the rails are stored in bf16, each update rounded by
+    anvil_ref.storage.stochastic_round_bf16 with the step's bits (first step: rail step 1)."""
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, rails_dtype=torch.bfloat16, momentum=0.9, fast_beta=0.8)
+    w = m.blocks[1].fc1.weight
+    st = opt.state[w]
+    assert st["fast_rail"].dtype == torch.bfloat16 and st["slow_rail"].dtype == torch.bfloat16
+    _fixed_grads(m, 3)
+    g = w.grad.detach().clone()
+    opt.step()
+    label = next(l for l, names in opt.banks.items() if "blocks.1.fc1.weight" in names)
+    first = [f for n, _, f, _ in next(b for b in opt._banks if b.label == label).plan.members
+             if n == "blocks.1.fc1.weight"][0]
+    gb = g.bfloat16().float()
+    fast = torch.lerp(torch.zeros_like(gb), gb, torch.tensor(1 - 0.8))  # from zero rails
+    slow = torch.lerp(torch.zeros_like(gb), gb, torch.tensor(1 - 0.98))
+    idx = first * w.numel() + np.arange(w.numel()).reshape(w.shape)
+    for rail, v, salt in (("fast_rail", fast, 0), ("slow_rail", slow, 1)):
+        want = S.stochastic_round_bf16(v.numpy(), step=1, salt=salt, index=idx)
+        assert np.array_equal(st[rail].float().numpy(), want), rail
+    # unbiased: the stored rails stay within one bf16 ulp of the fp32 ones
+    assert torch.all((st["slow_rail"].float() - slow).abs() <= slow.abs() * 2 ** -7 + 1e-45)
+
+
+def test_lean_rails_state_dict_round_trip_continues_bitwise():
+    import io
+
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, rails_dtype=torch.bfloat16)
+    for s in range(2):
+        _fixed_grads(m, s)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"m": m.state_dict(), "o": opt.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf)
+    m2 = TinyLM()
+    opt2 = ANVIL(m2, rails_dtype=torch.bfloat16)
+    m2.load_state_dict(ck["m"])
+    opt2.load_state_dict(ck["o"])
+    for mm, oo in ((m, opt), (m2, opt2)):
+        for s in range(2, 4):
+            _fixed_grads(mm, s)
+            oo.step()
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+# ----------------------------------------------------------------------------------------------- the two reads
+def _run(model, opt, steps, *, nan_at=None, idle=None):
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(steps):
+            _fixed_grads(model, s)
+            if s == nan_at:
+                model.blocks[0].fc1.weight.grad[1, 2] = float("nan")
+            if idle is not None and s >= 1:
+                dict(model.named_parameters())[idle].grad = None
+            opt.step()
+        out.append(opt.skipped_steps)
+    return [w for w in caught if issubclass(w.category, NonFiniteGradientWarning)], out
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["fp32_rails", "bf16_rails"])
+def test_in_place_read_equals_the_buffers_read(triton_dev, lean):
+    """The address-table read (Triton: the check, the rails, Adam in one launch) against the copy
+    into the banks' buffers: every bank's weights and state bit for bit, with a NaN step, a member
+    without a gradient and a scheduler on the way; Adam within the fp32 kernels' ulps (the CPU
+    buffers path runs torch's arithmetic, the interpreter Triton's)."""
+    torch.manual_seed(0)
+    a = TinyLM().to(triton_dev)
+    b = copy.deepcopy(a)
+    kw = dict(lr=0.02, rails_dtype=torch.bfloat16 if lean else torch.float32, cuda_graphs=False)
+    oa, ob = ANVIL(a, grad_read="in_place", **kw), ANVIL(b, grad_read="buffers", **kw)
+    wa, _ = _run(a, oa, 5, nan_at=2, idle="blocks.1.q.weight")
+    wb, _ = _run(b, ob, 5, nan_at=2, idle="blocks.1.q.weight")
+    assert len(wa) == len(wb) == 1 and "blocks.0.fc1.weight" in str(wa[0].message)
+    assert oa.taken_steps == ob.taken_steps == 4 and oa.skipped_steps == ob.skipped_steps == 1
+    for label in oa.inner.bank_labels:
+        for k, v in oa.inner.param_states[label].items():
+            assert torch.equal(_bits(v), _bits(ob.inner.param_states[label][k])), (label, k)
+        assert torch.equal(_bits(oa.inner.params[label]), _bits(ob.inner.params[label])), label
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=2 ** -20, atol=1e-9, msg=n)
+
+
+def test_in_place_read_leaves_a_member_without_gradient_untouched(triton_dev):
+    torch.manual_seed(0)
+    m = TinyLM().to(triton_dev)
+    opt = ANVIL(m, grad_read="in_place", cuda_graphs=False)
+    _run(m, opt, 2)
+    idle = m.blocks[1].q.weight
+    label = next(l for l, names in opt.banks.items() if "blocks.1.q.weight" in names)
+    keep = {k: v.clone() for k, v in opt.state[idle].items()}
+    keep_w, keep_gain = idle.detach().clone(), m.gain.detach().clone()
+    _fixed_grads(m, 9)
+    idle.grad = None
+    m.gain.grad = None
+    opt.step()
+    assert torch.equal(_bits(idle), _bits(keep_w)) and torch.equal(m.gain, keep_gain)
+    for k, v in opt.state[idle].items():
+        assert torch.equal(_bits(v), _bits(keep[k])), k
+    assert not torch.equal(opt.state[m.blocks[0].q.weight]["fast_rail"], torch.zeros(()))
+    assert label in opt.banks
+
+
+def test_in_place_read_refuses_a_strided_gradient(triton_dev):
+    torch.manual_seed(0)
+    m = TinyLM().to(triton_dev)
+    opt = ANVIL(m, grad_read="in_place", cuda_graphs=False)
+    _fixed_grads(m, 0)
+    w = m.blocks[0].fc1.weight
+    w.grad = torch.randn(w.shape[::-1], device=triton_dev).t()  # the right shape, transposed strides
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="blocks.0.fc1.weight.*contiguous"):
+        opt.step()
+    assert torch.equal(w, before)
+    with pytest.raises(ValueError, match="grad_read"):
+        ANVIL(TinyLM(), grad_read="copy")
+
+
+def test_nan_step_twin_on_the_in_place_read(triton_dev):
+    """A step with a NaN leaves everything as a twin that never saw it."""
+    torch.manual_seed(0)
+    a = TinyLM().to(triton_dev)
+    b = copy.deepcopy(a)
+    oa = ANVIL(a, grad_read="in_place", cuda_graphs=False, rails="record", total_steps=6)
+    ob = ANVIL(b, grad_read="in_place", cuda_graphs=False, rails="record", total_steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteGradientWarning)
+        for s in range(5):
+            _fixed_grads(a, s)
+            if s == 3:
+                a.lm_head.weight.grad[0, 0] = float("inf")
+            oa.step()
+            if s != 3:
+                _fixed_grads(b, s)
+                ob.step()
+    assert oa.skipped_steps == 1 and ob.skipped_steps == 0 and oa.taken_steps == ob.taken_steps == 4
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(_bits(p), _bits(q))
+    sa, sb = oa.state_dict(), ob.state_dict()
+    for label, st in sa["anvil"]["state"].items():
+        for k, v in st.items():
+            w = sb["anvil"]["state"][label][k]
+            assert (torch.equal(_bits(v), _bits(w)) if v.ndim else float(v) == float(w)), (label, k)
+
+
+def test_nonfinite_raise_on_the_in_place_read_writes_nothing(triton_dev):
+    torch.manual_seed(0)
+    m = TinyLM().to(triton_dev)
+    opt = ANVIL(m, grad_read="in_place", cuda_graphs=False, nonfinite="raise")
+    _run(m, opt, 1)
+    before = [p.detach().clone() for p in m.parameters()]
+    _fixed_grads(m, 4)
+    m.blocks[1].fc2.weight.grad[0, 1] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="blocks.1.fc2.weight"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+def test_check_flags_exactly_the_nonfinite_gradients(triton_dev):
+    """anvil_fast.nonfinite against torch.isfinite of the gradients as the step reads them (a bank's
+    fp32 gradient in bf16: 3.3962e38 is finite in fp32 and inf in bf16)."""
+    dev = triton_dev
+    g = torch.Generator().manual_seed(0)
+    vals = [torch.randn(5000, generator=g) for _ in range(6)]
+    vals[1][4097] = float("nan")
+    vals[2][7] = float("-inf")
+    vals[3][10] = 3.3962e38   # rounds to inf in bf16
+    vals[4][10] = 3.0e38      # finite in bf16 too
+    ts = [v.to(dev) for v in vals]
+    for cast in (True, False):
+        flags = torch.zeros(6, dtype=torch.int32, device=dev)
+        chk = AddressCheck([t.numel() for t in ts], list(range(6)), dev, dtype=torch.float32, cast_bf16=cast)
+        addr = torch.tensor([t.data_ptr() for t in ts[:5]] + [0], dtype=torch.int64, device=dev)
+        check_addresses(chk, addr, flags)
+        read = [t.bfloat16().float() if cast else t for t in ts]
+        want = [int(not torch.isfinite(r).all()) for r in read[:5]] + [0]  # address 0: not read
+        assert flags.tolist() == want, (cast, flags.tolist())
+    bf = [t.bfloat16() for t in ts]
+    flags = torch.zeros(6, dtype=torch.int32, device=dev)
+    check_buffers(BufferCheck(bf, dev), flags, mask=torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32, device=dev))
+    assert flags.tolist() == [0, 1, 1, 1, 0, 0]
+
+
+def test_adam_table_kernel_is_the_per_parameter_kernel(triton_dev):
+    dev = triton_dev
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3000,), (17, 5), (1,)]
+    rows = [2, 0, 1]
+    table = torch.tensor([adam_row(lr=1e-3 * (r + 1), beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, wd_mul=1.0,
+                                   step=3) for r in range(3)], dtype=torch.float32, device=dev)
+    table[1, 7] = 0.0  # an inactive row
+    ps = [torch.randn(s, generator=g).to(dev) for s in shapes]
+    gs = [torch.randn(s, generator=g).to(dev) for s in shapes]
+    ms = [torch.randn(s, generator=g).to(dev) for s in shapes]
+    vs = [torch.rand(s, generator=g).to(dev) for s in shapes]
+    ref = [t.clone() for t in ps], [t.clone() for t in ms], [t.clone() for t in vs]
+    for i in range(3):
+        if i != 1:  # parameter 1 has no gradient: untouched
+            adam_update_(ref[0][i], gs[i], ref[1][i], ref[2][i], table, rows[i], backend="triton")
+    blocks, meta = adam_block_table([p.numel() for p in ps], rows, dev)
+    addresses = torch.tensor([[p.data_ptr(), m.data_ptr(), v.data_ptr()] for p, m, v in zip(ps, ms, vs)],
+                             dtype=torch.int64, device=dev)
+    gaddr = torch.tensor([gs[0].data_ptr(), 0, gs[2].data_ptr()], dtype=torch.int64, device=dev)
+    adam_table_(blocks, addresses, gaddr, meta, table, bf16=False)
+    for got, want in zip((ps, ms, vs), ref):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- the GPU
+@pytest.mark.gpu
+def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
+    """On CUDA: the captured step (one replay, banks on side streams) equals the eager device part
+    bit for bit over steps with a scheduler, a NaN step and a member without a gradient; the NaN
+    warning arrives at a later step or when skipped_steps is read."""
+    torch.manual_seed(0)
+    a = anvil_fast.gpt.build("tiny").cuda()
+    b = copy.deepcopy(a)
+    oa, ob = ANVIL(a), ANVIL(b, cuda_graphs=False)
+    assert oa.grad_read == "in_place" and oa._engine.use_graphs and len(oa._engine.lanes) > 1
+    for opt in (oa, ob):
+        opt._sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 20)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(8):
+            for model, opt in ((a, oa), (b, ob)):
+                _fixed_grads(model, s)
+                if s == 3:
+                    model.blocks[0].mlp.fc.weight.grad[0, 0] = float("nan")
+                if s >= 5:
+                    model.blocks[1].attn.qkv.weight.grad = None
+                opt.step()
+                opt._sched.step()
+        assert oa.skipped_steps == ob.skipped_steps == 1
+    assert sum(issubclass(w.category, NonFiniteGradientWarning) for w in caught) == 2
+    assert oa._engine.captures == 1 and oa._engine.replays == 8
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(_bits(p), _bits(q))
+
+
+@pytest.mark.gpu
+def test_fp32_model_state_is_at_adamw_memory():
+    """An fp32 model's resident optimizer state: the two fp32 rails per banked weight and Adam's two
+    moments (AdamW's 8 bytes per parameter), plus the lane energies, counters and tables; no
+    mantissa, no bf16 copy, no gradient buffer, no persistent workspace."""
+    torch.manual_seed(0)
+    m = anvil_fast.gpt.build("small").cuda()
+    _fixed_grads(m, 0)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    opt = ANVIL(m)
+    for s in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated() - base
+    n = sum(p.numel() for p in m.parameters())
+    extra = sum(t.numel() * t.element_size() for st in opt.inner.param_states.values() for k, t in st.items()
+                if isinstance(t, torch.Tensor) and k == "lane_energy")
+    assert resident <= 8 * n + extra + (1 << 20), (resident, 8 * n)
