@@ -127,6 +127,17 @@ DEFAULT_CONFIG = SAFE
 CONFIGS = {c.name: c for c in (FAITHFUL, SAFE, GRAM_SIDE)}
 
 
+def default_config_for(chunk_shape: tuple[int, int, int], device) -> CascadeConfig:
+    """A bank's configuration when none is asked for: GRAM_SIDE where its dispatch rule sends the
+    bank on CUDA (:func:`anvil_fast.gram_side.uses_gram_side`: aspect >= 2 and short side >= 512,
+    where the H200's bank benchmark measured the Gram side's update faster, and its difftest,
+    near-rank-1 study and training runs held it to SAFE's quality), else SAFE (DEFAULT_CONFIG).
+    Elsewhere (the CPU) always SAFE: the Gram side's speed there is unmeasured."""
+    if torch.device(device).type == "cuda" and uses_gram_side(chunk_shape, device=device):
+        return GRAM_SIDE
+    return DEFAULT_CONFIG
+
+
 def get_config(config: CascadeConfig | str) -> CascadeConfig:
     if isinstance(config, CascadeConfig):
         return config

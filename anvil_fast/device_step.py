@@ -95,8 +95,8 @@ def derive_scalars(hyper: Tensor, has: Tensor, flags: Tensor, counters: Tensor, 
     lr, mom, fb, fw, wd = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
     alr, b1, b2, eps, awd = hyper[5], hyper[6], hyper[7], hyper[8], hyper[9]
     if record is not None:
-        t = counters[0].clamp(0, record.shape[0] - 1)
-        rs = record[t].to(f64)
+        t = counters[0:1].clamp(0, record.shape[0] - 1).to(torch.int64)
+        rs = record.index_select(0, t)[0].to(f64)  # a gather, not an index: no value reaches the host
         mom, fb, fw = rs[0], rs[1], rs[2]
     # banks: the four fields (momentum, wd_mul * weight_decay * lr, fast_beta, fast_weight), eff_lr
     ones = torch.ones(n_bank, dtype=f64, device=hyper.device)

@@ -539,7 +539,9 @@ class ANVIL(torch.optim.Optimizer):
         head_names: module names whose parameters of ndim >= 2 are output heads.
         split_rows: ``{name: k}`` (above).
         nonfinite: "skip" or "raise" (above).
-        shard_min_numel: Adam parameters at least this large are sharded.
+        shard_min_numel: Adam parameters at least this large are sharded (the others share flat
+            buffers and one fused launch; reading gradients in place, one launch serves every Adam
+            parameter where it lives, so none is put on the flat buffers).
         comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group if
             torch.distributed is initialized, else one process).
         bank_config, maps: the bank update's cascade configuration and map set.
@@ -621,10 +623,6 @@ class ANVIL(torch.optim.Optimizer):
 
         self.comms = resolve_comms(comms)
         refuse_ddp_with_own_averaging(params, self.comms.world_size)
-        plan = plan_routes(routes, split_rows=split_rows, world_size=self.comms.world_size,
-                           shard_min_numel=shard_min_numel)
-        self._banks = build_banks(plan, device)
-        self._adam_named = [(n, p) for n, p, _ in plan.adam]
         engine = self.comms.world_size == 1
         if engine and grad_read is None:
             grad_read = default_grad_read(device, bank_config)
@@ -632,6 +630,13 @@ class ANVIL(torch.optim.Optimizer):
             raise ValueError("grad_read='in_place' is the one-process step's; on several ranks every gradient is "
                              "reduced into the banks' buffers")
         self.grad_read = grad_read if engine else "buffers"
+        # Reading in place, Adam updates every parameter where it lives in one launch: the flat
+        # buffers of small "replicated" parameters (a gradient copy and a row index per element)
+        # would only cost memory, so every Adam parameter keeps its own state.
+        plan = plan_routes(routes, split_rows=split_rows, world_size=self.comms.world_size,
+                           shard_min_numel=0 if self.grad_read == "in_place" else shard_min_numel)
+        self._banks = build_banks(plan, device)
+        self._adam_named = [(n, p) for n, p, _ in plan.adam]
         self.inner = self._build_inner(plan, anvil_group, adam_group, lr_scale=lr_scale, bank_config=bank_config,
                                        maps=maps, compile=compile, rails_dtype=rails_dtype,
                                        grad_in_place=self.grad_read == "in_place")

@@ -279,9 +279,10 @@ class AnvilAndAdam:
         tie_embeddings: treat ``embed``/``lm_head`` as tied until :meth:`copy_lm_state_to_embed`;
             None: tied when both labels are present (the seed).
         allow_fp32_banks: accept float32 banks (module docstring).
-        bank_config, maps: the bank update's cascade configuration (``"safe"``/``"faithful"`` or an
-            :class:`anvil_fast.cascade.CascadeConfig`; default: anvil_fast.cascade's default) and
-            map set (default ANVIL_MAPS), passed to :meth:`anvil_fast.bank.AnvilBank.create`.
+        bank_config, maps: the bank update's cascade configuration (``"safe"``/``"faithful"``/
+            ``"gram_side"`` or an :class:`anvil_fast.cascade.CascadeConfig`; default, per bank:
+            :func:`anvil_fast.cascade.default_config_for`) and map set (default ANVIL_MAPS), passed to
+            :meth:`anvil_fast.bank.AnvilBank.create`.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Tensor]], param_table: Mapping[str, Mapping],
@@ -336,16 +337,18 @@ class AnvilAndAdam:
             return
         from .bank import AnvilBank
 
-        extra = {} if bank_config is None else {"config": bank_config}
-        if maps is not None:
-            extra["maps"] = maps
+        from .cascade import default_config_for
+
+        extra = {} if maps is None else {"maps": maps}
         for i, label in enumerate(self.bank_labels):
             cfg = self.param_cfgs[label]
             live = self.live_bank_state(label)
+            config = bank_config if bank_config is not None else \
+                default_config_for(tuple(live["p_slice"].shape), self.device)
             bank = AnvilBank.create(
                 label, live["p_slice"], beta2=cfg.beta2, velocity=live["velocity"],
                 lane_energy=live["lane_energy"], mantissa=live.get("mantissa"), scalars=self.staging.scalars(i),
-                eff_lr=self.staging.eff_lr(i), rails_dtype=self.rails_dtype,
+                eff_lr=self.staging.eff_lr(i), rails_dtype=self.rails_dtype, config=config,
                 persistent_workspace=not grad_in_place, grad_buffer=not grad_in_place, **extra)
             bank.rail_step = self.rail_step
             bank.first = self.rank * cfg.chunk_size

@@ -420,3 +420,94 @@ def test_fp32_model_state_is_at_adamw_memory():
     extra = sum(t.numel() * t.element_size() for st in opt.inner.param_states.values() for k, t in st.items()
                 if isinstance(t, torch.Tensor) and k == "lane_energy")
     assert resident <= 8 * n + extra + (1 << 20), (resident, 8 * n)
+
+
+# ----------------------------------------------------------------------------------------------- memory
+def _held_bytes(opt) -> tuple[int, int]:
+    """(bytes of every tensor the optimizer holds besides the parameters, bytes of its lane
+    energies), each storage counted once."""
+    seen, total, lanes = set(), 0, 0
+    param_storage = {p.untyped_storage().data_ptr() for p in opt.inner.params.values()}
+
+    def add(t):
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        key = t.untyped_storage().data_ptr()
+        if key in seen or key in param_storage:
+            return
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+
+    inner = opt.inner
+    for st in inner.param_states.values():
+        for k, v in st.items():
+            add(v)
+            if k == "lane_energy":
+                lanes += v.untyped_storage().nbytes()
+    for bank in inner.banks.values():
+        for v in vars(bank).values():
+            add(v)
+    for v in vars(opt._engine).values():
+        add(v)
+    add(inner.staging.buffer)
+    for g in (inner.replicated.groups if inner.replicated is not None else []):
+        for k in ("param", "grad", "exp_avg", "exp_avg_sq", "segment"):
+            add(getattr(g, k))
+    for t in (inner._grad_buffers or {}).values():
+        add(t)
+    return total, lanes
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["fp32_rails", "bf16_rails"])
+def test_in_place_state_is_the_rails_and_moments_alone(triton_dev, lean):
+    """Reading gradients in place, an fp32 model's optimizer holds the two rails per banked weight
+    (4 B each; 2 B in the lean state) and Adam's two fp32 moments per other parameter (AdamW's
+    8 B), the lane energies, and tables of a few bytes per matrix and parameter: no mantissa, no
+    bf16 copy, no gradient buffer, no persistent workspace (it is taken per update)."""
+    torch.manual_seed(0)
+    m = anvil_fast.gpt.build("tiny").to(triton_dev)
+    opt = ANVIL(m, grad_read="in_place", cuda_graphs=False, rails_dtype=torch.bfloat16 if lean else torch.float32)
+    _fixed_grads(m, 0)
+    opt.step()
+    held, lanes = _held_bytes(opt)
+    banked = sum(p.numel() for b in opt._banks for _, p, _, _ in b.plan.members)
+    other = sum(p.numel() for _, p in opt._adam_named)
+    rails = (4 if lean else 8) * banked
+    small = 4096 + 64 * (len(opt._engine.names) + opt._engine.n_mat)  # inbox, status, tables, scalars
+    assert rails + 8 * other + lanes <= held <= rails + 8 * other + lanes + small, (held, rails + 8 * other + lanes)
+    assert all(b.workspace is None and b.grad is None and b.mantissa is None for b in opt.inner.banks.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rails", ["nesterov", "record"])
+def test_compiled_scalars_equal_the_eager_ones(rails):
+    """On CUDA the scalars run through torch.compile (in-place writes into views of one status
+    buffer, a gather from the record table): the compiled function (Inductor's CPU backend here)
+    writes what the eager one writes."""
+    from anvil_fast import device_step as DS
+
+    torch.manual_seed(0)
+    m = anvil_fast.gpt.build("tiny")
+    opt = ANVIL(m, **({"rails": "record", "total_steps": 5} if rails == "record" else {}))
+    eng = opt._engine
+    _fixed_grads(m, 0)
+    opt.step()
+    m.lm_head.weight.grad = None
+    eng._collect()
+    eng._upload()
+
+    def args():
+        return (eng.hyper, eng.has, eng.flags, eng.counters, eng.last_bad, eng.adam_steps, opt.inner.rail_step,
+                eng.bank_active, opt.inner.staging.buffer, eng.lr_coef, eng.wd_coef, eng.adam_lr_mul, eng.adam_wd_mul,
+                eng.inactive_row, eng.gather, eng.record, len(eng.banks), eng.n_mat, eng.lean)
+
+    before = {k: v.clone() for k, v in eng._mutated().items()}
+    DS.derive_scalars(*args())
+    eager = {k: v.clone() for k, v in eng._mutated().items()}
+    for k, v in eng._mutated().items():
+        v.copy_(before[k])
+    torch.compile(DS.derive_scalars, dynamic=False, fullgraph=True)(*args())
+    for k, v in eng._mutated().items():
+        assert torch.equal(v, eager[k]), k
+    assert not torch.equal(eager["staging"], before["staging"])  # it did write something

@@ -353,3 +353,15 @@ def test_gram_side_cascade_replays_in_a_cuda_graph():
     want = fast_cascade(x2, config=GRAM_SIDE)
     assert torch.equal(out, want)
     assert not torch.equal(want, fast_cascade(x1, config=GRAM_SIDE))  # the replay read the new input
+
+
+def test_the_default_configuration_takes_the_gram_side_where_it_wins_on_cuda():
+    """bank_config=None: GRAM_SIDE on CUDA banks of aspect >= 2 and short side >= 512 (the medium
+    GPT's qkv, fc and mlp.proj), SAFE on square and narrow ones and everywhere on the CPU."""
+    from anvil_fast.cascade import GRAM_SIDE, SAFE, default_config_for
+
+    assert default_config_for((12, 2304, 768), "cuda") is GRAM_SIDE
+    assert default_config_for((12, 768, 3072), "cuda") is GRAM_SIDE
+    assert default_config_for((12, 768, 768), "cuda") is SAFE
+    assert default_config_for((6, 1152, 384), "cuda") is SAFE  # short side 384 < 512
+    assert default_config_for((12, 2304, 768), "cpu") is SAFE

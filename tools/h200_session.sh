@@ -11,6 +11,10 @@
 #   chunk   tools/chunk_independence.py for SAFE and for the Gram side (GRAM_SIDE's bank shapes)
 #   gramside  the bank bench with its Gram-side table, difftest and the near-rank-1 study of GRAM_SIDE
 #   contenders  TRAIN_CONTENDERS on the small GPT, seeds 0 1 2 (runs that exist are skipped)
+#   engine  the one-process device-decided step first: graphed against eager on the small GPT, bit for
+#           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
+#   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
+#           with, carried as a folder) and here, and their diff
 # TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,6 +56,17 @@ for stage in ${STAGES:-suite bench}; do
              --contenders ${TRAIN_CONTENDERS:-anvil_gram_side} --tuned-from results/train/small/sweep \
              --out results/train/small --skip-existing --time-budget-s $(( ${T_CONTENDERS:-300} - 20 )) ${TRAIN_ARGS} 2>&1 \
              | tee "$OUT/train_contenders.log" | tail -5 ;;
+    engine) timeout "${T_ENGINE:-60}" python3 tools/engine_smoke.py 2>&1 | tee "$OUT/engine_smoke.log"
+             timeout "${T_ENGINE_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs \
+               tests/test_device_step.py tests/test_rails.py tests/test_equalizer.py tests/test_adam.py \
+               tests/test_bank.py tests/test_update.py tests/test_dropin.py 2>&1 \
+             | tee "$OUT/pytest_gpu_engine.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -20 ;;
+    fingerprint_base) (cd "${BASE:-.base}" && ANVIL_FAST_TUNE=0 timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py \
+               --out "$OUT/fp_before.txt" > "$OUT/fp_before.log" 2>&1)
+             ANVIL_FAST_TUNE=0 timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fp_after.txt" \
+               > "$OUT/fp_after.log" 2>&1
+             diff "$OUT/fp_before.txt" "$OUT/fp_after.txt" > "$OUT/fp_diff.txt" && echo "fingerprint: identical" \
+               || { echo "fingerprint: differs"; cat "$OUT/fp_diff.txt"; } ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
