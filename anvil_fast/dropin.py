@@ -391,14 +391,17 @@ def register_dtensor_path(cls: type) -> None:
     _DTENSOR_PATH[:] = [cls]
 
 
-def default_grad_read(device: torch.device, bank_config: Any) -> str:
+def default_grad_read(device: torch.device, bank_config: Any, dtypes=()) -> str:
     """How a one-process step reads the gradients by default: in place where the bank update's
-    rails are the Triton kernel (SAFE and GRAM_SIDE on CUDA), else through the banks' buffers."""
+    rails are the Triton kernel (SAFE and GRAM_SIDE on CUDA) and every parameter is float32 or
+    bfloat16 (the in-place kernels' dtypes), else through the banks' buffers."""
     from ._triton import triton_available
     from .cascade import DEFAULT_CONFIG, get_config
 
     cfg = DEFAULT_CONFIG if bank_config is None else get_config(bank_config)
-    return "in_place" if device.type == "cuda" and triton_available() and cfg.triton_elementwise else "buffers"
+    ok = all(d in (torch.float32, torch.bfloat16) for d in dtypes)
+    return "in_place" if device.type == "cuda" and triton_available() and cfg.triton_elementwise and ok \
+        else "buffers"
 
 
 class ANVIL(torch.optim.Optimizer):
@@ -625,7 +628,7 @@ class ANVIL(torch.optim.Optimizer):
         refuse_ddp_with_own_averaging(params, self.comms.world_size)
         engine = self.comms.world_size == 1
         if engine and grad_read is None:
-            grad_read = default_grad_read(device, bank_config)
+            grad_read = default_grad_read(device, bank_config, {p.dtype for _, p in named})
         elif not engine and grad_read == "in_place":
             raise ValueError("grad_read='in_place' is the one-process step's; on several ranks every gradient is "
                              "reduced into the banks' buffers")
@@ -892,16 +895,15 @@ class ANVIL(torch.optim.Optimizer):
         return int(eng.seen[0]) + (eng.attempted - int(eng.seen[0] + eng.seen[1]))
 
     def _hyper_values(self) -> list[float]:
-        """The inbox's hyper-parameters (:data:`anvil_fast.device_step.HYPER`) from the groups."""
-        vals = [0.0] * 10
-        for g in self.param_groups:
-            if g["kind"] == "anvil":
-                mom = float(g["momentum"])
-                vals[0:5] = [float(g["lr"]), mom, mom if g["fast_beta"] is None else float(g["fast_beta"]),
-                             float(g["fast_weight"]), float(g["weight_decay"])]
-            else:
-                vals[5:10] = [float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                              float(g["weight_decay"])]
+        """The inbox's hyper-parameters (:data:`anvil_fast.device_step.HYPER`): what
+        :meth:`_apply_hyperparameters` handed the inner optimizer (one rule for both steps)."""
+        inner, vals = self.inner, [0.0] * 10
+        if self._banks:
+            cfg = inner.param_cfgs[self._banks[0].label]
+            vals[0:5] = [cfg.lr, cfg.momentum, inner.fast_beta, inner.fast_weight, cfg.weight_decay]
+        if self._adam_named:
+            cfg = inner.param_cfgs[self._adam_named[0][0]]
+            vals[5:10] = [cfg.lr, cfg.adam_betas[0], cfg.adam_betas[1], cfg.eps, cfg.weight_decay]
         return vals
 
     def _report(self, *, wait: bool, stacklevel: int) -> None:

@@ -21,8 +21,10 @@ def test_dropin_cpu_smoke_runs_end_to_end():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    for row in ("| grad copy |", "| finite check |", "| scalar upload |", "| bank updates |", "| Adam |",
+    for row in ("| host part (inbox) |", "| non-finite check |", "| banks, one stream |", "| banks, 1 stream(s) |",
+                "| Adam |", "| whole device part |",
                 "| smoke | ANVIL, default arguments |", "| smoke | ANVIL, cuda_graphs=False |",
+                "| smoke | ANVIL, rails_dtype=bf16 (lean state) |",
                 "| smoke | torch Muon + fused AdamW |", "| smoke | fused AdamW alone |"):
         assert row in text, f"{row!r} missing from:\n{text}"
     assert "profile of one step, smoke anvil:" in text and "aten ops" in text
