@@ -324,3 +324,26 @@ def test_the_readme_example_runs():
     code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
     assert len(code.strip().splitlines()) == 5
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_power_iteration_top_singular_value(monkeypatch):
+    y = torch.randn(3, 40, 30, generator=torch.Generator().manual_seed(6))
+    y[1] *= torch.linspace(1, 5, 30)  # a top singular value that stands apart
+    exact = torch.linalg.svdvals(y.double())[:, 0]
+    monkeypatch.setattr(H, "EXACT_SV_MAX", 8)
+    top = H.top_singular_values(y)
+    assert (top <= exact * (1 + 1e-12)).all() and torch.allclose(top[1], exact[1], rtol=1e-6)
+    assert torch.allclose(H.singular_values(y)[:, -1], exact, rtol=1e-5)  # float32 eigenvalues there
+    y[2, 0, 0] = math.inf
+    assert H.top_singular_values(y)[2] == math.inf
+
+
+def test_near_rank1_inputs_reach_the_implementation_in_chunks_of_the_shape_batch():
+    seen = []
+
+    def fn(x):
+        seen.append(tuple(x.shape))
+        return torch.stack([torch_muon(m) for m in x.unbind(0)])
+    rows = H.judge(H.Implementation("chunks", fn, None), shapes=[(2, 24, 16)], families=("near_rank1",),
+                   near_rank1_count=6, progress=False)
+    assert rows[0].count == 6 and seen == [(2, 24, 16)] * 3
