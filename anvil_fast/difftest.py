@@ -434,19 +434,23 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
             print(f"{n}: unavailable: {why}", file=sys.stderr)
         if not impls:
             ap.error("no requested adapter can run here (see above)")
+    cmd = "python -m anvil_fast.difftest " + " ".join(shlex.quote(v) for v in (argv if argv is not None else sys.argv[1:]))
+
+    def write(rows):
+        if a.json is not None:
+            done = len(rows) == len(impls) * len(shapes) * len(a.families)
+            H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
+                                   meta={"complete": done, "shapes": [list(s) for s in shapes],
+                                         "families": list(a.families), "seed": a.seed}), a.json)
+
     rows = H.judge(impls, shapes=shapes, families=a.families, seed=a.seed, device=a.device,
                    near_rank1_count=a.near_rank1_count, time_reps=a.time_reps, progress=a.progress,
-                   time_limit=a.time_limit)
+                   time_limit=a.time_limit, checkpoint=write if a.json not in (None, "-") else None)
     print(H.format_table(rows))
     print("\n" + H.summary(rows))
     for n, why in unavailable.items():
         print(f"unavailable: {n}: {why}")
-    if a.json is not None:
-        done = len(rows) == len(impls) * len(shapes) * len(a.families)
-        cmd = "python -m anvil_fast.difftest " + " ".join(shlex.quote(v) for v in (argv if argv is not None else sys.argv[1:]))
-        H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
-                               meta={"complete": done, "shapes": [list(s) for s in shapes], "families": list(a.families),
-                                     "seed": a.seed}), a.json)
+    write(rows)
     return 1 if any(r.verdict() == "FAIL" for r in rows) else 0
 
 

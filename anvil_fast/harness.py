@@ -517,11 +517,12 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
 
 def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SHAPES, families=DEFAULT_FAMILIES,
           seed: int = 0, device="cpu", near_rank1_count: int = 8, time_reps: int = 0, progress: bool | None = None,
-          time_limit: float | None = None) -> list[Row]:
+          time_limit: float | None = None, checkpoint: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """Every row for every implementation, shape and family (same inputs for all implementations).
     ``near_rank1_count``: inputs of the near-rank-1 family per shape; ``time_reps``: timed calls per
     shape on CUDA (0: none); ``time_limit``: seconds after which no new row is started (the rows done
-    are returned)."""
+    are returned); ``checkpoint``: called with the rows so far after every shape (a run that is
+    stopped from outside keeps what it measured)."""
     from anvil_ref.progress import Progress
 
     impls = [impls] if isinstance(impls, Implementation) else list(impls)
@@ -541,6 +542,10 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
                 break
             bar.update(n, label=f"harness: {impl.name} {'x'.join(map(str, s))} {f} ({n + 1}/{len(cases)})")
             rows.append(judge_one(impl, s, f, cache, time_reps=time_reps))
+            if n + 1 == len(cases) or cases[n + 1][1] != s:  # this shape is done
+                cache.store = {k: v for k, v in cache.store.items() if k[1] != s}
+                if checkpoint is not None:
+                    checkpoint(rows)
         bar.update(len(cases))
     return rows
 

@@ -61,6 +61,9 @@ def classify(e: dict) -> str:
         ratio = wc["fast"] / wc["eager"]
         words.append("as accurate as its math allows" if ratio <= AS_ACCURATE else
                      f"{ratio:.1f}x the bf16 error of its math")
+        if wc.get("bound") is not None and wc["eager"] > wc["bound"]:
+            words.append(f"its math magnifies bf16 rounding past the first-order bound ({_f(wc['eager'])} > "
+                         f"{_f(wc['bound'])})")
     if g and g.get("polar") is not None and g.get("math_polar") is not None:
         if g["math_polar"] >= MATH_SHARE * g["polar"]:
             words.append(f"its math limits it ({_f(g['math_polar'], '.2g')} from the polar factor in float64)")
