@@ -45,7 +45,13 @@ module                  concept
 ``_compile``            whether a function runs through ``torch.compile``
 ``tolerances``          THE tolerance table of fast against reference (its derivations inside)
 **studies and baselines**
-``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors
+``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors; with
+                        ``--impl`` / ``--adapter``, anyone's orthogonalization (``harness``)
+``families``            the differential tests' input families (``make_matrix``) and error measure (``rel_err``)
+``harness``             anyone's orthogonalization judged against the math it declares (``assert_orthogonalizer``,
+                        ``judge``): errors next to its eager bf16 floor, polar factor, explosions, Gram side
+``adapters``            the other libraries' orthogonalizations (torch, dion, emerging-optimizers, heavyball,
+                        pytorch-optimizer) and the package's own, each with its declared math, for ``harness``
 ``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study (SAFE's headroom under bf16
                         is certified by ``derive_maps.robust``)
 ``gram_side_study``     ``python -m anvil_fast.gram_side_study``: the Gram side's error study (its schedule)
@@ -90,7 +96,8 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
 _SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp", "device_step", "nonfinite")
+               "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp", "device_step", "nonfinite",
+               "families", "harness", "adapters")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

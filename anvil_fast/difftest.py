@@ -23,6 +23,12 @@ y is not finite). The verdict column applies one rule, :func:`anvil_fast.toleran
 
 ``python -m anvil_fast.difftest`` prints the table (``--help`` for shapes, families, configs) and exits
 with status 1 if a row is ``FAIL``.
+
+Anyone's orthogonalization (:mod:`anvil_fast.harness`) is judged from the same command line:
+``--impl package.module:function`` with the math it declares (``--coeffs``, ``--steps``,
+``--normalization``, ``--margin``, ``--eps``, ``--transpose-when``), or ``--adapter NAME`` for the
+real implementations of other libraries (:mod:`anvil_fast.adapters`; ``--list-adapters``), and
+``--json FILE`` for the rows as JSON.
 """
 
 from __future__ import annotations
@@ -47,18 +53,9 @@ from .rails import twin_rail
 from .update import sign_aligned_update
 from .gram_side import eager_gram_side_cascade, uses_gram_side
 from .tolerances import cascade_error_cap, check_row
-
-FAMILIES = ("gaussian", "low_rank", "near_rank1", "decaying", "zero", "huge", "tiny", "well_conditioned")
-#: Families on which the eager bf16 path is also judged against the float64 reference (the second side
-#: of anvil_fast/tolerances.py's rule): every singular value of X / d inside the maps' design interval and far
-#: from 0, so no rounding is amplified by the composite's large slope near 0.
-WELL_CONDITIONED = ("well_conditioned",)
-#: Singular values of the "well_conditioned" family: uniform in [lo, hi] (condition number <= 2).
-WELL_CONDITIONED_SV = (0.5, 1.0)
-
-#: Scale exponents of the "huge" and "tiny" families: 2**100 overflows fp32 squares (the seed's bf16
-#: Gram), 2**-100 underflows them.
-HUGE_EXP, TINY_EXP = 100, -100
+# the input families and the error measure, shared with anvil_fast.harness (re-exported here)
+from .families import (FAMILIES, HUGE_EXP, TINY_EXP, WELL_CONDITIONED, WELL_CONDITIONED_SV, make_matrix,  # noqa: F401
+                       rel_err, rel_errs)
 
 #: Rows that fail the rule by design: FAITHFUL reproduces the seed's roundings, so its cascade explodes
 #: on near-rank-1 input (the seed's rounded-down trace) and overflows on huge input (its bf16 Gram), as
@@ -78,52 +75,6 @@ VERDICT_RULE = (
 # component steps with the record's matrix lr and weight decay.
 MOMENTUM, FAST_BETA, FAST_WEIGHT = RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 BETA2, LR, WEIGHT_DECAY = ANVIL_DEFAULTS["beta2"], ANVIL_DEFAULTS["lr"], ANVIL_DEFAULTS["weight_decay"]
-
-
-def make_matrix(family: str, shape: tuple[int, ...], *, seed: int = 0, device="cpu") -> Tensor:
-    """A float32 batch ``[chunk, rows, cols]`` of the named family (deterministic in ``seed``)."""
-    if family not in FAMILIES:
-        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
-    g = torch.Generator().manual_seed(seed)
-    b, m, n = shape
-    k = min(m, n)
-    if family in ("gaussian", "huge", "tiny"):
-        x = torch.randn(shape, generator=g)
-        x = x * 2.0 ** {"gaussian": 0, "huge": HUGE_EXP, "tiny": TINY_EXP}[family]
-    elif family == "low_rank":
-        r = max(1, k // 8)
-        x = torch.randn(b, m, r, generator=g) @ torch.randn(b, r, n, generator=g) / math.sqrt(r)
-    elif family == "near_rank1":
-        x = torch.randn(b, m, 1, generator=g) * torch.randn(b, 1, n, generator=g) + 1e-4 * torch.randn(shape, generator=g)
-    elif family == "well_conditioned":
-        lo, hi = WELL_CONDITIONED_SV
-        s = lo + (hi - lo) * torch.rand(b, 1, k, generator=g)
-        u = torch.linalg.qr(torch.randn(b, m, k, generator=g))[0]
-        v = torch.linalg.qr(torch.randn(b, n, k, generator=g))[0]
-        x = (u * s) @ v.mT
-    elif family == "decaying":
-        s = 0.9 ** torch.arange(k, dtype=torch.float32)
-        u = torch.linalg.qr(torch.randn(b, m, k, generator=g))[0]
-        v = torch.linalg.qr(torch.randn(b, n, k, generator=g))[0]
-        x = (u * s) @ v.mT
-    else:
-        x = torch.zeros(shape)
-    return x.to(device)
-
-
-def rel_errs(y: Tensor, ref: Tensor) -> Tensor:
-    """Per matrix ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf where y is not finite)."""
-    y64 = y.detach().double().cpu().reshape(-1, *y.shape[-2:])
-    r64 = ref.detach().double().cpu().reshape(-1, *ref.shape[-2:])
-    num = (y64 - r64).flatten(1).norm(dim=1)
-    den = r64.flatten(1).norm(dim=1)
-    err = torch.where(den > 0, num / den.clamp_min(1e-300), num)
-    return torch.where(torch.isfinite(y64).flatten(1).all(dim=1), err, torch.full_like(err, math.inf))
-
-
-def rel_err(y: Tensor, ref: Tensor) -> float:
-    """max over matrices of ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf if y is not finite)."""
-    return float(rel_errs(y, ref).max())
 
 
 def cap_ratio(y: Tensor, ref: Tensor) -> float:
@@ -364,14 +315,154 @@ def summary(rows: list[Row]) -> str:
     return f"{len(rows)} rows: " + ", ".join(f"{n} {v}" for v, n in counts.items())
 
 
+HARNESS_EPILOG = """\
+Testing your own orthogonalization (anvil_fast.harness): give the function (it takes a batch
+[chunk, rows, cols], or one matrix with --per-matrix, and returns the same shape) and the math it
+declares; each row is judged against that math in float64 and against a plain eager bf16 run of it:
+
+  python -m anvil_fast.difftest --impl mylib.ortho:newton_schulz \\
+      --coeffs 3.4445,-4.7750,2.0315 --steps 5 --normalization frobenius_clamp --margin 1 --eps 1e-7 \\
+      --transpose-when tall --shapes 2x48x32,2x32x48 --json out.json
+
+  --coeffs takes triples a,b,c;a,b,c;... (one per step), a map-set name of anvil_ref (muon_jordan5,
+  polar_express_nanogpt5, ...) or a JSON file; --steps repeats the last triple (--cycle: the whole
+  list). Without --coeffs the math is undeclared: polar-factor, singular-value and explosion columns
+  only. --impl-kwargs '{"steps": 5}' passes keyword arguments on every call.
+
+The real implementations of other libraries, where installed (--list-adapters says which):
+
+  python -m anvil_fast.difftest --adapter torch-muon,pytorch-optimizer-quintic,anvil-safe
+
+Exit status: 0, or 1 if a row is FAIL; 2 for bad arguments."""
+
+
+def _coeffs(text: str):
+    """--coeffs: triples ``a,b,c;a,b,c`` (any text with a comma), else a map-set name or a JSON file."""
+    from anvil_ref._arrays import ReferenceInputError
+    from anvil_ref.maps import load_maps
+
+    try:
+        if "," in text:
+            return load_maps([tuple(float(v) for v in part.split(",")) for part in text.split(";") if part.strip()])
+        return load_maps(text)
+    except (ValueError, ReferenceInputError) as exc:
+        raise argparse.ArgumentTypeError(f"expected triples a,b,c;a,b,c, a map-set name or a JSON file ({exc})") from None
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return v
+
+
+def _harness_args(ap: argparse.ArgumentParser) -> None:
+    from anvil_ref.cli_args import positive_int
+    from anvil_ref.polar import NORMALIZATIONS, ORIENTATIONS
+
+    g = ap.add_argument_group("anyone's orthogonalization (anvil_fast.harness)")
+    g.add_argument("--impl", metavar="package.module:function", help="the function to judge")
+    g.add_argument("--impl-kwargs", type=_json_object, default={}, metavar="JSON",
+                   help="keyword arguments passed to it on every call")
+    g.add_argument("--per-matrix", action="store_true", help="it takes one matrix [rows, cols], not a batch")
+    g.add_argument("--input-dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
+                   help="dtype of the input it is given (default: %(default)s)")
+    g.add_argument("--coeffs", type=_coeffs, default=None, help="its per-step (a, b, c): see below")
+    g.add_argument("--steps", type=positive_int, default=None, help="number of steps (see below)")
+    g.add_argument("--cycle", action="store_true", help="--steps cycles the list instead of repeating its last")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="frobenius",
+                   help="frobenius: X/(margin ||X||_F + eps); frobenius_clamp: X/max(margin ||X||_F, eps); "
+                        "aol: rows scaled by (sum_j |(X X^T)_ij|)^(-1/2) (default: %(default)s)")
+    g.add_argument("--margin", type=float, default=1.0, help="(default: %(default)s)")
+    g.add_argument("--eps", type=float, default=1e-7, help="(default: %(default)s)")
+    g.add_argument("--transpose-when", choices=ORIENTATIONS, default="tall",
+                   help="which matrices it transposes before iterating: tall (rows > cols; the Gram on the "
+                        "short side), wide, never, always (default: %(default)s)")
+    g.add_argument("--adapter", default=None, metavar="NAME[,NAME...]",
+                   help="adapters of other libraries' implementations (and the package's), or 'all'")
+    g.add_argument("--list-adapters", action="store_true", help="list the adapters and whether each runs here")
+    g.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON ('-': stdout)")
+    g.add_argument("--near-rank1-count", type=positive_int, default=8,
+                   help="near-rank-1 inputs per shape, the explosion count (default: %(default)s)")
+    g.add_argument("--time-reps", type=int, default=0, help="timed calls per shape on CUDA (default: none)")
+    g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="start no new row after this many seconds (the rows done are written)")
+
+
+def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> int:
+    import shlex
+
+    from . import adapters as AD
+    from . import harness as H
+
+    if a.list_adapters:
+        print(AD.listing(device=a.device))
+        return 0
+    if (a.impl is None) == (a.adapter is None):
+        ap.error("give either --impl package.module:function or --adapter NAME, not both")
+    if a.time_reps < 0:
+        ap.error(f"argument --time-reps: expected a count >= 0, got {a.time_reps}")
+    shapes = a.shapes or [tuple(s) for s in H.DEFAULT_SHAPES]
+    unavailable: dict[str, str] = {}
+    if a.impl is not None:
+        try:
+            fn = H.resolve(a.impl)
+        except ValueError as exc:
+            ap.error(str(exc))
+        math_ = None
+        if a.coeffs is not None:
+            try:
+                math_ = H.DeclaredMath.of(a.coeffs, steps=a.steps, cycle=a.cycle, normalization=a.normalization,
+                                          margin=a.margin, eps=a.eps, transpose_when=a.transpose_when)
+            except ValueError as exc:
+                ap.error(f"declared math: {exc}")
+        kw = dict(a.impl_kwargs)
+        impls = [H.Implementation(a.impl, (lambda x: fn(x, **kw)) if kw else fn, math_, per_matrix=a.per_matrix,
+                                  input_dtype=getattr(torch, a.input_dtype))]
+    else:
+        names = list(AD.ADAPTERS) if a.adapter == "all" else [n.strip() for n in a.adapter.split(",")]
+        bad = [n for n in names if n not in AD.ADAPTERS]
+        if bad:
+            ap.error(f"argument --adapter: unknown {', '.join(map(repr, bad))}; --list-adapters lists them")
+        impls, unavailable = AD.load(names, device=a.device, compile=a.compile)
+        for n, why in unavailable.items():
+            print(f"{n}: unavailable: {why}", file=sys.stderr)
+        if not impls:
+            ap.error("no requested adapter can run here (see above)")
+    cmd = "python -m anvil_fast.difftest " + " ".join(shlex.quote(v) for v in (argv if argv is not None else sys.argv[1:]))
+
+    def write(rows):
+        if a.json is not None:
+            done = len(rows) == len(impls) * len(shapes) * len(a.families)
+            H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
+                                   meta={"complete": done, "shapes": [list(s) for s in shapes],
+                                         "families": list(a.families), "seed": a.seed}), a.json)
+
+    rows = H.judge(impls, shapes=shapes, families=a.families, seed=a.seed, device=a.device,
+                   near_rank1_count=a.near_rank1_count, time_reps=a.time_reps, progress=a.progress,
+                   time_limit=a.time_limit, checkpoint=write if a.json not in (None, "-") else None)
+    print(H.format_table(rows))
+    print("\n" + H.summary(rows))
+    for n, why in unavailable.items():
+        print(f"unavailable: {n}: {why}")
+    write(rows)
+    return 1 if any(r.verdict() == "FAIL" for r in rows) else 0
+
+
 def main(argv=None) -> int:
     from anvil_ref.progress import Progress
 
     shapes = shape_list(3, form="CHUNKxROWSxCOLS")
     ap = argparse.ArgumentParser(prog="python -m anvil_fast.difftest", description=__doc__.split("\n\n")[0],
-                                 epilog="Exit status: 0, or 1 if a row is FAIL; 2 for bad arguments.")
-    ap.add_argument("--shapes", type=shapes, default="4x96x96,2x256x768,2x768x768,2x2816x768",
-                    help="comma-separated CHUNKxROWSxCOLS (default: %(default)s)")
+                                 epilog=HARNESS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", type=shapes, default=None,
+                    help="comma-separated CHUNKxROWSxCOLS (default: 4x96x96,2x256x768,2x768x768,2x2816x768; "
+                         "with --impl or --adapter: 2x48x32,2x32x48,2x32x32)")
     ap.add_argument("--families", type=name_list(FAMILIES, what="family"), default=",".join(FAMILIES),
                     help=f"comma-separated input families, any of: {', '.join(FAMILIES)} (default: all)")
     ap.add_argument("--configs", type=name_list(CONFIGS, what="config"), default="safe,faithful",
@@ -380,11 +471,17 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="torch device of the fast path (default: %(default)s)")
     ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
-                    help="torch.compile the fast path's element-wise parts (default: %(default)s)")
+                    help="torch.compile the fast path's element-wise parts; for --adapter, whether libraries "
+                         "that compile their function run it compiled (anvil_fast.adapters) (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)")
     add_progress_flags(ap)
+    _harness_args(ap)
     a = ap.parse_args(argv)
     check_device(ap, a.device)
+    if a.impl is not None or a.adapter is not None or a.list_adapters:
+        return harness_main(ap, a, argv)
+    if a.shapes is None:
+        a.shapes = shapes("4x96x96,2x256x768,2x768x768,2x2816x768")
     comp = {"auto": None, "yes": True, "no": False}[a.compile]
     rows = []
     cases = [(c, s, f) for c in a.configs for s in a.shapes for f in a.families]

@@ -156,6 +156,66 @@ value is <= EXPLODED_SIGMA, so ``||y||_F <= EXPLODED_SIGMA * sqrt(k)`` (k = min(
 
 (absolute where ref is zero: ``EXPLODED_SIGMA * sqrt(k)``). A cascade row whose error passes that cap
 on a matrix has exploded there, whatever eager did.
+
+Declared iterations (anvil_fast.harness: anyone's orthogonalization, judged against the math it
+declares -- coefficients of any number of steps, a normalization, an orientation rule --
+:mod:`anvil_ref.polar`) take the cascade's rule with three quantities derived for their math:
+
+* **Their roundings and gains** (:func:`declared_roundings`). The output path of the harness's eager
+  bf16 version of a declared iteration (anvil_fast.harness.eager_declared) rounds the cast of X and
+  the normalized Z_0 (AOL also its first Gram, from which the row scales come: 3), and per step k the
+  Gram A_k, the polynomial B_k = b A_k + c A_k^2 and the iterate Z_k. The cascade's count above gives
+  each of them gain <= 1, true of maps that contract toward their fixed point (ANVIL's, on
+  well-conditioned input) but not of others: Muon's quintic oscillates (|p'| > 1 at its output), the
+  first Polar Express maps have slopes up to 8, and a step whose ``a + b s^2 + c s^4`` cancels
+  magnifies the error of its B (measured, CPU, 48x32 well-conditioned: Muon's eager 0.021-0.025
+  against ``sqrt(17) * RHO`` = 0.0093). So every rounding is carried to the output to first order,
+  through the float64 singular values s of the iterates (those of Z_0,
+  :func:`anvil_ref.polar.normalized_singular_values`, mapped by the scalar maps):
+
+  - the later maps ``G_j = p_K o ... o p_{j+1}`` act on a perturbation E of Z_j, in Z_j's singular
+    basis, by their Frechet derivative: the divided difference ``D- = (G(s_i) - G(s_l)) / (s_i - s_l)``
+    on E's symmetric part, ``D+ = (G(s_i) + G(s_l)) / (s_i + s_l)`` on its antisymmetric part,
+    ``G'(s_i)`` on the diagonal and ``G(s_l) / s_l`` on the rows or columns beyond min(rows, cols);
+  - a rounding of Z_j (the cast, Z_0, every iterate) is an isotropic perturbation of relative RMS
+    RHO: its output variance is RHO**2 times the mean of those squared weights, times
+    ``||Z_j||_F**2 / ||Y||_F**2``;
+  - a rounding of B_k or A_k is a symmetric perturbation M (entries of RMS ``RHO ||B_k||_F / k'`` and
+    ``RHO ||A_k||_F / k'``, k' the side of the Gram the orientation rule forms) that reaches Z_k as
+    ``M Z_{k-1}``: in the eigenbasis of A_k, A's through ``dB = b dA + c (A dA + dA A)``, weights
+    ``b + c (l_i + l_l)`` (l the eigenvalues of A_k); in the singular basis its entries are
+    ``M_il t_l`` (t the singular values of Z_{k-1}), symmetric part ``M_il (t_i + t_l) / 2``,
+    antisymmetric part ``M_il (t_l - t_i) / 2``;
+  - independent roundings add in quadrature: the output's relative RMS error is at most
+    ``RHO * sqrt(n)``, n the sum of those variances in units of RHO**2, the largest over a batch's
+    matrices. This n takes the place of CASCADE_ROUNDINGS in :func:`eager_bound`, on WELL_CONDITIONED
+    input as there (elsewhere near-zero singular values make first-order gains meaningless). A map set
+    that contracts gets fewer than its count of unit gains (ANVIL_MAPS, 48x32 well-conditioned: n = 7.9
+    against 21); Muon's quintic gets 74-161 (32x32 .. 96x64). Checked two ways (CPU, 4x48x32, seeds
+    0-3): the model simulated in float64 (every one of those sites perturbed by an independent relative
+    Gaussian of RMS RHO) gives 0.028-0.030 for Muon's maps, the bound 0.027-0.030; and the eager bf16
+    measures 0.73-0.85 of the bound for Muon's, the modded-nanogpt quintic, Polar Express, ANVIL's and
+    DeepSeek-V4's maps on 48x32, 32x32 and 96x64 (RHO is the RMS rounding of a mantissa near 1; the
+    average mantissa's is 0.73 RHO). Above DECLARED_PAIRS_MAX singular values the sums run over that
+    many, evenly spaced in rank, scaled to all of them (single indices by k / k', ordered pairs by
+    k (k - 1) / (k' (k' - 1))): on 768 well-conditioned singular values 128 of them give n within 0.4%
+    of the exact sums (ANVIL_MAPS and Muon's quintic, CPU).
+  - the mean singular-value check and the shared bits do not apply: the first assumes gain <= 1, and
+    the second needs the implementation's own operation order, which the harness does not know.
+
+* **Their explosion threshold** (:func:`exploded_sigma`). Not every declared composite stays near 1:
+  Muon's rises to ~1.2. An output whose iteration has not exploded has every singular value at most
+  ``F_max = max F`` over the normalized spectrum ``[0, anvil_ref.polar.spectrum_top]`` plus what rounding
+  moves it; EXPLODED_SIGMA's 10% room above ANVIL's 1 + 4.1e-4 becomes
+  ``EXPLODED_SIGMA * max(1, F_max)`` (for ANVIL_MAPS 1.1004, within 0.05% of EXPLODED_SIGMA), the top
+  singular value beyond which an output counts as exploded, and the sigma of its error cap
+  (:func:`cascade_error_cap`).
+
+* **Conformance.** A row whose implementation did not do what it declares -- an output of another
+  shape than its input, or (observed through torch's dispatcher, :class:`anvil_fast.harness.GramRecorder`)
+  a Gram on another side than its orientation rule forms -- fails whatever its errors: a dropped
+  transpose forms the long side's Gram, the same matrix in exact arithmetic and at bf16 an error
+  indistinguishable from the declared one's, so only the products it forms show it.
 """
 
 from __future__ import annotations
@@ -187,6 +247,8 @@ CASCADE_SV_SIGMAS = 4.0
 CASCADE_SV_MAX_DIM = 128
 #: Top singular value of the cascade's output beyond which it has exploded (see above).
 EXPLODED_SIGMA = 1.1
+#: Singular values over whose pairs :func:`declared_roundings` sums exactly (see above).
+DECLARED_PAIRS_MAX = 256
 
 
 def gram_side_roundings(n_maps: int, restarts: tuple[int, ...]) -> int:
@@ -212,12 +274,115 @@ def eager_bound(component: str, *, floor: float, roundings: int = CASCADE_ROUNDI
     raise ValueError(f"eager_bound: unknown bf16 component {component!r}; expected one of {BF16_COMPONENTS}")
 
 
-def cascade_error_cap(ref_norm: float, k: int) -> float:
+def cascade_error_cap(ref_norm: float, k: int, *, sigma: float = EXPLODED_SIGMA) -> float:
     """The largest error against float64 of a cascade output that has not exploded: relative
-    ``1 + EXPLODED_SIGMA * sqrt(k) / ref_norm``, or absolute ``EXPLODED_SIGMA * sqrt(k)`` where the
-    reference (Frobenius norm ``ref_norm``) is zero."""
-    cap = EXPLODED_SIGMA * k ** 0.5
+    ``1 + sigma * sqrt(k) / ref_norm``, or absolute ``sigma * sqrt(k)`` where the reference (Frobenius
+    norm ``ref_norm``) is zero; ``sigma``: the explosion threshold (EXPLODED_SIGMA, or a declared
+    iteration's :func:`exploded_sigma`)."""
+    cap = sigma * k ** 0.5
     return 1.0 + cap / ref_norm if ref_norm > 0 else cap
+
+
+def exploded_sigma(composite_max: float) -> float:
+    """The top singular value beyond which the output of a declared iteration whose composite
+    reaches at most ``composite_max`` on its normalized spectrum has exploded (module docstring)."""
+    return EXPLODED_SIGMA * max(1.0, float(composite_max))
+
+
+def _frechet(maps, s, t, *, left: bool):
+    """Squared first-order weights of the singular-value function ``G = maps`` at singular values ``s``
+    (module docstring), as (diagonal [k], off-diagonal [k, k] with a zero diagonal, complement [k]):
+    on iid entries (``left`` False) or on entries ``M_il t_l`` with M symmetric (``left``: the form
+    of a rounded Gram or polynomial): ``D-`` on the symmetric part, ``D+`` on the antisymmetric part,
+    ``G'`` on the diagonal, ``G(s)/s`` on each complement row."""
+    import numpy as np
+
+    from anvil_ref.cascade import composite
+    from anvil_ref.polar import composite_slope
+
+    if maps:
+        g, dg, dg0 = composite(s, maps=maps), composite_slope(s, maps=maps), composite_slope(0.0, maps=maps)
+    else:
+        g, dg, dg0 = s, np.ones_like(s), 1.0
+    si, sl = s[:, None], s[None, :]
+    diff, summ = si - sl, si + sl
+    minus = np.where(diff != 0, (g[:, None] - g[None, :]) / np.where(diff != 0, diff, 1.0), dg[:, None])
+    plus = np.where(summ != 0, (g[:, None] + g[None, :]) / np.where(summ != 0, summ, 1.0), dg0)
+    ratio = np.where(s > 0, g / np.where(s > 0, s, 1.0), dg0)
+    if left:  # E_il = M_il t_l: symmetric part M_il (t_i + t_l)/2, antisymmetric part M_il (t_l - t_i)/2
+        ti, tl = t[:, None], t[None, :]
+        off = np.square(minus * (ti + tl) / 2 + plus * (tl - ti) / 2)
+        diag, comp = np.square(dg * t), np.square(ratio * t)
+    else:  # iid entries: the symmetric and antisymmetric parts each carry half an entry's variance
+        off = (np.square(minus) + np.square(plus)) / 2
+        diag, comp = np.square(dg), np.square(ratio)
+    np.fill_diagonal(off, 0.0)
+    return diag, off, comp
+
+
+def _thin(s, cap: int):
+    """At most ``cap`` of the singular values ``s``, evenly spaced in rank."""
+    import numpy as np
+
+    k = s.shape[-1]
+    return s if k <= cap else s[np.round(np.linspace(0, k - 1, cap)).astype(int)]
+
+
+def declared_roundings(maps, sigmas, *, normalization: str = "frobenius", long_side: int, gram_side: int) -> float:
+    """The gain-weighted rounding count ``n`` of a declared iteration (module docstring): ``maps`` its
+    (a, b, c) triples, ``sigmas`` the float64 singular values of its normalized input Z_0 (one row per
+    matrix, ``[..., k]``), ``normalization`` one of :data:`anvil_ref.polar.NORMALIZATIONS`,
+    ``long_side`` the matrices' larger dimension and ``gram_side`` the side of the Gram its orientation
+    rule forms. The largest over the matrices; NaN where a matrix's output is zero (no relative error
+    is defined)."""
+    import numpy as np
+
+    from anvil_ref.cascade import composite
+    from anvil_ref.maps import load_maps
+    from anvil_ref.polar import NORMALIZATIONS
+
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+    maps_ = load_maps(maps)
+    s0 = np.asarray(sigmas, dtype=np.float64)
+    s0 = s0.reshape(-1, s0.shape[-1])
+    k = s0.shape[-1]
+    worst = 0.0
+    for s_full in s0:
+        s = _thin(s_full, DECLARED_PAIRS_MAX)
+        kk = s.shape[-1]
+        # sums over the kk kept singular values stand for sums over all k: single indices scale by
+        # k / kk, ordered pairs of distinct ones by k (k - 1) / (kk (kk - 1))
+        s1, s2 = k / kk, (k * (k - 1) / (kk * (kk - 1)) if kk > 1 else 0.0)
+        stages = [s]  # singular values of Z_0 .. Z_K
+        for triple in maps_:
+            stages.append(composite(stages[-1], maps=[triple]))
+        out_sq = np.square(stages[-1]).sum() * s1
+        if not out_sq > 0:
+            return float("nan")
+
+        def iid(j):  # relative output variance of one isotropic relative rounding of Z_j, per RHO**2
+            diag, off, comp = _frechet(maps_[j:], stages[j], stages[j], left=False)
+            total = s1 * diag.sum() + s2 * off.sum() + (long_side - k) * s1 * comp.sum()
+            return total / (long_side * k) * np.square(stages[j]).sum() * s1 / out_sq
+
+        n = (3 if normalization == "aol" else 2) * iid(0)
+        for j in range(1, len(stages)):
+            a, b, c = maps_[j - 1]
+            prev = stages[j - 1]
+            lam = prev ** 2  # the nonzero eigenvalues of A_j; its other gram_side - k are zero
+            diag, off, comp = _frechet(maps_[j:], stages[j], prev, left=True)
+            spread = s1 * diag.sum() + s2 * off.sum() + (gram_side - k) * s1 * comp.sum()
+            # B's rounding: entries of variance RHO^2 ||B||_F^2 / k'^2, in A's eigenbasis
+            n_b = s1 * np.square(b * lam + c * lam ** 2).sum() / gram_side ** 2 * spread
+            # A's: variance RHO^2 ||A||_F^2 / k'^2, reaching B through b + c (l_i + l_l)
+            wa = (s1 * (np.square(b + 2 * c * lam) * diag).sum()
+                  + s2 * (np.square(b + c * (lam[:, None] + lam[None, :])) * off).sum()
+                  + (gram_side - k) * s1 * (np.square(b + c * lam) * comp).sum())
+            n_a = s1 * np.square(lam).sum() / gram_side ** 2 * wa
+            n += iid(j) + (n_a + n_b) / out_sq
+        worst = max(worst, float(n))
+    return worst
 
 
 def cascade_sv_bound(roundings: int = CASCADE_ROUNDINGS) -> float:
@@ -250,6 +415,8 @@ def check_row(row, *, same_backend: bool = True) -> bool:
     factor rule, and the fp32 side results), the cascade's explosion cap against float64 (its
     ``cap_ratio``: the largest over matrices of error / cascade_error_cap, <= 1), the share of identical bits where fast and eager run on
     the same backend (``same_backend``: CPU), and eager against float64 (bf16 components)."""
+    if getattr(row, "conforms", True) is False:
+        return False  # not what it declares: another output shape, or another Gram side (module docstring)
     if not check(row.component, fast=row.fast, eager=row.eager, floor=row.floor, ulps=row.ulps):
         return False
     cap_ratio = getattr(row, "cap_ratio", None)
@@ -257,7 +424,10 @@ def check_row(row, *, same_backend: bool = True) -> bool:
         return False  # exploded against float64 (cascade_error_cap), even where eager did too
     if row.component == "update":
         return True
-    roundings = _gram_side_roundings(row) if row.component == "cascade" else None
+    # a declared iteration's own gain-weighted count (declared_roundings), else the Gram side's
+    roundings = getattr(row, "roundings", None)
+    if roundings is None and row.component == "cascade":
+        roundings = _gram_side_roundings(row)
     bits_apply = row.component != "cascade" or max(row.shape[-2:]) <= SAME_BITS_CASCADE_MAX_DIM
     if (same_backend and roundings is None and bits_apply and row.same_bits is not None
             and not row.same_bits >= SAME_BITS[row.component]):

@@ -14,6 +14,8 @@ Modules, in the order the update applies them:
 ``rails``          twin-rail momentum, Nesterov lookahead, the rail schedule (``rail_scalars``)
 ``cascade``        Frobenius normalization, the quintic maps, ``composite``, ``cascade``
 ``gram_side``      the same maps on the short side with restarts, ``gram_side_cascade``
+``polar``          the polar factor and any declared odd-quintic iteration (coefficients of any
+                   length, Frobenius / clamped / AOL normalization, orientation rule): ``quintic_iteration``
 ``equalizer``      the lane-energy equalizer
 ``update``         effective rates, per-matrix multipliers, sign-aligned decay
 ``storage``        the fast path's bf16 + uint16-mantissa storage of an fp32 master
@@ -76,6 +78,7 @@ from .config import ConfigError, ParamConfig, build_param_config, check_labels, 
 from .constants import *  # noqa: F401,F403  (the constants are part of the public API)
 from .constants import __all__ as _constants_all
 from .gram_side import gram_side_cascade
+from .polar import polar_factor, quintic_iteration
 from .equalizer import EqualizeResult, equalize, lane_energy_shape, lane_gain, lane_power, reduction_axis
 from .maps import available_map_sets, load_maps, validate_maps
 from .optimizer import ParamSpec, ReferenceAnvilAndAdam
@@ -96,7 +99,7 @@ __all__ = list(_constants_all) + [
     "ReferenceInputError", "ConfigError",
     "AdamResult", "adam_moments", "adam_step_size", "adam_update",
     "cascade", "composite", "frobenius_normalize", "frobenius_scale", "gram", "is_tall", "quintic",
-    "quintic_map", "gram_side_cascade",
+    "quintic_map", "gram_side_cascade", "polar_factor", "quintic_iteration",
     "ParamConfig", "build_param_config", "check_labels", "check_order",
     "EqualizeResult", "equalize", "lane_energy_shape", "lane_gain", "lane_power", "reduction_axis",
     "available_map_sets", "load_maps", "validate_maps",

@@ -267,6 +267,18 @@ MUTANTS: list[Mutant] = [
     M("certify: a box counts as done with 100x the tolerance", "derive_maps/certify.py",
       "done = (ub <= amax + DTYPE(tol_hi)) & (lb >= amin - DTYPE(tol_lo))",
       "done = (ub <= amax + DTYPE(100 * tol_hi)) & (lb >= amin - DTYPE(100 * tol_lo))", "tests/test_certify.py"),
+    # ---- the harness (anyone's orthogonalization): each check the three planted bugs need
+    M("harness: the factor rule loosened tenfold", "anvil_fast/tolerances.py", "FACTOR = 2.0\n", "FACTOR = 20.0\n",
+      "tests/test_harness.py::test_a_slipped_coefficient_in_torch_muon_fails",
+      "tests/test_harness.py::test_a_wrong_margin_in_pytorch_optimizer_fails"),
+    M("harness: conformance not judged", "anvil_fast/tolerances.py",
+      "    if getattr(row, \"conforms\", True) is False:\n        return False", "    if False:\n        return False",
+      "tests/test_harness.py::test_a_dropped_transpose_in_torch_muon_fails"),
+    M("harness: declared gains dropped", "anvil_fast/tolerances.py", "            n += iid(j) + (n_a + n_b) / out_sq",
+      "            n += 1.0", "tests/test_polar.py"),
+    M("ref polar: the clamp read as an additive eps", "anvil_ref/polar.py",
+      "d = np.maximum(margin * np.sqrt(np.square(z_).sum(axis=(-2, -1), keepdims=True)), eps)",
+      "d = margin * np.sqrt(np.square(z_).sum(axis=(-2, -1), keepdims=True)) + eps", "tests/test_polar.py"),
 ]
 
 

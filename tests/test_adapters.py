@@ -1,0 +1,104 @@
+"""anvil_fast.adapters: each adapter builds where its library is, says why not where it is not, and
+declares the math its library states."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import anvil_ref as R
+from anvil_fast import adapters as A
+from anvil_fast import harness as H
+from anvil_fast.cascade import FAITHFUL, SAFE
+
+
+def test_unknown_names_and_policies_are_refused():
+    with pytest.raises(ValueError, match="unknown 'nope'"):
+        A.build("nope")
+    with pytest.raises(ValueError, match="compile"):
+        A.build("torch-muon", compile="sometimes")
+
+
+def test_cuda_only_adapters_say_so_on_the_cpu():
+    cuda_only = [n for n, a in A.ADAPTERS.items() if a.cuda_only]
+    assert "dion-newton-schulz-triton" in cuda_only and "emerging-quintic-syrk" in cuda_only
+    for n in cuda_only:
+        with pytest.raises(A.Unavailable, match="needs CUDA"):
+            A.build(n, device="cpu")
+
+
+def test_a_missing_library_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dion", None)  # import dion raises ImportError
+    with pytest.raises(A.Unavailable, match="dion not installed"):
+        A.build("dion-muon")
+    monkeypatch.setitem(sys.modules, "heavyball.utils", None)
+    with pytest.raises(A.Unavailable, match="heavyball not installed"):
+        A.build("heavyball-ns5")
+    impls, missing = A.load(["dion-muon", "anvil-safe"])
+    assert [i.name for i in impls] == ["anvil-safe"] and "not installed" in missing["dion-muon"]
+
+
+def test_emerging_optimizers_says_why_it_is_missing():
+    try:
+        import emerging_optimizers  # noqa: F401
+    except Exception:
+        with pytest.raises(A.Unavailable, match="emerging-optimizers not (installed|importable)") as info:
+            A.build("emerging-quintic")
+        if sys.version_info < (3, 12):
+            assert "Python >= 3.12" in str(info.value)
+    else:
+        assert A.build("emerging-quintic").math.coeffs[0] == (4.0848, -6.8946, 2.9270)
+
+
+def test_the_declared_math_is_the_library_s_own():
+    from torch.optim import _muon
+
+    m = A.build("torch-muon").math
+    assert m.coeffs == ((_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C),) * _muon.DEFAULT_NS_STEPS
+    assert (m.normalization, m.margin, m.eps, m.transpose_when) == ("frobenius_clamp", 1.0, _muon.EPS, "tall")
+    m = A.build("anvil-safe").math
+    assert m.coeffs == R.ANVIL_MAPS and m.margin == SAFE.margin() and m.eps == R.FROBENIUS_EPS
+    assert A.build("anvil-faithful").math.margin == FAITHFUL.margin()
+    assert A.build("anvil-safe-muon-jordan5").math.coeffs == R.load_maps("muon_jordan5")
+
+
+def test_pytorch_optimizer_and_heavyball_declare_their_tables():
+    mx = pytest.importorskip("pytorch_optimizer.optimizer.utils.matrix", reason="pytorch-optimizer (test extra)")
+    pe = mx.NS_COEFFICIENTS["polar_express"]
+    assert A.build("pytorch-optimizer-polar-express").math.coeffs == tuple(tuple(t) for t in pe[:5])
+    assert A.build("pytorch-optimizer-original").math.coeffs == (tuple(mx.NS_COEFFICIENTS["original"][0]),) * 5
+    hu = pytest.importorskip("heavyball.utils", reason="heavyball (test extra)")
+    abc = hu.ABC_LIST_STABLE
+    assert A.build("heavyball-msign").math.coeffs == tuple(tuple(t) for t in abc) + (tuple(abc[-1]),) * (10 - len(abc))
+
+
+def test_every_available_cpu_adapter_runs_through_the_harness():
+    names = [n for n, a in A.ADAPTERS.items() if not a.cuda_only]
+    impls, missing = A.load(names, device="cpu")
+    assert set(i.name for i in impls) | set(missing) == set(names)
+    assert all(isinstance(v, str) and v for v in missing.values())
+    rows = H.judge(impls, shapes=[(2, 24, 16)], families=("well_conditioned",), progress=False)
+    assert [r.impl for r in rows] == [i.name for i in impls]
+    for r in rows:
+        assert r.conforms, (r.impl, r.note)
+        assert r.fast < 0.1 and r.eager <= r.bound, (r.impl, r.fast, r.eager, r.bound)
+    by = {r.impl: r for r in rows}
+    assert by["anvil-safe"].verdict() == by["anvil-faithful"].verdict() == "ok"
+
+
+def test_the_listing_names_every_adapter():
+    text = A.listing(device="cpu")
+    for n in A.ADAPTERS:
+        assert n in text
+    assert "available" in text
+
+
+@pytest.mark.gpu
+def test_cuda_adapters_build_where_their_library_is():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    impls, missing = A.load([n for n, a in A.ADAPTERS.items() if a.cuda_only], device="cuda")
+    for n, why in missing.items():
+        assert "needs CUDA" not in why, (n, why)

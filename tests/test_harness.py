@@ -1,0 +1,349 @@
+"""anvil_fast.harness: anyone's orthogonalization judged against the math it declares.
+
+The peer under test is torch's Muon orthogonalization (always installed) and pytorch-optimizer's
+(the test extra); the bugs are planted in the peer's own code path through torch's dispatcher (one
+step's c raised by 1%, the orientation transposes dropped) or its own arguments (a margin of 1.00
+instead of the declared 1.02). Each is caught, the genuine function passes, and loosening the check
+that catches a bug lets it through (so that check, and no other, is what sees it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import anvil_ref as R
+from anvil_fast import harness as H
+from anvil_fast import tolerances as T
+from anvil_ref import polar as P
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from torch.optim import _muon  # noqa: E402  (torch >= 2.9)
+
+KJ = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+STEPS, EPS = _muon.DEFAULT_NS_STEPS, _muon.EPS
+#: torch's Muon as it declares itself: its quintic x5, X / max(||X||_F, eps), tall matrices transposed
+TORCH_MATH = dict(coeffs=[KJ], steps=STEPS, normalization="frobenius_clamp", margin=1.0, eps=EPS, transpose_when="tall")
+#: small and quick: a tall shape (the orientation matters) and the families the rule judges
+CASE = dict(shapes=[(2, 48, 32)], families=("gaussian", "well_conditioned", "near_rank1"), near_rank1_count=4)
+
+
+def torch_muon(x):
+    return _muon._zeropower_via_newtonschulz(x, KJ, STEPS, EPS)
+
+
+class SlipC(TorchDispatchMode):
+    """Raises the c of one step by ``factor`` in the code path of torch's Muon: its polynomial is
+    ``addmm(A, A, A, beta=b, alpha=c)``, one per step."""
+
+    def __init__(self, step: int, factor: float = 1.01):
+        super().__init__()
+        self.step, self.factor, self.seen = step, factor, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.ops.aten.addmm.default and "alpha" in kwargs:
+            if self.seen == self.step:
+                kwargs["alpha"] = kwargs["alpha"] * self.factor
+            self.seen += 1
+        return func(*args, **kwargs)
+
+
+class DropTranspose(TorchDispatchMode):
+    """Drops the two orientation transposes of torch's Muon on a tall matrix (its first and last
+    ``permute``; the ones in between form the Gram): it then forms the long side's Gram."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.n, self.last = 0, steps + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.permute.default:
+            i, self.n = self.n, self.n + 1
+            if i in (0, self.last):
+                return func(args[0], list(range(args[0].ndim)))  # the identity permutation
+        return func(*args, **(kwargs or {}))
+
+
+def slipped(x):
+    with SlipC(step=2):
+        return torch_muon(x)
+
+
+def untransposed(x):
+    if x.shape[-2] <= x.shape[-1]:
+        return torch_muon(x)
+    with DropTranspose(STEPS):
+        return torch_muon(x)
+
+
+def judge(fn, **math_):
+    return H.assert_orthogonalizer(fn, per_matrix=True, **{**TORCH_MATH, **math_}, **CASE)
+
+
+# ------------------------------------------------------------------------------ the three bugs, torch's Muon
+
+def test_the_genuine_torch_muon_passes():
+    rows = judge(torch_muon)
+    assert {r.verdict() for r in rows} == {"ok"}
+    assert all(r.gram_seen == 32 for r in rows)  # its Gram is on the short side, as declared
+
+
+def test_a_slipped_coefficient_in_torch_muon_fails():
+    with pytest.raises(H.OrthogonalizerMismatch, match="FAIL") as info:
+        judge(slipped)
+    assert "torch-muon" not in str(info.value) and "slipped" in str(info.value)
+
+
+def test_a_dropped_transpose_in_torch_muon_fails():
+    with pytest.raises(H.OrthogonalizerMismatch, match=r"formed a 48x48 Gram; transpose when tall forms 32x32"):
+        judge(untransposed)
+
+
+def test_the_slip_is_seen_by_the_factor_rule(monkeypatch):
+    # loosen the factor rule tenfold: nothing else sees a 1% slip, so it passes
+    monkeypatch.setattr(T, "FACTOR", 10 * T.FACTOR)
+    judge(slipped)
+
+
+def test_the_dropped_transpose_is_seen_by_the_gram_side_only(monkeypatch):
+    # without the observed Gram side the untransposed iteration is as accurate as the genuine one
+    monkeypatch.setattr(H.GramRecorder, "gram_side", lambda self: None)
+    judge(untransposed)
+
+
+# ------------------------------------------------------------------------------ a wrong margin, pytorch-optimizer
+
+def _pto():
+    return pytest.importorskip("pytorch_optimizer.optimizer.utils.matrix", reason="pytorch-optimizer (test extra)")
+
+
+PE_MATH = dict(coeffs=None, steps=5, normalization="frobenius_clamp", margin=1.02, eps=1e-7, transpose_when="tall")
+
+
+def _pe_math(mx):
+    return {**PE_MATH, "coeffs": mx.NS_COEFFICIENTS["polar_express"]}
+
+
+def test_pytorch_optimizer_with_its_declared_margin_passes():
+    mx = _pto()
+    rows = H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, safety_factor=1.02,
+                                                                                weights="polar_express"),
+                                   **_pe_math(mx), **CASE)
+    assert {r.verdict() for r in rows} == {"ok"}
+
+
+def test_a_wrong_margin_in_pytorch_optimizer_fails():
+    mx = _pto()
+    with pytest.raises(H.OrthogonalizerMismatch, match="FAIL"):  # the wrapper forgot safety_factor=1.02
+        H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, weights="polar_express"),
+                                **_pe_math(mx), **CASE)
+
+
+def test_the_wrong_margin_is_seen_by_the_factor_rule(monkeypatch):
+    mx = _pto()
+    monkeypatch.setattr(T, "FACTOR", 10 * T.FACTOR)
+    H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, weights="polar_express"),
+                            **_pe_math(mx), **CASE)
+
+
+def test_a_slipped_coefficient_in_pytorch_optimizer_fails():
+    mx = _pto()
+    slip = [KJ] * 5
+    slip[2] = (KJ[0], KJ[1], 1.01 * KJ[2])
+    math_ = {**TORCH_MATH}
+    H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, weights=[KJ] * 5), **math_, **CASE)
+    with pytest.raises(H.OrthogonalizerMismatch):
+        H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, weights=slip), **math_, **CASE)
+
+
+def test_the_package_safe_cascade_with_margin_one_explodes_and_fails():
+    from anvil_fast.cascade import SAFE, SAFE_MARGIN_SLACK, fast_cascade
+
+    math_ = dict(coeffs=R.ANVIL_MAPS, normalization="frobenius", margin=SAFE.margin(), eps=R.FROBENIUS_EPS)
+    case = dict(shapes=[(2, 48, 32)], families=("well_conditioned", "near_rank1"), near_rank1_count=16)
+    H.assert_orthogonalizer(lambda x: fast_cascade(x, config=SAFE, compile=False), **math_, **case)
+    with pytest.raises(H.OrthogonalizerMismatch) as info:  # margin 1.00: the rank-1 point past the interval
+        H.assert_orthogonalizer(lambda x: fast_cascade(x, config=SAFE, compile=False,
+                                                       margin=1.0 / (1 + SAFE_MARGIN_SLACK)), **math_, **case)
+    bad = [line for line in str(info.value).splitlines() if "near_rank1" in line and "FAIL" in line]
+    assert bad, str(info.value)
+
+
+# ------------------------------------------------------------------------------ the parts
+
+def test_the_device_reference_is_the_float64_reference():
+    x = torch.randn(3, 20, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for norm in P.NORMALIZATIONS:
+        for rule in P.ORIENTATIONS:
+            m = H.DeclaredMath(R.ANVIL_MAPS[:3], normalization=norm, margin=1.03, eps=1e-6, transpose_when=rule)
+            for xx in (x, x.mT):
+                want = P.quintic_iteration(xx, coeffs=m.coeffs, normalization=norm, margin=1.03, eps=1e-6,
+                                           transpose_when=rule)
+                assert torch.allclose(H._device_iteration(xx, m), want, rtol=0, atol=1e-12), (norm, rule)
+
+
+def test_the_eager_run_is_the_package_eager_cascade_on_wide_input():
+    # the same roundings as anvil_fast.eager's SAFE floor (fp32 trace, prescale, the fp32 GEMM model),
+    # an independent implementation: bit for bit where both multiply from the left
+    from anvil_fast.eager import eager_bf16_cascade
+
+    x = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(4))
+    m = H.DeclaredMath(R.ANVIL_MAPS, normalization="frobenius", margin=1.06, eps=1e-6)
+    want = eager_bf16_cascade(x, maps=R.ANVIL_MAPS, margin=1.06, eps=1e-6, fp32_trace=True, prescale=True, gemm="fp32")
+    assert torch.equal(H.eager_declared(x, m), want)
+
+
+def test_the_recorder_sees_the_gram_side():
+    rec = H.GramRecorder()
+    with rec:
+        torch_muon(torch.randn(48, 32))
+    assert rec.gram_side() == 32
+    with rec:
+        untransposed(torch.randn(1, 48, 32)[0])
+    assert rec.gram_side() == 48
+
+
+def test_a_wrong_output_shape_fails_with_its_note():
+    with pytest.raises(H.OrthogonalizerMismatch, match=r"returned shape \(2, 32, 48\), expected \(2, 48, 32\)"):
+        H.assert_orthogonalizer(lambda x: torch_muon(x).mT, **TORCH_MATH, per_matrix=True, shapes=[(2, 48, 32)],
+                                families=("gaussian",))
+
+
+def test_undeclared_math_is_unjudged_unless_not_finite():
+    rows = H.judge(H.Implementation("muon", torch_muon, None, per_matrix=True), shapes=[(2, 32, 32)],
+                   families=("gaussian", "near_rank1"), near_rank1_count=4, progress=False)
+    assert {r.verdict() for r in rows} == {"unjudged"}
+    assert all(math.isnan(r.fast) and r.sv_mean == r.sv_mean for r in rows)
+    assert rows[0].polar > 0.1  # Muon's quintic is ~0.2 from the polar factor (its math)
+    assert rows[0].sigma_x == T.EXPLODED_SIGMA
+
+    def tripled(x):  # every singular value past EXPLODED_SIGMA: counted, not judged
+        return 3.0 * torch_muon(x)
+    rows = H.judge(H.Implementation("x3", tripled, None, per_matrix=True), shapes=[(2, 32, 32)],
+                   families=("gaussian",), progress=False)
+    assert rows[0].exploded == 2 and rows[0].verdict() == "unjudged"
+    rows = H.judge(H.Implementation("nan", lambda x: x * math.nan, None), shapes=[(2, 32, 32)],
+                   families=("gaussian",), progress=False)
+    assert rows[0].verdict() == "FAIL" and rows[0].top_sv == math.inf
+
+
+def test_columns_against_hand_computations():
+    # the identity "iteration" with one step (1, 0, 0) and no normalization to speak of: the output is
+    # X / ||X||_F, whose singular values over their RMS are s / rms(s); the polar error is computed here
+    x = torch.randn(2, 16, 12, generator=torch.Generator().manual_seed(5))
+    m = H.DeclaredMath(((1.0, 0.0, 0.0),), normalization="frobenius_clamp", margin=1.0, eps=1e-30)
+    fn = lambda z: z / z.norm(dim=(-2, -1), keepdim=True)  # noqa: E731
+    cache = H._Cache(seed=0, device="cpu", count=2)
+    cache.store[("x", (2, 16, 12), "gaussian")] = x
+    row = H.judge_one(H.Implementation("id", fn, m), (2, 16, 12), "gaussian", cache)
+    s = np.linalg.svd(x.double().numpy(), compute_uv=False)
+    r = s / np.sqrt((s ** 2).mean(axis=-1, keepdims=True))
+    assert row.sv_min == pytest.approx(r.min(), rel=1e-7) and row.sv_max == pytest.approx(r.max(), rel=1e-7)
+    u, _, vh = np.linalg.svd(x.double().numpy(), full_matrices=False)
+    y = x.double().numpy() / np.linalg.norm(x.double().numpy(), axis=(-2, -1), keepdims=True)
+    want = max(np.linalg.norm(y[i] - u[i] @ vh[i]) / np.linalg.norm(u[i] @ vh[i]) for i in range(2))
+    assert row.polar == pytest.approx(want, rel=1e-7)
+    assert row.fast < 1e-6  # fp32 in, fp32 out: the same math
+
+
+def test_declared_math_refuses_bad_values():
+    with pytest.raises(ValueError, match="normalization"):
+        H.DeclaredMath(((1, 0, 0),), normalization="spectral")
+    with pytest.raises(ValueError, match="transpose_when"):
+        H.DeclaredMath(((1, 0, 0),), transpose_when="sideways")
+    with pytest.raises(ValueError, match="both 0"):
+        H.DeclaredMath(((1, 0, 0),), margin=0.0, eps=0.0)
+    with pytest.raises(ValueError, match="steps"):
+        H.DeclaredMath.of([(1, 0, 0)], steps=0)
+    assert H.DeclaredMath.of([(1, 0, 0), (2, 0, 0)], steps=4).coeffs == ((1, 0, 0), (2, 0, 0), (2, 0, 0), (2, 0, 0))
+    assert H.DeclaredMath.of([(1, 0, 0), (2, 0, 0)], steps=3, cycle=True).coeffs == ((1, 0, 0), (2, 0, 0), (1, 0, 0))
+
+
+# ------------------------------------------------------------------------------ command line, JSON, README
+
+def _cli(capsys, *args):
+    from anvil_fast import difftest as D
+
+    try:
+        rc = D.main(list(args))
+    except SystemExit as exc:
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_help_shows_how_to_test_ones_own_kernel(capsys):
+    rc, out, _ = _cli(capsys, "--help")
+    assert rc == 0 and "Testing your own orthogonalization" in out
+    assert "--impl mylib.ortho:newton_schulz" in out and "--coeffs" in out and "--adapter" in out
+
+
+def test_cli_judges_an_impl_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rc, text, err = _cli(capsys, "--impl", "torch.optim._muon:_zeropower_via_newtonschulz", "--per-matrix",
+                         "--impl-kwargs", json.dumps({"ns_coefficients": list(KJ), "ns_steps": STEPS, "eps": EPS}),
+                         "--coeffs", ",".join(map(str, KJ)), "--steps", str(STEPS), "--normalization",
+                         "frobenius_clamp", "--shapes", "2x32x24", "--families", "gaussian,well_conditioned",
+                         "--json", str(out), "--no-progress")
+    assert rc == 0, text + err
+    assert "2 rows: 2 ok, 0 FAIL" in text
+    data = json.loads(out.read_text())
+    assert data["generated_by"].startswith("python -m anvil_fast.difftest --impl")
+    assert [row["family"] for row in data["rows"]] == ["gaussian", "well_conditioned"]
+    assert data["rows"][1]["bound"] > data["rows"][1]["eager"] > 0
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--impl", "nosuch_module:f"], "cannot import 'nosuch_module'"),
+    (["--impl", "torch:matmul", "--coeffs", "1,2"], "expected triples"),
+    (["--impl", "torch:matmul", "--normalization", "spectral"], "invalid choice"),
+    (["--adapter", "bogus"], "unknown 'bogus'"),
+    (["--impl", "torch:matmul", "--adapter", "torch-muon"], "not both"),
+    (["--impl", "torch:matmul", "--impl-kwargs", "[1]"], "expected a JSON object"),
+])
+def test_cli_refuses_bad_arguments_in_one_line(capsys, args, expected):
+    rc, _, err = _cli(capsys, *args)
+    assert rc == 2
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and expected in lines[0], err
+
+
+def test_the_readme_example_runs():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Testing another library's orthogonalization", 1)[1].split("\n#", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    assert len(code.strip().splitlines()) == 5
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def test_power_iteration_top_singular_value(monkeypatch):
+    y = torch.randn(3, 40, 30, generator=torch.Generator().manual_seed(6))
+    y[1] *= torch.linspace(1, 5, 30)  # a top singular value that stands apart
+    exact = torch.linalg.svdvals(y.double())[:, 0]
+    monkeypatch.setattr(H, "EXACT_SV_MAX", 8)
+    top = H.top_singular_values(y)
+    assert (top <= exact * (1 + 1e-12)).all() and torch.allclose(top[1], exact[1], rtol=1e-6)
+    assert torch.allclose(H.singular_values(y)[:, -1], exact, rtol=1e-5)  # float32 eigenvalues there
+    y[2, 0, 0] = math.inf
+    assert H.top_singular_values(y)[2] == math.inf
+
+
+def test_near_rank1_inputs_reach_the_implementation_in_chunks_of_the_shape_batch():
+    seen = []
+
+    def fn(x):
+        seen.append(tuple(x.shape))
+        return torch.stack([torch_muon(m) for m in x.unbind(0)])
+    rows = H.judge(H.Implementation("chunks", fn, None), shapes=[(2, 24, 16)], families=("near_rank1",),
+                   near_rank1_count=6, progress=False)
+    assert rows[0].count == 6 and seen == [(2, 24, 16)] * 3
