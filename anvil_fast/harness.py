@@ -585,7 +585,7 @@ def summary(rows: list[Row]) -> str:
 
 def to_json(rows: list[Row], *, command: str, impls: Sequence[Implementation] = (), unavailable: dict | None = None,
             meta: dict | None = None) -> dict:
-    """The rows and what produced them, as the paper's generator (papers/peers.py) reads them."""
+    """The rows and what produced them, as the paper's generator (papers/orthogonalizers.py) reads them."""
     dev = rows[0].device if rows else "cpu"
     out = {"generated_by": command, "device": torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "verdict_rule": VERDICT_RULE,

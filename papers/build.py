@@ -146,12 +146,12 @@ def build() -> dict[Path, str]:
     """Every output file and its content."""
     from papers import multigpu, training
 
-    from papers import frontier, peers
+    from papers import frontier, orthogonalizers
 
     template = TEMPLATE.read_text()
-    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values(), **peers.values()}
+    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values(), **orthogonalizers.values()}
     tables = {**TABLES, **extra_tables(), **training.tables(), **multigpu.tables(), "frontier": frontier.table,
-              **peers.tables()}
+              **orthogonalizers.tables()}
     figures = {**FIGURE_PRODUCERS, **training.figures(), "frontier": frontier.figure}
     outputs: dict[Path, str] = {}
 

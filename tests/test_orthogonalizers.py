@@ -1,5 +1,5 @@
-"""papers/peers.py: the paper's table of other libraries' orthogonalizations, rendered from the JSON
-the harness writes (here a small CPU run; the paper's comes from results/h200_peers)."""
+"""papers/orthogonalizers.py: the paper's table of other libraries' orthogonalizations, rendered from the JSON
+the harness writes (here a small CPU run; the paper's comes from results/h200_orthogonalizers)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 
 from anvil_fast import adapters as A
 from anvil_fast import harness as H
-from papers import peers
+from papers import orthogonalizers as peers
 
 
 def _data(tmp_path):
     impls, _ = A.load(["torch-muon", "anvil-safe"])
     rows = H.judge(impls, shapes=[(2, 24, 16)], families=("gaussian", "well_conditioned", "near_rank1"),
                    near_rank1_count=4, progress=False)
-    path = tmp_path / "peers.json"
+    path = tmp_path / "orthogonalizers.json"
     H.write_json(H.to_json(rows, command="python -m anvil_fast.difftest --adapter torch-muon,anvil-safe", impls=impls,
                            unavailable={"dion-muon": "dion not installed"}), str(path))
     return json.loads(path.read_text()), rows
@@ -42,7 +42,7 @@ def test_the_statements_follow_the_numbers(tmp_path):
 
 
 def test_without_data_the_table_says_which_command_writes_it(monkeypatch):
-    monkeypatch.setattr(peers, "SOURCE", "results/no_such_run/peers.json")
+    monkeypatch.setattr(peers, "SOURCE", "results/no_such_run/orthogonalizers.json")
     text = peers.table()
-    assert "no data yet" in text and "results/no_such_run/peers.json" in text
+    assert "no data yet" in text and "results/no_such_run/orthogonalizers.json" in text
     assert "--adapter all" in peers.COMMAND and "--json" in peers.COMMAND

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The H200 run's JSON (written by :data:`COMMAND`, run from the repository root).
-SOURCE = "results/h200_peers/peers.json"
+SOURCE = "results/h200_orthogonalizers/orthogonalizers.json"
 #: The adapters of the paper's run: every one the harness has (``all``), on the bank shapes.
 SHAPES = "4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096"
 FAMILIES = "gaussian,well_conditioned,near_rank1"
