@@ -427,3 +427,11 @@ def test_the_smoke_gpt_is_the_dropin_benchmarks():
     from anvil_fast.bench.dropin import SMOKE
 
     assert P.build_model("smoke", CPU).cfg == SMOKE
+
+
+def test_a_process_that_does_not_exit_after_its_result_is_killed_after_the_grace(tmp_path):
+    flag = tmp_path / "done"
+    script = f"import time; open({str(flag)!r}, 'w').write('1'); time.sleep(60)"
+    with open(tmp_path / "log", "w") as log:
+        rc, wall = P.run_boxed([sys.executable, "-c", script], box_s=50.0, log=log, done=flag.exists, grace_s=1.0)
+    assert rc is None and wall < 20.0

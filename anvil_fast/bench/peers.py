@@ -52,17 +52,22 @@ tensor where the optimizer cleared it, as a backward pass would allocate), outsi
   nothing to the change; the step's cost does not depend on the values); the singular values of
   each matrix's change (taken on the host, in float64) divided by their RMS, min / mean / max. A
   polar factor gives 1 / 1 / 1; a step that is not an orthogonalization shows its spread.
+* first step s: the first step's wall time (compilation, autotuning, the spread's step);
 * x fastest peer: this row's ms / the fastest ``peer`` row's ms at the same size (``adamw`` and ANVIL's
   own rows are not peers).
 
 The memory columns are CUDA's allocator counters: absent on CPU, where ``--device cpu`` (the
 ``smoke`` GPT) runs everything else, so a test can run the command end to end; its times mean nothing.
 
-Boxes: each process gets ``--box-s`` seconds of wall time (imports, compilation and all) and is killed
-with its process group after that: its row says "timeout" and names the stage it was in; a contender
-that timed out is not started again at a larger size. ``--budget-s`` bounds the whole run: a box never
-extends past it, and what is left when it is spent gets a row "not run". The JSON and the markdown are
-rewritten after every row, so a run stopped from outside keeps what it measured.
+Boxes: each process gets ``--box-s`` seconds of wall time (imports, compilation and all; a contender
+may carry a shorter box of its own) and is killed with its process group after that: its row says
+"timeout", names the stage it was in and keeps what was measured before (the spread, once the first
+step is done); a contender that timed out is not started again at the sizes after it. A process that
+raises gives an "error" row with the exception (its traceback in the JSON and ``peers.log``).
+``--budget-s`` bounds the whole run: a box never extends past it, and what is left when it is spent
+gets a row "not run". The JSON and the markdown are rewritten after every row; SIGTERM or SIGINT
+(say, from ``timeout``) kills the running process's group, marks its row "stopped", writes the
+outputs and exits with status 130, so a run stopped from outside keeps what it measured.
 
 Output under ``--out``: ``peers.json`` (every row and the run's settings), ``peers.md`` (the tables,
 re-rendered from the JSON by ``--from``), ``command.txt`` (the command, the machine, ``--note``) and
@@ -120,6 +125,8 @@ README_END = "<!-- end of the speed sentence -->"
 #: Where the README's sentence reads its numbers (relative to the repository root).
 RESULTS_JSON = "results/h200_peers/peers.json"
 KINDS = ("anvil", "peer", "reference")
+#: Seconds a process may take to exit once its result is written, before its group is killed.
+EXIT_GRACE_S = 20.0
 MIB = float(1 << 20)
 
 
@@ -558,16 +565,28 @@ class _Stop(Exception):
     """SIGTERM/SIGINT reached the parent: stop the running child and keep what was measured."""
 
 
-def run_boxed(cmd: list[str], *, box_s: float, log, env=None, cwd=None) -> tuple[int | None, float]:
+def run_boxed(cmd: list[str], *, box_s: float, log, env=None, cwd=None, done: Callable[[], bool] | None = None,
+              grace_s: float = 20.0) -> tuple[int | None, float]:
     """Run ``cmd`` in its own process group with stdout/stderr into ``log``; kill the whole group
-    after ``box_s`` seconds. Returns (exit code, or None when killed at the box; wall seconds)."""
+    after ``box_s`` seconds, or ``grace_s`` seconds after ``done()`` first holds (a process whose
+    result is written but that does not exit). Returns (exit code, or None when killed; wall seconds)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                             process_group=0)
+    rc, done_at = None, None
     try:
-        rc = proc.wait(timeout=box_s)
-    except subprocess.TimeoutExpired:
-        rc = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if now - t0 >= box_s:
+                    break
+                if done is not None and done_at is None and done():
+                    done_at = now
+                if done_at is not None and now - done_at >= grace_s:
+                    break
     finally:
         if proc.poll() is None:
             try:
@@ -629,8 +648,8 @@ def render_markdown(data: dict) -> str:
         n = next((r["parameters"] for r in rows if r.get("parameters")), None)
         lines += [f"## {size} GPT" + (f" ({n:,} parameters)" if n else ""), "",
                   "| contender | ms/step | x fastest peer | host ms | resident MiB | peak MiB | reserved MiB | "
-                  + " | ".join(f"spread {k} min / mean / max" for k in PROBES) + " | status |",
-                  "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PROBES) + "---|"]
+                  + " | ".join(f"spread {k} min / mean / max" for k in PROBES) + " | first step s | status |",
+                  "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PROBES) + "---:|---|"]
         for r in rows:
             ok = r["status"] == "ok"
             ratio = f"{r['ms'] / b['ms']:.2f}" if ok and b else ""
@@ -638,14 +657,16 @@ def render_markdown(data: dict) -> str:
             lines.append(f"| {r['label']} | {_fmt(r.get('ms'), '.3f')} | {ratio} | {_fmt(r.get('host_ms'), '.3f')} | "
                          f"{_fmt(r.get('resident_mib'), '.1f')} | {_fmt(r.get('peak_mib'), '.1f')} | "
                          f"{_fmt(r.get('reserved_mib'), '.1f')} | "
-                         + " | ".join(_spread_cell(r.get("spread"), k) for k in PROBES) + f" | {status} |")
+                         + " | ".join(_spread_cell(r.get("spread"), k) for k in PROBES)
+                         + f" | {_fmt(r.get('first_step_s'), '.1f')} | {status} |")
         lines += ["", f"Fastest peer: {b['label']}, {b['ms']:.3f} ms/step." if b else "Fastest peer: none ran.", ""]
     lines += ["ms/step: median of CUDA events around `opt.step()` (CPU: wall time); host ms: median wall time of "
               "the call without a synchronization; resident: `memory_allocated` after the warm-up minus the "
               "baseline taken with the model and its gradients in place, before the optimizer; peak: "
               "`max_memory_allocated` over the timed steps minus that baseline; reserved: the `memory_reserved` "
               "delta (graph pools); spread: singular values of one fresh step's weight change over their RMS "
-              "(a polar factor gives 1 / 1 / 1); x fastest peer: ms / the fastest peer's ms at that size "
+              "(a polar factor gives 1 / 1 / 1); first step s: wall time of the first step (compilation, autotuning); "
+              "x fastest peer: ms / the fastest peer's ms at that size "
               "(AdamW alone and ANVIL's rows are not peers). `python -m anvil_fast.bench peers --help` has the "
               "method."]
     return "\n".join(lines) + "\n"
@@ -833,6 +854,7 @@ def _run(a, names: list[str], sizes: list[str], device) -> int:
     t_start = time.monotonic()
     timed_out: dict[str, str] = {}
     jobs = plan(names, sizes)
+    running: dict[str, Any] | None = None
     log_path = out / "peers.log"
     print(f"anvil_fast.bench peers: {len(jobs)} rows on {device.type}, box {a.box_s:g} s, budget {a.budget_s:g} s; "
           f"output in {out}", flush=True)
@@ -851,6 +873,7 @@ def _run(a, names: list[str], sizes: list[str], device) -> int:
                     row.update(verdict)
                 else:
                     box = min(a.box_s, left, c.box_s or math.inf)
+                    running = row
                     row.update(_run_child(c, size, device, a, box=box, tmp=Path(tmp), log=log,
                                           path=paths + base_path))
                     if row["status"] == "timeout":
@@ -858,12 +881,16 @@ def _run(a, names: list[str], sizes: list[str], device) -> int:
                     if data["environment"] is None and row.get("environment"):
                         data["environment"] = row["environment"]
                     row.pop("environment", None)
+                running = None
                 data["rows"].append(row)
                 _write_outputs(out, data)
                 print(_row_line(row), flush=True)
             bar.update(len(jobs))
     except _Stop as e:
-        print(f"anvil_fast.bench peers: stopped by {e}; {len(data['rows'])} rows kept in {out}", flush=True)
+        if running is not None:
+            data["rows"].append(dict(running, status="stopped", detail=f"the run was stopped by {e} while it ran"))
+        n = len(data["rows"])
+        print(f"anvil_fast.bench peers: stopped by {e}; {n} row{'s' * (n != 1)} kept in {out}", flush=True)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -892,16 +919,24 @@ def _run_child(c: Contender, size: str, device, a, *, box: float, tmp: Path, log
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")
     log.write(f"===== {stem} (box {box:.0f} s)\n")
     log.flush()
+    result_file = Path(spec["result_path"])
+
+    def finished() -> bool:
+        try:
+            return json.loads(result_file.read_text()).get("status") in ("ok", "error")
+        except (OSError, ValueError):
+            return False
     rc, wall = run_boxed([sys.executable, "-m", "anvil_fast.bench.peers", "--child", str(spec_path)],
-                         box_s=box, log=log, env=env)
+                         box_s=box, log=log, env=env, done=finished, grace_s=EXIT_GRACE_S)
     log.write(f"===== {stem}: exit {rc}, {wall:.1f} s\n")
     log.flush()
     phase_file = Path(spec["phase_path"])
     last = phase_file.read_text() if phase_file.exists() else "starting the process"
-    result_file = Path(spec["result_path"])
     res = json.loads(result_file.read_text()) if result_file.exists() else {}
     res["wall_s"] = wall
-    if rc is None:
+    if rc is None and res.get("status") in ("ok", "error"):
+        res["exit"] = f"killed {EXIT_GRACE_S:g} s after writing its result: the process did not exit"
+    elif rc is None:
         res.update(status="timeout", detail=f"did not finish within {box:.0f} s (in: {last})")
     elif res.get("status") not in ("ok", "error"):
         res.update(status="error", detail=f"the process exited with {rc} before its result (in: {last}); "
