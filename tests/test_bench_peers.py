@@ -248,7 +248,8 @@ def _row(size, name, kind, status="ok", ms=None, **kw):
 
 ROWS = [_row("small", "anvil", "anvil", ms=1.5, host_ms=1.2), _row("small", "dion_graphed", "peer", ms=0.5),
         _row("small", "torch_muon", "peer", ms=10.0), _row("small", "adamw", "reference", ms=0.2),
-        _row("small", "heavyball", "peer", status="timeout", detail="did not finish within 120 s (in: warm-up step 1 of 15)"),
+        _row("small", "heavyball", "peer", status="timeout",
+             detail="did not finish within 120 s (in: warm-up step 1 of 15)"),
         _row("medium", "anvil", "anvil", ms=4.0), _row("medium", "dion_graphed", "peer", ms=5.0),
         _row("medium", "pytorch_optimizer", "peer", ms=4.5)]
 
@@ -435,3 +436,9 @@ def test_a_process_that_does_not_exit_after_its_result_is_killed_after_the_grace
     with open(tmp_path / "log", "w") as log:
         rc, wall = P.run_boxed([sys.executable, "-c", script], box_s=50.0, log=log, done=flag.exists, grace_s=1.0)
     assert rc is None and wall < 20.0
+
+
+def test_a_long_log_keeps_its_first_and_last_lines():
+    text = "".join(f"line {i}\n" for i in range(10))
+    assert P.capped(text, head=2, tail=3) == "line 0\nline 1\n[... 5 lines left out ...]\nline 7\nline 8\nline 9\n"
+    assert P.capped("a\nb", head=2, tail=3) == "a\nb\n"

@@ -70,9 +70,10 @@ gets a row "not run". The JSON and the markdown are rewritten after every row; S
 outputs and exits with status 130, so a run stopped from outside keeps what it measured.
 
 Output under ``--out``: ``peers.json`` (every row and the run's settings), ``peers.md`` (the tables,
-re-rendered from the JSON by ``--from``), ``command.txt`` (the command, the machine, ``--note``) and
-``peers.log`` (every child's output). ``--readme FILE --from JSON`` rewrites the speed sentence of
-the README (between :data:`README_BEGIN` and :data:`README_END`) from a run's JSON and runs nothing.
+re-rendered from the JSON by ``--from``), ``command.txt`` (``--note``, the command, the machine) and
+``peers.log`` (every child's output, its first and last lines where it is long). ``--readme FILE
+--from JSON`` rewrites the speed sentence of the README (between :data:`README_BEGIN` and
+:data:`README_END`) from a run's JSON and runs nothing.
 
 ``--plugin MODULE`` adds the contenders of an importable module's ``CONTENDERS`` list (how the tests
 bring in fake peers: one that raises, one that hangs, one that is missing).
@@ -127,6 +128,9 @@ RESULTS_JSON = "results/h200_peers/peers.json"
 KINDS = ("anvil", "peer", "reference")
 #: Seconds a process may take to exit once its result is written, before its group is killed.
 EXIT_GRACE_S = 20.0
+#: Lines of each process's output kept in peers.log: the first and the last (a compiler's chatter
+#: in between is counted, not kept).
+LOG_HEAD_LINES, LOG_TAIL_LINES = 60, 200
 MIB = float(1 << 20)
 
 
@@ -910,6 +914,16 @@ def _row_line(row: dict) -> str:
     return head + f": {row.get('detail', '')}"
 
 
+def capped(text: str, *, head: int = LOG_HEAD_LINES, tail: int = LOG_TAIL_LINES) -> str:
+    """``text`` with the lines between its first ``head`` and last ``tail`` left out (and counted)."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) <= head + tail:
+        return text if not text or text.endswith("\n") else text + "\n"
+    cut = len(lines) - head - tail
+    return "".join(lines[:head]) + f"[... {cut} lines left out ...]\n" + "".join(lines[-tail:]) \
+        + ("" if lines[-1].endswith("\n") else "\n")
+
+
 def _run_child(c: Contender, size: str, device, a, *, box: float, tmp: Path, log, path: list[str]) -> dict:
     stem = f"{c.name}-{size}"
     spec = dict(contender=c.name, size=size, device=device.type, warmup=a.warmup, steps=a.steps,
@@ -926,8 +940,11 @@ def _run_child(c: Contender, size: str, device, a, *, box: float, tmp: Path, log
             return json.loads(result_file.read_text()).get("status") in ("ok", "error")
         except (OSError, ValueError):
             return False
-    rc, wall = run_boxed([sys.executable, "-m", "anvil_fast.bench.peers", "--child", str(spec_path)],
-                         box_s=box, log=log, env=env, done=finished, grace_s=EXIT_GRACE_S)
+    own_log = tmp / f"{stem}.log"
+    with open(own_log, "w") as child_log:
+        rc, wall = run_boxed([sys.executable, "-m", "anvil_fast.bench.peers", "--child", str(spec_path)],
+                             box_s=box, log=child_log, env=env, done=finished, grace_s=EXIT_GRACE_S)
+    log.write(capped(own_log.read_text(errors="replace")))
     log.write(f"===== {stem}: exit {rc}, {wall:.1f} s\n")
     log.flush()
     phase_file = Path(spec["phase_path"])
@@ -954,4 +971,5 @@ if __name__ == "__main__":  # the child: the canonical module, so plugins import
 
 __all__ = ["Contender", "CONTENDERS", "PROBES", "README_BEGIN", "README_END", "add_args", "run", "measure",
            "time_steps", "spread_of", "load_gradients", "fixed_gradients", "split_params", "plan", "gate",
-           "run_boxed", "fastest_peers", "render_markdown", "readme_sentence", "readme_block", "rewrite_readme"]
+           "run_boxed", "capped", "fastest_peers", "render_markdown", "readme_sentence", "readme_block",
+           "rewrite_readme"]
