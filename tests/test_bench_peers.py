@@ -442,3 +442,29 @@ def test_a_long_log_keeps_its_first_and_last_lines():
     text = "".join(f"line {i}\n" for i in range(10))
     assert P.capped(text, head=2, tail=3) == "line 0\nline 1\n[... 5 lines left out ...]\nline 7\nline 8\nline 9\n"
     assert P.capped("a\nb", head=2, tail=3) == "a\nb\n"
+
+
+@pytest.mark.gpu
+def test_gpu_run_reads_the_memory_counters(tmp_path):
+    """The CUDA-only columns on two quick contenders. Fused AdamW's resident state is its two moments,
+    8 B per parameter, each tensor's allocation rounded up to the caching allocator's 512 B, plus a
+    4 B step tensor per parameter tensor (also rounded up): so between 8 N and 8 N + 3 * 512 B per
+    tensor."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "anvil_fast.bench", "peers", "--sizes", "small", "--no-progress",
+                           "--contenders", "torch_muon,adamw", "--warmup", "3", "--steps", "5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["contender"]: r for r in json.loads((out / "peers.json").read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    model = P.build_model("small", CPU)
+    n = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    adamw = rows["adamw"]
+    assert 8 * n <= adamw["resident_mib"] * P.MIB <= 8 * n + 3 * 512 * tensors, adamw
+    for r in rows.values():
+        assert r["ms"] > 0 and r["host_ms"] > 0
+        assert r["peak_mib"] >= r["resident_mib"] >= 0 and r["reserved_mib"] >= 0
+        assert all(isinstance(s, dict) and math.isfinite(s["max"]) for s in r["spread"].values()), r["spread"]

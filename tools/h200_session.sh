@@ -11,6 +11,9 @@
 #   chunk   tools/chunk_independence.py for SAFE and for the Gram side (GRAM_SIDE's bank shapes)
 #   gramside  the bank bench with its Gram-side table, difftest and the near-rank-1 study of GRAM_SIDE
 #   contenders  TRAIN_CONTENDERS on the small GPT, seeds 0 1 2 (runs that exist are skipped)
+#   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
+#           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
+#           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
 # TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,6 +55,13 @@ for stage in ${STAGES:-suite bench}; do
              --contenders ${TRAIN_CONTENDERS:-anvil_gram_side} --tuned-from results/train/small/sweep \
              --out results/train/small --skip-existing --time-budget-s $(( ${T_CONTENDERS:-300} - 20 )) ${TRAIN_ARGS} 2>&1 \
              | tee "$OUT/train_contenders.log" | tail -5 ;;
+    peers) if ls .whl/*.whl > /dev/null 2>&1; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+               .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "peers: the wheels in .whl did not install"
+           fi
+           timeout "${T_PEERS:-300}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
+             --budget-s $(( ${T_PEERS:-300} - 60 )) --note "${PEERS_NOTE:-nvidia-h200}" 2>&1 \
+             | tee "$OUT/bench_peers.log" | grep -E "^  |stopped|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
