@@ -63,7 +63,7 @@ module                  concept
 ``cost_model``          ``python -m anvil_fast.cost_model measure|predict``: the step at any world size from
                         pieces timed on one GPU, validated against measured runs
 ``gpt``                 the package's GPT (benchmarks, training harness)
-``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|train_step|fsdp``: the
+``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|peers|train_step|fsdp``: the
                         benchmarks; ``bench.common``: peaks, the one FLOP count, timers
 ======================  ===================================================================================
 

@@ -15,6 +15,9 @@
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
+#   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
+#           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
+#           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
 # TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,6 +70,13 @@ for stage in ${STAGES:-suite bench}; do
                > "$OUT/fp_after.log" 2>&1
              diff "$OUT/fp_before.txt" "$OUT/fp_after.txt" > "$OUT/fp_diff.txt" && echo "fingerprint: identical" \
                || { echo "fingerprint: differs"; cat "$OUT/fp_diff.txt"; } ;;
+    peers) if ls .whl/*.whl > /dev/null 2>&1; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+               .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "peers: the wheels in .whl did not install"
+           fi
+           timeout "${T_PEERS:-300}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
+             --budget-s $(( ${T_PEERS:-300} - 60 )) --note "${PEERS_NOTE:-nvidia-h200}" 2>&1 \
+             | tee "$OUT/bench_peers.log" | grep -E "^  |stopped|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -10,6 +10,10 @@ command      what it times (module)
 ``dropin``   the drop-in ``anvil_fast.ANVIL``'s step on the package's GPT next to Muon + AdamW and
              AdamW alone, with its floor and phase shares (:mod:`anvil_fast.bench.dropin`;
              ``--device cpu`` is a smoke run)
+``peers``    the drop-in's step next to every installed peer (dion, heavyball, emerging-optimizers,
+             pytorch-optimizer, torch Muon, AdamW), each in its own time-boxed process: ms, host ms,
+             resident / peak / reserved memory, the update's singular-value spread
+             (:mod:`anvil_fast.bench.peers`; ``--device cpu`` is a smoke run)
 ``fsdp``     ANVIL on an FSDP2 (``fully_shard``) GPT: step time, phases, bytes per step at several rank
              counts (:mod:`anvil_fast.bench.fsdp`; gloo on a CPU is an indication only)
 ``train_step`` forward + backward + step of GPT-2 small at several ranks, each reduce-scatter launched
@@ -38,6 +42,7 @@ COMMANDS: dict[str, str] = {
     "dropin": ".dropin",
     "train_step": "anvil_fast.train_step",
     "fsdp": ".fsdp",
+    "peers": ".peers",
 }
 
 
