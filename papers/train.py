@@ -29,9 +29,11 @@ Three kinds of command:
 run's result does not depend on N (every run sets ``--threads`` CPU threads and seeds itself), its
 timings do: a run records ``jobs`` and ``timing_comparable``, and the paper takes times per step
 from lone runs only. ``--time-budget-s``: no run starts unless the time spent since the process
-started plus its estimated duration (its contender's slowest finished run per step, scaled to its
-steps; ``UNSEEN_FACTOR`` times the slowest of any contender for one not yet run) fits; at the
-budget every run still going is stopped; every finished run's JSON is already written.
+started plus its estimated duration (the median seconds per step of its contender's finished runs
+in this command, times its steps; a contender not run yet takes the rate of the one it borrows its
+learning rates from or is costed like, papers/protocol.py ``COST_LIKE``, else ``UNSEEN_FACTOR``
+times the slowest median) fits; at the budget every run still going is stopped; every finished
+run's JSON is already written.
 ``--skip-existing [DIR]``: runs whose JSON exists in ``--out`` (or in DIR) are not run again (a
 run is identified by its contender, hyper-parameters, seeds, steps and setup: ``run_id``), so a
 second command continues where a cut one stopped.
@@ -75,8 +77,9 @@ from papers import protocol as P
 from papers import runner as R
 
 FORMAT = 2
-#: --time-budget-s: a contender with no finished run yet is expected to take this many times the
-#: slowest finished run per step (torch's Muon steps several times slower than fused AdamW).
+#: --time-budget-s: a contender with no finished run yet (and none it resembles) is expected to take
+#: this many times the slowest contender's seconds per step (torch's Muon steps several times slower
+#: than fused AdamW).
 UNSEEN_FACTOR = 3.0
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -588,12 +591,17 @@ def main(argv: list[str] | None = None) -> int:
     pending = ready()
     print(f"{len(pending)} run(s) ready to start" + (" (more follow as the sweeps decide)" if proto else ""), flush=True)
 
-    per_step: dict[str, float] = {}
+    per_step: dict[str, list[float]] = {}
+    # a contender not run yet is costed as the one it borrows its rates from or resembles
+    like = {**P.COST_LIKE, **(dict(proto.borrows) if proto else {})}
 
     def estimate(spec: dict) -> float:
-        rate = per_step.get(spec["contender"])
-        if rate is None:
-            rate = UNSEEN_FACTOR * max(per_step.values(), default=0.0)
+        name = spec["contender"]
+        rates = per_step.get(name) or per_step.get(like.get(name, ""))
+        if rates:
+            rate = statistics.median(rates)
+        else:
+            rate = UNSEEN_FACTOR * max((statistics.median(r) for r in per_step.values()), default=0.0)
         return rate * (spec["steps"] + spec.get("timing_steps", 0))
 
     counter = [0]
@@ -610,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(path)
         done_recs.append(rec)
         steps = spec["steps"] + spec.get("timing_steps", 0)
-        per_step[spec["contender"]] = max(per_step.get(spec["contender"], 0.0), rec["run_wall_s"] / max(steps, 1))
+        per_step.setdefault(spec["contender"], []).append(rec["run_wall_s"] / max(steps, 1))
         spent = time.perf_counter() - T_START
         if spec["role"] == "timing":
             tm = rec["timing"]
