@@ -2,53 +2,74 @@
 
 A contender builds its optimizer(s) for a model from its hyper-parameters; the harness applies the
 same learning-rate shape (linear warm-up, then linear decay to zero) to every optimizer it returns
-through ``torch.optim.lr_scheduler.LambdaLR``, so every group's learning rate is its ``lr`` times
-the schedule.
+through ``torch.optim.lr_scheduler.LambdaLR``, so every group's learning rate is its own rate
+times the schedule, and clips the global gradient norm by the same rule for every contender
+(``--clip``). Every contender has two learning rates, the ones the tuning protocol sweeps
+(papers/protocol.py): ``lr``, the hidden matrices' (the 2-D weights inside ``model.blocks``), and
+``adam_lr``, the Adam side's (embeddings, output head, LayerNorm gains and biases). Everything
+else is each contender's documented configuration, never swept:
 
 =================  =================================================================================
 name               optimizer
 =================  =================================================================================
-``adamw``          ``torch.optim.AdamW`` (fused on CUDA) on every parameter; weight decay on the
-                   2-D ones only (nanoGPT's rule). Sweep: lr in :data:`ADAMW_SWEEP`.
-``muon``           ``torch.optim.Muon`` on the 2-D weights inside the transformer blocks (not the
-                   embeddings, not the head) + fused AdamW on the rest at the ``adamw`` defaults.
-                   Sweep: Muon's lr in :data:`MUON_SWEEP`.
+``adamw``          ``torch.optim.AdamW`` (fused on CUDA) with three groups: the matrices (``lr``,
+                   weight decay 0.1), the embeddings and the head (``adam_lr``, weight decay 0.1)
+                   and the gains and biases (``adam_lr``, no weight decay): nanoGPT's weight decay
+                   (on every 2-D tensor, none on 1-D ones), betas (0.9, 0.95), eps 1e-8.
+``muon``           ``torch.optim.Muon`` on the matrices (momentum 0.95, Nesterov, 5 Newton-Schulz
+                   steps, torch's shape scaling ``sqrt(max(1, rows / cols))``) + fused AdamW on the
+                   rest (betas (0.9, 0.95)); weight decay 0.01 on both (the Muon README's pairing).
+``dion``           microsoft/dion's ``dion.Muon`` (its defaults: Polar Express coefficients, momentum
+                   0.95 without Nesterov, the spectral-norm scaling ``sqrt(rows / cols)``, weight
+                   decay 0.01, the pure-torch compiled orthogonalization) on the matrices; dion's own
+                   AdamW (``algorithm="adamw"`` groups of the same optimizer) on the rest, the
+                   embeddings and the head without weight decay (dion's README). Used when ``dion``
+                   is importable, else from ``.peers/dion`` under the repository root; absent
+                   otherwise (:func:`find_dion` says why).
 ``anvil``          ``anvil_fast.ANVIL(model, rails="record", total_steps=steps)``: SAFE (the default
                    bank configuration) with the record's twin rails.
-``anvil_faithful`` the same with ``bank_config="faithful"`` (the seed's exact roundings).
+``anvil_lean``     the same with ``rails_dtype=torch.bfloat16`` (the rails kept in bf16); absent
+                   where ``anvil_fast.ANVIL`` has no such argument (:func:`lean_unavailable`).
+``anvil_faithful`` the same as ``anvil`` with ``bank_config="faithful"`` (the seed's exact roundings).
 ``anvil_gram_side`` the same with ``bank_config="gram_side"`` (the maps on the short side of tall and
                    wide banks, :mod:`anvil_fast.gram_side`; SAFE elsewhere).
 ``anvil_derived``  the same with ``maps="anvil_express"``.
 ``anvil_polar``    the same with ``maps="polar_express_paper6"``.
 ``anvil_nesterov`` the same with ``rails="nesterov"`` (plain Nesterov momentum, no twin rails).
-``anvil_defaults`` ``anvil_fast.ANVIL(model)``, every argument at its default (the CI contender; not
-                   in the default comparison).
+``anvil_defaults`` ``anvil_fast.ANVIL(model)``, every argument at its default (the CI contender).
 =================  =================================================================================
 
-The ANVIL contenders keep the drop-in's own learning rates (``lr``, ``adam_lr`` of
-``anvil_fast.ANVIL``): they are the record's, and the comparison asks how the package trains as
-shipped. AdamW and Muon have no such tuned default for this model, hence their sweeps.
+Default learning rates (a run outside the tuning protocol): ``lr`` at the centre of the
+protocol's grid (papers/protocol.py ``LR_CENTERS``); ``adam_lr`` at the protocol's common starting
+point for AdamW, Muon and dion, at the drop-in's own default (8e-3) for the ANVIL contenders.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-#: AdamW's learning rates swept by ``--sweep adamw``: a factor 2 apart around nanoGPT-scale rates,
-#: reaching down to 2.5e-4 so that the best rate on the small GPT lies inside the sweep, not at its end.
-ADAMW_SWEEP = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
-#: Muon's learning rates swept by ``--sweep muon`` (around torch.optim.Muon's examples and the
-#: record's 0.02-0.05).
-MUON_SWEEP = (0.01, 0.02, 0.04, 0.08)
+from anvil_ref import ADAM_DEFAULTS, ANVIL_DEFAULTS
+from papers import protocol as P
 
-ADAMW_HP = {"lr": 4e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-MUON_HP = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.0, "ns_steps": 5,
-           "adjust_lr_fn": "original"}
+ROOT = Path(__file__).resolve().parents[1]
+#: Where the dion contender looks for microsoft/dion's source when ``import dion`` fails.
+DION_PEER = ROOT / ".peers" / "dion"
+
+ADAMW_HP = {"lr": P.LR_CENTERS["adamw"], "adam_lr": P.ADAM_CENTER, "betas": (0.9, 0.95), "eps": 1e-8,
+            "weight_decay": 0.1}
+MUON_HP = {"lr": P.LR_CENTERS["muon"], "adam_lr": P.ADAM_CENTER, "momentum": 0.95, "nesterov": True,
+           "ns_steps": 5, "adjust_lr_fn": "original", "weight_decay": 0.01, "adam_betas": (0.9, 0.95),
+           "adam_eps": 1e-8, "adam_weight_decay": 0.01}
+DION_HP = {"lr": P.LR_CENTERS["dion"], "adam_lr": P.ADAM_CENTER, "mu": 0.95, "nesterov": False,
+           "weight_decay": 0.01, "adjust_lr": "spectral_norm", "use_polar_express": True, "use_triton": False}
 
 #: The derived map set of the comparison: anvil_express is the one set of derive_maps that meets
 #: every requirement against ANVIL_MAPS at once (certified better in exact arithmetic, certified
@@ -59,36 +80,106 @@ DERIVED_MAPS = "anvil_express"
 POLAR_MAPS = "polar_express_paper6"
 
 
-def _adamw(params_2d, params_other, hp: dict, device: torch.device) -> torch.optim.AdamW:
-    groups = [{"params": params_2d, "weight_decay": hp["weight_decay"]},
-              {"params": params_other, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                             fused=device.type == "cuda")
+class Unavailable(RuntimeError):
+    """A contender this installation cannot build (the message says why)."""
+
+
+# ------------------------------------------------------------------------------ parameter groups
+def muon_params(model: nn.Module) -> list[str]:
+    """Names of the hidden matrices: 2-D parameters inside ``model.blocks`` (the matrices of every
+    contender's ``lr``)."""
+    return [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+
+
+def split_params(model: nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """The three groups of every contender: ``matrices`` (:func:`muon_params`), ``exterior`` (the
+    other 2-D parameters: embeddings and the output head) and ``vectors`` (gains and biases)."""
+    hidden = set(muon_params(model))
+    out = {"matrices": [], "exterior": [], "vectors": []}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            out["matrices" if n in hidden else "exterior" if p.ndim >= 2 else "vectors"].append((n, p))
+    return out
+
+
+def _ps(pairs):
+    return [p for _, p in pairs]
 
 
 def build_adamw(model: nn.Module, hp: dict, *, total_steps: int, device: torch.device) -> list:
-    ps = [p for p in model.parameters() if p.requires_grad]
-    return [_adamw([p for p in ps if p.ndim >= 2], [p for p in ps if p.ndim < 2], hp, device)]
-
-
-def muon_params(model: nn.Module) -> list[str]:
-    """Names of the hidden matrices Muon takes: 2-D parameters inside ``model.blocks``."""
-    return [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    g = split_params(model)
+    groups = [{"params": _ps(g["matrices"]), "lr": hp["lr"], "weight_decay": hp["weight_decay"], "group": "matrices"},
+              {"params": _ps(g["exterior"]), "lr": hp["adam_lr"], "weight_decay": hp["weight_decay"],
+               "group": "embeddings+head"},
+              {"params": _ps(g["vectors"]), "lr": hp["adam_lr"], "weight_decay": 0.0, "group": "gains+biases"}]
+    return [torch.optim.AdamW([x for x in groups if x["params"]], betas=hp["betas"], eps=hp["eps"],
+                              fused=device.type == "cuda")]
 
 
 def build_muon(model: nn.Module, hp: dict, *, total_steps: int, device: torch.device) -> list:
     if not hasattr(torch.optim, "Muon"):
-        raise RuntimeError(f"the muon contender needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
-    hidden = set(muon_params(model))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    mat = [p for n, p in named if n in hidden]
-    rest = [(n, p) for n, p in named if n not in hidden]
-    muon = torch.optim.Muon(mat, lr=hp["lr"], momentum=hp["momentum"], nesterov=hp["nesterov"],
-                            weight_decay=hp["weight_decay"], ns_steps=hp["ns_steps"],
-                            adjust_lr_fn=hp["adjust_lr_fn"])
-    adam = _adamw([p for _, p in rest if p.ndim >= 2], [p for _, p in rest if p.ndim < 2], hp["adamw"], device)
+        raise Unavailable(f"the muon contender needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
+    g = split_params(model)
+    muon = torch.optim.Muon(_ps(g["matrices"]), lr=hp["lr"], momentum=hp["momentum"], nesterov=hp["nesterov"],
+                            weight_decay=hp["weight_decay"], ns_steps=hp["ns_steps"], adjust_lr_fn=hp["adjust_lr_fn"])
+    rest = [{"params": _ps(g[k]), "group": k} for k in ("exterior", "vectors") if g[k]]
+    adam = torch.optim.AdamW(rest, lr=hp["adam_lr"], betas=hp["adam_betas"], eps=hp["adam_eps"],
+                             weight_decay=hp["adam_weight_decay"], fused=device.type == "cuda")
     return [muon, adam]
+
+
+def find_dion():
+    """microsoft/dion's package: ``import dion`` if that works, else the source under
+    :data:`DION_PEER` (put on ``sys.path``). Raises :class:`Unavailable` saying why neither worked."""
+    reasons = []
+    for where in (None, DION_PEER):
+        if where is not None:
+            if not (where / "dion" / "__init__.py").is_file():
+                reasons.append(f"no {where.relative_to(ROOT)}/dion/__init__.py")
+                continue
+            if str(where) not in sys.path:
+                sys.path.insert(0, str(where))
+        try:
+            mod = importlib.import_module("dion")
+        except ImportError as exc:
+            reasons.append(f"import dion: {exc}")
+            continue
+        except Exception as exc:  # dion's import itself failed (its torch or triton needs)
+            raise Unavailable(f"import dion failed: {type(exc).__name__}: {exc}") from exc
+        if not hasattr(mod, "Muon"):
+            reasons.append(f"the importable 'dion' ({getattr(mod, '__file__', '?')}) has no Muon")
+            sys.modules.pop("dion", None)
+            continue
+        return mod
+    raise Unavailable("microsoft/dion is not installed: " + "; ".join(reasons))
+
+
+def build_dion(model: nn.Module, hp: dict, *, total_steps: int, device: torch.device) -> list:
+    dion = find_dion()
+    g = split_params(model)
+    emb = [p for n, p in g["exterior"] if not n.startswith("lm_head")]
+    head = [p for n, p in g["exterior"] if n.startswith("lm_head")]
+    groups = [{"params": _ps(g["matrices"])},
+              {"params": _ps(g["vectors"]), "algorithm": "adamw", "lr": hp["adam_lr"]},
+              {"params": emb, "algorithm": "adamw", "lr": hp["adam_lr"], "weight_decay": 0.0},
+              {"params": head, "algorithm": "adamw", "lr": hp["adam_lr"], "weight_decay": 0.0}]
+    return [dion.Muon([x for x in groups if x["params"]], lr=hp["lr"], mu=hp["mu"], nesterov=hp["nesterov"],
+                      weight_decay=hp["weight_decay"], adjust_lr=hp["adjust_lr"],
+                      use_polar_express=hp["use_polar_express"], use_triton=hp["use_triton"])]
+
+
+def _anvil_accepts() -> set[str]:
+    import anvil_fast
+
+    return set(inspect.signature(anvil_fast.ANVIL.__init__).parameters)
+
+
+def lean_unavailable() -> str | None:
+    """Why the lean-state contender cannot run here (None: it can): it needs the drop-in's
+    ``rails_dtype`` argument."""
+    if "rails_dtype" not in _anvil_accepts():
+        return "anvil_fast.ANVIL takes no rails_dtype argument in this checkout"
+    return None
 
 
 def build_anvil(model: nn.Module, hp: dict, *, total_steps: int, device: torch.device) -> list:
@@ -97,38 +188,62 @@ def build_anvil(model: nn.Module, hp: dict, *, total_steps: int, device: torch.d
     kwargs = dict(hp)
     if kwargs.pop("total_steps", None) == "run":
         kwargs["total_steps"] = total_steps
-    accepted = inspect.signature(anvil_fast.ANVIL.__init__).parameters
-    unknown = [k for k in kwargs if k not in accepted]
+    if "rails_dtype" in kwargs:
+        kwargs["rails_dtype"] = getattr(torch, kwargs["rails_dtype"])
+    unknown = sorted(k for k in kwargs if k not in _anvil_accepts())
     if unknown:
-        raise TypeError(f"anvil_fast.ANVIL does not accept {unknown} in this checkout; this contender needs a "
-                        f"drop-in with those arguments")
+        raise Unavailable(f"anvil_fast.ANVIL takes no {', '.join(unknown)} argument in this checkout")
     return [anvil_fast.ANVIL(model, **kwargs)]
 
 
+# ------------------------------------------------------------------------------------ contenders
 @dataclass(frozen=True)
 class Contender:
     name: str
     description: str
     build: Callable[..., list]
     hparams: dict
-    sweep: tuple[float, ...] = ()   # values of hparams["lr"] tried by --sweep NAME
-    extra: dict = field(default_factory=dict)
+    #: returns why the contender cannot run here, or None (checked before any run starts)
+    unavailable: Callable[[], str | None] = field(default=lambda: None, compare=False)
+
+    def with_lrs(self, lr: float | None = None, adam_lr: float | None = None) -> Contender:
+        hp = dict(self.hparams)
+        if lr is not None:
+            hp["lr"] = float(lr)
+        if adam_lr is not None:
+            hp["adam_lr"] = float(adam_lr)
+        return Contender(self.name, self.description, self.build, hp, self.unavailable)
 
     def with_lr(self, lr: float) -> Contender:
-        return Contender(self.name, self.description, self.build, {**self.hparams, "lr": lr}, self.sweep, self.extra)
+        return self.with_lrs(lr=lr)
 
     def make(self, model: nn.Module, *, total_steps: int, device: torch.device) -> list:
         return self.build(model, self.hparams, total_steps=total_steps, device=device)
 
+    def why_unavailable(self) -> str | None:
+        try:
+            return self.unavailable()
+        except Unavailable as exc:
+            return str(exc)
 
-_RECORD = {"rails": "record", "total_steps": "run"}  # "run": the run's step count, filled in at build
+
+def _dion_unavailable() -> str | None:
+    find_dion()
+    return None
+
+
+_ANVIL_LRS = {"lr": ANVIL_DEFAULTS["lr"], "adam_lr": ADAM_DEFAULTS["lr"]}
+_RECORD = {**_ANVIL_LRS, "rails": "record", "total_steps": "run"}  # "run": the run's step count, filled in at build
 
 REGISTRY: dict[str, Contender] = {c.name: c for c in (
-    Contender("adamw", "torch.optim.AdamW (fused on CUDA), weight decay on 2-D parameters", build_adamw,
-              dict(ADAMW_HP), ADAMW_SWEEP),
-    Contender("muon", "torch.optim.Muon on the blocks' 2-D weights + fused AdamW (adamw defaults) on the rest",
-              build_muon, {**MUON_HP, "adamw": dict(ADAMW_HP)}, MUON_SWEEP),
+    Contender("adamw", "torch.optim.AdamW (fused on CUDA): matrices, embeddings + head, gains + biases",
+              build_adamw, dict(ADAMW_HP)),
+    Contender("muon", "torch.optim.Muon on the blocks' matrices + fused AdamW on the rest", build_muon, dict(MUON_HP)),
+    Contender("dion", "microsoft/dion's Muon (Polar Express) on the blocks' matrices + dion's AdamW on the rest",
+              build_dion, dict(DION_HP), _dion_unavailable),
     Contender("anvil", "anvil_fast.ANVIL SAFE, record rails", build_anvil, dict(_RECORD)),
+    Contender("anvil_lean", "anvil_fast.ANVIL SAFE, record rails, rails in bf16", build_anvil,
+              {**_RECORD, "rails_dtype": "bfloat16"}, lean_unavailable),
     Contender("anvil_faithful", "anvil_fast.ANVIL FAITHFUL, record rails", build_anvil,
               {**_RECORD, "bank_config": "faithful"}),
     Contender("anvil_gram_side", "anvil_fast.ANVIL GRAM_SIDE, record rails", build_anvil,
@@ -138,12 +253,12 @@ REGISTRY: dict[str, Contender] = {c.name: c for c in (
     Contender("anvil_polar", f"anvil_fast.ANVIL SAFE, record rails, maps={POLAR_MAPS}", build_anvil,
               {**_RECORD, "maps": POLAR_MAPS}),
     Contender("anvil_nesterov", "anvil_fast.ANVIL SAFE, plain Nesterov rails", build_anvil,
-              {"rails": "nesterov"}),
+              {**_ANVIL_LRS, "rails": "nesterov"}),
     Contender("anvil_defaults", "anvil_fast.ANVIL(model), every argument at its default", build_anvil, {}),
 )}
 
-#: The comparison run by default (``--contenders`` not given).
-DEFAULT_CONTENDERS = ("adamw", "muon", "anvil", "anvil_faithful", "anvil_derived", "anvil_polar", "anvil_nesterov")
+#: The comparison run by default outside the protocol (``--contenders`` not given).
+DEFAULT_CONTENDERS = ("adamw", "muon", "dion", "anvil")
 
 
 def get(name: str) -> Contender:
@@ -164,6 +279,10 @@ def hparams_text(c: Contender) -> str:
 def jsonable(v):
     if isinstance(v, dict):
         return {k: jsonable(x) for k, x in v.items()}
-    if isinstance(v, tuple):
+    if isinstance(v, (tuple, list)):
         return [jsonable(x) for x in v]
+    if isinstance(v, torch.dtype):
+        return str(v).removeprefix("torch.")
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
     return v

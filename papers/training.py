@@ -1,8 +1,19 @@
 """The paper's training section, generated from the run JSONs of ``python -m papers.train`` kept
-under results/train/ (any depth; a run's size and whether it is a sweep are read from its JSON).
+under results/train/ (any depth; a run's size, role and setup are read from its JSON).
 
-Without any run JSON every table says so (generated text, not a failure) and the figure is left
-out. The statistics and the rule for "no measurable difference" are papers/stats.py's.
+Three kinds of evidence, each its own tables:
+
+* the tuning protocol (papers/protocol.py): its sweep (``role: sweep``), the contenders at the
+  chosen learning rates at the sweep's horizon (the sweep's runs at the chosen point) and at the
+  protocol's horizon (``role: tuned``), their paired differences and the comparison anchor;
+* comparisons at fixed learning rates (``role: fixed``, and the JSONs of format 1): ANVIL's
+  configurations against each other, at the drop-in's own rates, one table per size;
+* lone timings (``role: timing``): time per step and the optimizer's share, for the tuned
+  contenders (their training runs shared the GPU, so their own timings are not compared).
+
+A contender that could not run where the runs were made leaves a ``role: absent`` JSON; its row
+says why. Without any run JSON every table says so (generated text, not a failure) and the figures
+are left out. The statistics and the rules are papers/stats.py's.
 """
 
 from __future__ import annotations
@@ -11,12 +22,13 @@ import json
 import math
 from pathlib import Path
 
+from papers import protocol as P
 from papers import stats as S
 from papers.svg import Series, line_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "results" / "train"
-FORMAT = 1  # papers.train.FORMAT (not imported: building the paper must not need torch)
+FORMATS = (1, 2)  # papers.train.FORMAT and the one before it (not imported: building the paper must not need torch)
 
 #: The comparison anchor, a published fact and no measurement of this package: modded-nanogpt's
 #: optimization benchmark (github.com/KellerJordan/modded-nanogpt, the optimization track: a 124M
@@ -27,23 +39,40 @@ ANCHOR_MUON_STEPS = 3250
 ANCHOR_ADAM_STEPS = 5625
 ANCHOR_SOURCE = "modded-nanogpt optimization benchmark (github.com/KellerJordan/modded-nanogpt)"
 
-#: The contenders' order in tables and the figure.
-ORDER = ("adamw", "muon", "anvil", "anvil_faithful", "anvil_gram_side", "anvil_derived", "anvil_polar",
-         "anvil_nesterov", "anvil_defaults")
-#: The pairs the verdict table answers: (a, b, question).
-PAIRS = (
+#: The contenders' order in tables and figures.
+ORDER = ("adamw", "muon", "dion", "anvil", "anvil_lean", "anvil_faithful", "anvil_gram_side", "anvil_derived",
+         "anvil_polar", "anvil_nesterov", "anvil_defaults")
+#: The tuned contenders' pairs: (a, b, question).
+PAIRS_TUNED = (
+    ("anvil", "muon", "ANVIL vs torch Muon"),
+    ("anvil", "dion", "ANVIL vs dion's Muon"),
+    ("anvil", "adamw", "ANVIL vs AdamW"),
+    ("dion", "muon", "dion's Muon vs torch Muon"),
+    ("muon", "adamw", "torch Muon vs AdamW"),
+    ("anvil_lean", "anvil", "bf16 rails vs fp32 rails"),
+)
+#: The fixed-rate comparisons' pairs.
+PAIRS_FIXED = (
     ("anvil", "anvil_faithful", "SAFE vs FAITHFUL"),
     ("anvil_gram_side", "anvil", "Gram-side cascade vs SAFE"),
     ("anvil_derived", "anvil", "derived map set (anvil_express) vs ANVIL_MAPS"),
     ("anvil_polar", "anvil", "Polar Express coefficients vs ANVIL_MAPS"),
     ("anvil_nesterov", "anvil", "plain Nesterov vs the record's twin rails"),
-    ("anvil", "muon", "ANVIL vs Muon"),
-    ("anvil", "adamw", "ANVIL vs AdamW"),
-    ("muon", "adamw", "Muon vs AdamW"),
+    ("anvil_lean", "anvil", "bf16 rails vs fp32 rails"),
 )
+LEVEL_TXT = f"{S.LEVEL:.0%}"
 BUDGETS = (0.25, 0.5)  # fractions of the run's steps at which the loss is also reported
 NO_RUNS = ("*(no training run yet: results/train/ holds no run JSON of {what}; "
            "`python -m papers.train` writes them, see its module docstring)*")
+
+
+# ------------------------------------------------------------------------------------- loading
+def _normalize(r: dict) -> dict:
+    """A record of either format with the fields of the newer one (format 1: runs one at a time,
+    no clipping, the ``sweep`` flag for the role)."""
+    if r.get("format") == 1:
+        r = {**r, "role": "sweep1" if r.get("sweep") else "fixed", "clip": None, "jobs": 1, "timing_comparable": True}
+    return r
 
 
 def load(folder: Path = RUNS) -> list[dict]:
@@ -52,9 +81,13 @@ def load(folder: Path = RUNS) -> list[dict]:
         return out
     for p in sorted(folder.rglob("*.json")):
         r = json.loads(p.read_text())
-        if isinstance(r, dict) and r.get("format") == FORMAT and "contender" in r:
-            out.append(r)
+        if isinstance(r, dict) and r.get("format") in FORMATS and "contender" in r:
+            out.append(_normalize(r))
     return out
+
+
+def _key(n: str) -> tuple:
+    return (ORDER.index(n) if n in ORDER else 99, n)
 
 
 def _sizes(runs: list[dict]) -> list[str]:
@@ -71,42 +104,83 @@ def _final(r: dict) -> float:
     return v if math.isfinite(v) and not r.get("diverged") else math.inf
 
 
+def _sorted(by: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    return {n: sorted(by[n], key=lambda r: r["seed"]) for n in sorted(by, key=_key)}
+
+
+def absent(runs: list[dict], size: str) -> dict[str, str]:
+    """Contenders that left a ``role: absent`` record of ``size`` and no run: name -> why."""
+    ran = {r["contender"] for r in runs if r["size"] == size and r.get("role") not in ("absent",)}
+    return {r["contender"]: r["reason"] for r in runs
+            if r.get("role") == "absent" and r["size"] == size and r["contender"] not in ran}
+
+
 def groups(runs: list[dict], size: str) -> dict[str, list[dict]]:
-    """Main (non-sweep) runs of ``size`` by contender, in :data:`ORDER`, seeds sorted."""
+    """Fixed-rate runs of ``size`` by contender, in :data:`ORDER`, seeds sorted; one setup (steps,
+    batch, clipping) per size, else ValueError."""
     by: dict[str, list[dict]] = {}
     for r in runs:
-        if r["size"] == size and not r.get("sweep"):
+        if r["size"] == size and r.get("role") == "fixed":
             by.setdefault(r["contender"], []).append(r)
-    setups = {(r["steps"], r["batch"], r["ctx"]) for rs in by.values() for r in rs}
+    setups = {(r["steps"], r["batch"], r["ctx"], r.get("clip")) for rs in by.values() for r in rs}
     if len(setups) > 1:
-        raise ValueError(f"results/train: the size-{size} runs mix step counts / batches {sorted(setups)}; "
-                         f"a comparison needs one setup (keep other runs outside results/train)")
-    key = {n: i for i, n in enumerate(ORDER)}
-    return {n: sorted(by[n], key=lambda r: r["seed"]) for n in sorted(by, key=lambda n: (key.get(n, 99), n))}
+        raise ValueError(f"results/train: the size-{size} fixed-rate runs mix setups (steps, batch, ctx, clip) "
+                         f"{sorted(setups, key=str)}; a comparison needs one (keep other runs outside results/train)")
+    return _sorted(by)
+
+
+# ---------------------------------------------------------------------------------- the protocol
+def protocol(runs: list[dict]) -> P.Protocol | None:
+    return P.of_records(runs)
+
+
+def tuned_groups(runs: list[dict], *, horizon: str) -> dict[str, list[dict]]:
+    """The protocol's contenders at their chosen rates: ``horizon="long"``, the horizon runs;
+    ``"short"``, the sweep's runs at the chosen point (the tuning horizon)."""
+    p = protocol(runs)
+    if p is None:
+        return {}
+    chosen = P.chosen_of(runs)
+    core = p.core()
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("role") not in ("sweep", "tuned") or P._core(r.get("protocol") or {}) != core:
+            continue
+        n = r["contender"]
+        if n not in chosen or (r["hparams"]["lr"], r["hparams"]["adam_lr"]) != chosen[n]:
+            continue
+        if (horizon == "long" and r["role"] == "tuned" and r["steps"] == p.steps) or (
+                horizon == "short" and r["role"] == "sweep" and r["steps"] == p.tune_steps):
+            by.setdefault(n, []).append(r)
+    return _sorted(by)
+
+
+def timings(runs: list[dict], size: str) -> dict[str, dict]:
+    """Lone timing records (``role: timing``) of ``size`` by contender."""
+    return {r["contender"]: r["timing"] for r in runs if r.get("role") == "timing" and r["size"] == size
+            and r.get("timing_comparable") and r.get("timing")}
 
 
 def target(g: dict[str, list[dict]]) -> float | None:
-    """The target loss: the AdamW runs' mean final validation loss (None without a finished AdamW run)."""
-    finals = [_final(r) for r in g.get("adamw", []) if math.isfinite(_final(r))]
-    return S.summary(finals)["mean"] if finals else None  # a diverged AdamW seed sets no target
-
-
-def _mean_curve(rs: list[dict]) -> tuple[list[float], list[float]]:
-    return S.mean_curve([_curve(r) for r in rs if not r.get("diverged")] or [_curve(rs[0])])
+    """The target loss of a comparison: the highest final validation loss among the AdamW seeds,
+    so that every AdamW seed reaches it within its run (None without a finished AdamW seed)."""
+    finals = [_final(r) for r in g.get("adamw", [])]
+    finals = [v for v in finals if math.isfinite(v)]
+    return max(finals) if finals else None
 
 
 def _step_s(rs: list[dict]) -> float | None:
-    t = [r["timing"]["step_s"] for r in rs if r.get("timing")]
+    t = [r["timing"]["step_s"] for r in rs if r.get("timing") and r.get("timing_comparable", True)]
     return sum(t) / len(t) if t else None
 
 
 def metrics(g: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per contender: finals, losses at the budgets, per-seed and mean-curve steps to the target."""
+    """Per contender: seeds, finals, losses at the budgets, per-seed steps to the target."""
     tgt = target(g)
     out = {}
     for n, rs in g.items():
         steps = rs[0]["steps"]
-        m = {"final": [_final(r) for r in rs],
+        m = {"seeds": [r["seed"] for r in rs], "final": [_final(r) for r in rs],
              "budgets": {f: [S.loss_at(*_curve(r), f * steps) if not r.get("diverged") else math.inf for r in rs]
                          for f in BUDGETS},
              "step_s": _step_s(rs),
@@ -114,48 +188,128 @@ def metrics(g: dict[str, list[dict]]) -> dict[str, dict]:
                            max(1, sum(1 for r in rs if r.get("timing")))) if any(r.get("timing") for r in rs) else None}
         if tgt is not None:
             m["to_target"] = [S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf for r in rs]
-            m["to_target_mean_curve"] = S.steps_to_target(*_mean_curve(rs), tgt)
         out[n] = m
     return out
+
+
+def pair(g: dict[str, list[dict]], a: str, b: str, metric) -> tuple[list[float], list[float], list[int]] | str:
+    """Per-seed values of ``metric(record)`` of a and b on the seeds both ran, checked to be paired
+    (same initial weights and batches); a sentence instead when they are not."""
+    ra, rb = {r["seed"]: r for r in g[a]}, {r["seed"]: r for r in g[b]}
+    seeds = sorted(set(ra) & set(rb))
+    for s in seeds:
+        x, y = ra[s], rb[s]
+        if x.get("batches_sha256") != y.get("batches_sha256") or x["curve"][0]["val_loss"] != y["curve"][0]["val_loss"]:
+            return f"not paired: seed {s} differs in its batches or initial weights"
+    return [metric(ra[s]) for s in seeds], [metric(rb[s]) for s in seeds], seeds
 
 
 def _num(v: float | None, fmt: str) -> str:
     if v is None:
         return "-"
-    return "not reached" if math.isinf(v) else format(v, fmt)
+    return "not reached" if math.isinf(v) else "-" if math.isnan(v) else format(v, fmt)
 
 
-def table_results(runs: list[dict], size: str) -> str:
-    g = groups(runs, size)
+def _lrs(r: dict) -> str:
+    hp = r.get("hparams", {})
+    return ", ".join(f"{k}={hp[k]:g}" for k in P.KEYS if k in hp) or "(the drop-in's defaults)"
+
+
+def _caption(g: dict[str, list[dict]], size: str, extra: str) -> str:
+    r0 = next(iter(g.values()))[0]
+    clip = r0.get("clip")
+    jobs = max(r.get("jobs", 1) for rs in g.values() for r in rs)
+    return (f"Size `{size}` ({r0['model']['n_params'] / 1e6:.1f}M parameters), {r0['steps']} steps of "
+            f"{r0['batch']} x {r0['ctx']} bytes, "
+            + (f"gradient norm clipped to {clip:g}" if clip else "no gradient clipping")
+            + f", validation every {r0.get('eval_every', '?')} steps on {r0.get('val_windows', '?')} fixed windows, "
+            f"{r0['environment']['device']}, torch {r0['environment']['torch']}"
+            + (f", up to {jobs} runs at once on the device" if jobs > 1 else "")
+            + f"; corpus sha256 `{r0['corpus']['sha256'][:16]}` ({r0['corpus']['train_bytes']:,} train bytes). "
+            f"Mean ± sample std [min, max] over seeds. {extra}")
+
+
+def table_results(g: dict[str, list[dict]], size: str, *, lone: dict[str, dict] | None = None,
+                  missing: dict[str, str] | None = None, what: str = "") -> str:
+    """A comparison's table: losses at the budgets and at the end, steps to the target (per seed,
+    and their paired ratio to AdamW's), time per step (``lone``: from lone timing records; else the
+    runs' own, when they ran alone)."""
+    from papers.build import md_table  # papers.build imports this module at call time, not at import
+
     if not g:
-        return NO_RUNS.format(what=f"size {size}")
+        return NO_RUNS.format(what=what or f"size {size}")
     m = metrics(g)
     tgt = target(g)
-    base = m.get("adamw", {}).get("to_target_mean_curve")
     r0 = next(iter(g.values()))[0]
     tok = r0["batch"] * r0["ctx"]
-    header = ["contender", "hyper-parameters", "seeds"] + [
-        f"val loss at {f * r0['steps'] * tok / 1e6:.2f}M tokens (step {f * r0['steps']:g})" for f in BUDGETS] + [
-        f"final val loss ({r0['steps'] * tok / 1e6:.2f}M tokens)", "steps to target (per seed)", "steps to target (seed-mean curve)", "ratio to AdamW",
-        "ms / step", "optimizer share"]
+    header = ["contender", "learning rates", "seeds"] + [
+        f"val loss at step {f * r0['steps']:g} ({f * r0['steps'] * tok / 1e6:.2f}M tokens)" for f in BUDGETS] + [
+        f"final val loss ({r0['steps'] * tok / 1e6:.2f}M tokens)"] + (
+        ["steps to target", "ratio to AdamW (per seed)"] if tgt is not None else []) + ["ms / step", "optimizer share"]
     rows = []
     for n, rs in g.items():
         x = m[n]
-        ratio = (x["to_target_mean_curve"] / base) if tgt is not None and base and math.isfinite(base) else None
-        rows.append([n, rs[0]["hparams_text"], len(rs)] + [S.fmt_spread(x["budgets"][f]) for f in BUDGETS] + [
-            S.fmt_spread(x["final"]), S.fmt_spread(x["to_target"], 0) if tgt is not None else "-",
-            _num(x.get("to_target_mean_curve"), ".0f"), _num(ratio, ".2f"),
-            _num(None if x["step_s"] is None else x["step_s"] * 1e3, ".1f"),
-            _num(None if x["opt_share"] is None else x["opt_share"] * 100, ".0f") + ("%" if x["opt_share"] is not None else "")])
-    from papers.build import md_table  # papers.build imports this module at call time, not at import
+        ratio = "-"
+        if tgt is not None and n != "adamw" and "adamw" in g:
+            pr = pair(g, n, "adamw", lambda r: S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf)
+            if isinstance(pr, str):
+                ratio = pr
+            else:
+                q = S.paired_ratio(pr[0], pr[1])
+                ratio = S.fmt_interval(q, 2, signed=False) if math.isfinite(q["ratio"]) else "not reached"
+        if lone is not None:
+            tm = lone.get(n)
+            step_s, share = (tm["step_s"], tm["opt_share"]) if tm else (None, None)
+        else:
+            step_s, share = x["step_s"], x["opt_share"]
+        rows.append([n, _lrs(rs[0]), len(rs)] + [S.fmt_spread(x["budgets"][f]) for f in BUDGETS] + [
+            S.fmt_spread(x["final"])] + ([S.fmt_spread(x["to_target"], 0), ratio] if tgt is not None else []) + [
+            _num(None if step_s is None else step_s * 1e3, ".1f"),
+            _num(None if share is None else share * 100, ".0f") + ("%" if share is not None else "")])
+    for n, why in sorted((missing or {}).items(), key=lambda kv: _key(kv[0])):
+        if n not in g:
+            rows.append([n, "-", 0] + ["-"] * len(BUDGETS) + [f"absent: {why}"] + ["-"] * (len(header) - 4 - len(BUDGETS)))
+    timing = ("ms / step and optimizer share: lone timing runs (`--timing-only`), not these runs"
+              if lone is not None else "ms / step and optimizer share: a window of synchronized steps before each run")
+    extra = ((f"Target: the highest final validation loss among the AdamW seeds ({tgt:.4f}), which every AdamW "
+              "seed reaches within its run; steps to target per seed (linear between evaluations); ratio: geometric "
+              f"mean over seeds of (steps of the contender / steps of AdamW on the same seed) [{LEVEL_TXT} t interval]. "
+              if tgt is not None else "") + timing + ".")
+    return md_table(header, rows) + "\n\n" + _caption(g, size, extra)
 
-    cap = (f"Size `{size}` ({r0['model']['n_params'] / 1e6:.1f}M parameters), {r0['steps']} steps of "
-           f"{r0['batch']} x {r0['ctx']} bytes, validation every {r0.get('eval_every', '?')} steps on "
-           f"{r0.get('val_windows', '?')} fixed windows, {r0['environment']['device']}, torch {r0['environment']['torch']}; "
-           f"corpus sha256 `{r0['corpus']['sha256'][:16]}` ({r0['corpus']['train_bytes']:,} train bytes). "
-           f"Mean ± sample std [min, max] over seeds. Target: AdamW's mean final validation loss"
-           + (f" ({tgt:.4f})." if tgt is not None else " (no AdamW run)."))
-    return md_table(header, rows) + "\n\n" + cap
+
+def _paired_rows(g: dict[str, list[dict]], label: str, pairs) -> list[list]:
+    rows = []
+    for a, b, q in pairs:
+        if a not in g or b not in g:
+            continue
+        pr = pair(g, a, b, _final)
+        if isinstance(pr, str):
+            rows.append([label, q, "-", "-", pr, "-", "-"])
+            continue
+        pd = S.paired(pr[0], pr[1])
+        rows.append([label, q, len(pr[2]), ", ".join(f"{v:+.4f}" for v in pd["diffs"]), S.fmt_interval(pd),
+                     S.paired_verdict(pd, (a, b)), S.verdict(pr[0], pr[1], (a, b))])
+    return rows
+
+
+def table_paired(runs: list[dict]) -> str:
+    """Paired differences of the final validation loss (a - b, per seed) of the tuned contenders,
+    at the protocol's horizon and at the sweep's."""
+    from papers.build import md_table
+
+    p = protocol(runs)
+    rows = []
+    if p is not None:
+        rows += _paired_rows(tuned_groups(runs, horizon="long"), f"{p.steps}", PAIRS_TUNED)
+        rows += _paired_rows(tuned_groups(runs, horizon="short"), f"{p.tune_steps}", PAIRS_TUNED)
+    if not rows:
+        return NO_RUNS.format(what="two tuned contenders")
+    return md_table(["steps", "question (a vs b)", "paired seeds", "a - b per seed", f"mean a - b [{LEVEL_TXT} t interval]",
+                     "paired verdict", "spread rule"], rows) + (
+        f"\n\nPaired verdict: the {LEVEL_TXT} t interval of the per-seed differences wholly below 0 says a is lower, "
+        "wholly above 0 that b is lower, else it holds 0. Spread rule: |mean a - mean b| <= the larger sample std "
+        "over seeds of the two is \"no measurable difference\". Below 2 seeds on either side: \"not enough seeds\".")
 
 
 #: The equal-time verdict where the times per step are not measurably different.
@@ -182,47 +336,93 @@ def _equal_time(ra: list[dict], rb: list[dict]) -> tuple[list[float], list[float
 
 
 def table_verdicts(runs: list[dict]) -> str:
+    """The fixed-rate comparisons' pairs: the spread rule and the paired interval at equal steps,
+    the spread rule at equal training time."""
     from papers.build import md_table
 
     rows = []
     for size in _sizes(runs):
         g = groups(runs, size)
         m = metrics(g)
-        for a, b, q in PAIRS:
+        for a, b, q in PAIRS_FIXED:
             if a not in g or b not in g:
                 continue
             d = S.summary(m[a]["final"])["mean"] - S.summary(m[b]["final"])["mean"]
             eq = _equal_time(g[a], g[b])
             at_steps = S.verdict(m[a]["final"], m[b]["final"], (a, b))
+            pr = pair(g, a, b, _final)
+            paired_s = pr if isinstance(pr, str) else (
+                S.fmt_interval(S.paired(pr[0], pr[1])) + "; " + S.paired_verdict(S.paired(pr[0], pr[1]), (a, b)))
             if eq == SAME_SPEED:
                 at_time = f"{at_steps} ({SAME_SPEED})"
             else:
                 at_time = S.verdict(eq[0], eq[1], (a, b)) + f" (at {eq[2]:.1f} s)" if eq else "-"
-            rows.append([size, q, f"{d:+.4f}" if math.isfinite(d) else "-", at_steps, at_time])
+            rows.append([size, q, f"{d:+.4f}" if math.isfinite(d) else "-", paired_s, at_steps, at_time])
     if not rows:
-        return NO_RUNS.format(what="any pair of contenders")
-    return md_table(["size", "question", "final loss, mean a - mean b", "at equal steps", "at equal training time"],
-                    rows) + ("\n\nRule: |mean a - mean b| <= the larger sample std over seeds of the two is "
-                             "\"no measurable difference\"; below 2 seeds on either side, \"not enough seeds\". "
-                             "Equal training time: both at the time the faster of the two needs for its whole run, "
-                             "from the measured time per step; where the two times per step differ by no more than "
-                             "their spread over seeds (the same rule), equal time is equal steps.")
+        return NO_RUNS.format(what="any pair of fixed-rate contenders")
+    return md_table(["size", "question (a vs b)", "final loss, mean a - mean b", f"paired a - b [{LEVEL_TXT} t interval]; verdict",
+                     "spread rule, equal steps", "spread rule, equal training time"], rows) + (
+        "\n\nSpread rule: |mean a - mean b| <= the larger sample std over seeds of the two is \"no measurable "
+        "difference\"; below 2 seeds on either side, \"not enough seeds\". Equal training time: both at the time "
+        "the faster of the two needs for its whole run, from the measured time per step; where the two times per "
+        "step differ by no more than their spread over seeds (the same rule), equal time is equal steps.")
 
 
-def table_sweeps(runs: list[dict]) -> str:
+def _cell(s: P.Search, v: float, best: float | None) -> str:
+    loss = s.means.get(v)
+    txt = f"{v:g}: " + ("-" if loss is None else "diverged" if math.isinf(loss) else f"{loss:.4f}")
+    return f"**{txt}**" if v == best else txt
+
+
+def table_sweep(runs: list[dict]) -> str:
+    """Each tuned contender's two searches: every value tried with its mean final loss, the
+    chosen one in bold, and whether it lies strictly inside its grid."""
     from papers.build import md_table
 
-    rows = sorted(((r["size"], r["contender"], float(r["hparams"]["lr"]), r["seed"], _final(r))
-                   for r in runs if r.get("sweep")))
+    p = protocol(runs)
+    if p is None:
+        return NO_RUNS.format(what="a protocol's sweep")
+    res = P.results_of(p, runs)
+    rows = []
+    for n in sorted(p.tuned, key=_key):
+        t = P.tuning(p, n, res)
+        for key, s in (("lr", t.lr), ("adam_lr", t.adam_lr)):
+            if s is None:
+                rows.append([n, key, "(after lr)", "-", "not run"])
+                continue
+            where = ("not finished" if s.best is None else "yes" if s.inside else
+                     f"no: at the {s.edge} end of the grid extended once there")
+            ext = f" (extended: {', '.join(s.extended)} end)" if s.extended else ""
+            rows.append([n, key, " · ".join(_cell(s, v, s.best) for v in s.values) + ext,
+                         "-" if s.best is None else f"{s.best:g}", where])
+    size = p.size
+    for n, why in absent(runs, size).items():
+        if n in p.tuned or n in P.Protocol().tuned:
+            rows.append([n, "-", f"absent: {why}", "-", "-"])
+    return md_table(["contender", "learning rate", f"values tried: mean final val loss over seeds "
+                     f"{', '.join(map(str, p.tune_seeds))} ({p.tune_steps} steps)", "chosen", "strictly inside"], rows)
+
+
+def table_contenders(runs: list[dict]) -> str:
+    """Each tuned contender's description and hyper-parameters as a run at its chosen rates
+    recorded them (the horizon's runs, else the sweep's), and the absent ones."""
+    from papers.build import md_table
+
+    p = protocol(runs)
+    g = tuned_groups(runs, horizon="long") or tuned_groups(runs, horizon="short")
+    rows = [[n, rs[0]["description"], rs[0]["hparams_text"]] for n, rs in g.items()]
+    size = p.size if p else "small"
+    for n, why in absent(runs, size).items():
+        if n not in g and (p is None or n in p.long or n in P.Protocol().long):
+            rows.append([n, "-", f"absent: {why}"])
     if not rows:
-        return NO_RUNS.format(what="a learning-rate sweep")
-    best: dict[tuple, tuple] = {}
-    for size, n, lr, _, loss in rows:
-        if (size, n) not in best or loss < best[(size, n)][1]:
-            best[(size, n)] = (lr, loss)
-    return md_table(["size", "contender", "lr", "seed", "final val loss", "best"],
-                    [[s, n, f"{lr:g}", sd, _num(v, ".4f"), "yes" if best[(s, n)][0] == lr else ""]
-                     for s, n, lr, sd, v in rows])
+        return NO_RUNS.format(what="a tuned contender")
+    return md_table(["contender", "optimizer", "hyper-parameters (as run)"], sorted(rows, key=lambda r: _key(r[0])))
+
+
+def _chosen_text(runs: list[dict]) -> str:
+    ch = P.chosen_of(runs)
+    return "; ".join(f"{n}: lr {lr:g}, adam_lr {a:g}" for n, (lr, a) in sorted(ch.items(), key=lambda kv: _key(kv[0])))
 
 
 def table_anchor(runs: list[dict]) -> str:
@@ -230,26 +430,35 @@ def table_anchor(runs: list[dict]) -> str:
 
     rows = [[ANCHOR_SOURCE, f"124M GPT, FineWeb, target {ANCHOR_TARGET_LOSS:g}", "Muon / Adam",
              f"{ANCHOR_MUON_STEPS:,} / {ANCHOR_ADAM_STEPS:,}", f"{ANCHOR_MUON_STEPS / ANCHOR_ADAM_STEPS:.2f}"]]
-    for size in _sizes(runs):
-        g = groups(runs, size)
-        tgt = target(g)
-        if tgt is None:
-            continue
+    g = tuned_groups(runs, horizon="long")
+    tgt = target(g)
+    if tgt is not None:
         m = metrics(g)
-        base = m["adamw"]["to_target_mean_curve"]
         r0 = g["adamw"][0]
         for n in g:
             if n == "adamw":
                 continue
-            s = m[n]["to_target_mean_curve"]
-            rows.append([f"this package, size {size}", f"{r0['model']['n_params'] / 1e6:.1f}M GPT, stdlib bytes, "
-                         f"target {tgt:.4f}", f"{n} / adamw", f"{_num(s, '.0f')} / {base:.0f}",
-                         _num(s / base if math.isfinite(s) else math.inf, ".2f")])
-    return md_table(["source", "model, data, target", "optimizers", "steps to target", "ratio"], rows)
+            pr = pair(g, n, "adamw", lambda r: S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf)
+            if isinstance(pr, str):
+                ratio = pr
+            else:
+                q = S.paired_ratio(pr[0], pr[1])
+                ratio = S.fmt_interval(q, 2, signed=False) if math.isfinite(q["ratio"]) else "not reached"
+            mean_c = S.summary(m[n]["to_target"])["mean"]
+            mean_a = S.summary(m["adamw"]["to_target"])["mean"]
+            rows.append([f"this package, size {r0['size']}, tuned", f"{r0['model']['n_params'] / 1e6:.1f}M GPT, stdlib bytes, "
+                         f"{r0['steps']} steps, target {tgt:.4f}", f"{n} / adamw",
+                         f"{_num(mean_c, '.0f')} / {_num(mean_a, '.0f')}", ratio])
+    return md_table(["source", "model, data, target", "optimizers", "steps to target (mean over seeds)",
+                     f"ratio (per seed, geometric mean [{LEVEL_TXT} t interval])"], rows)
 
 
-def figure_loss(runs: list[dict], size: str = "small") -> str | None:
-    g = groups(runs, size)
+# ------------------------------------------------------------------------------------- figures
+def _mean_curve(rs: list[dict]) -> tuple[list[float], list[float]]:
+    return S.mean_curve([_curve(r) for r in rs if not r.get("diverged")] or [_curve(rs[0])])
+
+
+def figure_loss(g: dict[str, list[dict]], title: str) -> str | None:
     if not g:
         return None
     series, lo, hi = [], math.inf, -math.inf
@@ -259,27 +468,120 @@ def figure_loss(runs: list[dict], size: str = "small") -> str | None:
         if not pts:
             continue
         series.append(Series(f"{n} ({len(rs)} seeds)", [p[0] for p in pts], [p[1] for p in pts], dashed=i % 2 == 1))
-        lo, hi = min(lo, min(p[1] for p in pts)), max(hi, max(p[1] for p in pts))
+        lo = min(lo, min(p[1] for p in pts))
+        # the top of the plot: each curve at a tenth of the run, so the later differences are visible
+        tenth = [v for s, v in pts if s >= 0.1 * st[-1]]
+        hi = max(hi, tenth[0] if tenth else pts[-1][1])
     if not series:
         return None
     pad = 0.05 * (hi - lo) if hi > lo else 0.05
-    return line_plot(series, title=f"Validation loss, size {size} (mean over seeds)", xlabel="step",
-                     ylabel="validation loss (nats / byte)", ylim=(lo - pad, hi + pad), legend="upper right")
+    return line_plot(series, title=title, xlabel="step", ylabel="validation loss (nats / byte)",
+                     ylim=(lo - pad, hi + pad), legend="upper right")
+
+
+def figure_sweep(runs: list[dict], key: str) -> str | None:
+    """Mean final loss against the swept rate (log scale), one curve per tuned contender."""
+    p = protocol(runs)
+    if p is None:
+        return None
+    res = P.results_of(p, runs)
+    series, lo = [], math.inf
+    for i, n in enumerate(sorted(p.tuned, key=_key)):
+        t = P.tuning(p, n, res)
+        s = t.lr if key == "lr" else t.adam_lr
+        if s is None:
+            continue
+        pts = [(v, s.means[v]) for v in s.values if v in s.means and math.isfinite(s.means[v])]
+        if pts:
+            series.append(Series(n, [q[0] for q in pts], [q[1] for q in pts], dashed=i % 2 == 1))
+            lo = min(lo, min(q[1] for q in pts))
+    if not series:
+        return None
+    what = "main learning rate (lr)" if key == "lr" else "Adam side's learning rate (adam_lr)"
+    return line_plot(series, title=f"Sweep of the {what}, {p.tune_steps} steps, mean of seeds "
+                     f"{', '.join(map(str, p.tune_seeds))}", xlabel=key, ylabel="final validation loss (nats / byte)",
+                     logx=True, ylim=(lo - 0.01, lo + 0.25), legend="upper left")
+
+
+# -------------------------------------------------------------------------------------- values
+#: The GPT sizes the estimate of the protocol's cost is stated for (anvil_fast.gpt.SIZES; no torch here).
+ESTIMATE_SIZES = {"small": {"n_layer": 6, "n_embd": 384, "ctx": 256, "vocab": 256},
+                  "medium": {"n_layer": 12, "n_embd": 768, "ctx": 256, "vocab": 256}}
+ESTIMATE_JOBS = 8
+
+
+def estimates(p: P.Protocol) -> dict[str, dict]:
+    """The protocol's estimated cost (papers.protocol.estimate, no grid extended) at each size of
+    :data:`ESTIMATE_SIZES` whose H200 training log exists."""
+    out = {}
+    for size, model in ESTIMATE_SIZES.items():
+        log = P.train_log_of(size)
+        if log.is_file() and P.BENCH_LOG.is_file():
+            q = P.Protocol(**{**p.__dict__, "size": size})
+            out[size] = P.estimate(q, P.planned(q), jobs=ESTIMATE_JOBS, model=model, logs=P.read_logs(log, size=size))
+    return out
 
 
 def values() -> dict[str, str]:
+    runs = load()
+    p = protocol(runs) or P.Protocol()
+    est = estimates(p)
+    g = tuned_groups(runs, horizon="long")
+    jobs = max((r.get("jobs", 1) for rs in g.values() for r in rs), default=1)
+
+    def e(size: str, key: str, fmt: str) -> str:
+        return format(est[size][key], fmt) if size in est else "?"
     return {"anchor_target": f"{ANCHOR_TARGET_LOSS:g}", "anchor_muon_steps": f"{ANCHOR_MUON_STEPS:,}",
             "anchor_adam_steps": f"{ANCHOR_ADAM_STEPS:,}",
-            "anchor_ratio": f"{ANCHOR_MUON_STEPS / ANCHOR_ADAM_STEPS:.2f}"}
+            "anchor_ratio": f"{ANCHOR_MUON_STEPS / ANCHOR_ADAM_STEPS:.2f}",
+            "train_tune_steps": f"{p.tune_steps:,}", "train_tune_seeds": ", ".join(map(str, p.tune_seeds)),
+            "train_steps": f"{p.steps:,}", "train_seeds": ", ".join(map(str, p.seeds)),
+            "train_clip": f"{p.clip:g}" if p.clip else "off", "train_factor": f"{p.factor:g}",
+            "train_grid": ", ".join(f"{p.factor:g}^{k}" if k else "1" for k in p.offsets),
+            "train_lr_centers": ", ".join(f"{n} {v:g}" for n, v in p.lr_centers),
+            "train_adam_center": f"{p.adam_center:g}",
+            "train_tuned": ", ".join(p.tuned), "train_borrows": ", ".join(f"{a} (from {b})" for a, b in p.borrows),
+            "train_chosen": _chosen_text(runs) or "(no sweep yet)",
+            "train_jobs": ("no run yet" if not g else "one at a time in the runs below" if jobs == 1 else f"up to {jobs} at once in the runs below"),
+            "train_estimate_jobs": str(ESTIMATE_JOBS),
+            "train_estimate_small": e("small", "wall_s", ".0f"), "train_estimate_medium": e("medium", "wall_s", ".0f"),
+            "train_estimate_fb_small_ms": e("small", "forward_backward_ms", ".1f"),
+            "train_estimate_fb_medium_ms": e("medium", "forward_backward_ms", ".1f"),
+            "train_matmul_efficiency": f"{P.MATMUL_EFFICIENCY:g}",
+            "train_warmup": f"steps // {P.WARMUP_DIVISOR}", "train_level": f"{S.LEVEL:.0%}"}
 
 
 def tables() -> dict:
-    return {"train_small": lambda: table_results(load(), "small"),
-            "train_medium": lambda: table_results(load(), "medium"),
-            "train_verdicts": lambda: table_verdicts(load()),
-            "train_sweeps": lambda: table_sweeps(load()),
-            "train_anchor": lambda: table_anchor(load())}
+    def tuned(horizon: str):
+        runs = load()
+        p = protocol(runs)
+        size = p.size if p else "small"
+        g = tuned_groups(runs, horizon=horizon)
+        steps = (p.steps if horizon == "long" else p.tune_steps) if p else "?"
+        return table_results(g, size, lone=timings(runs, size), missing=absent(runs, size),
+                             what=f"the tuned contenders at {steps} steps")
+
+    return {"train_contenders": lambda: table_contenders(load()),
+            "train_sweep": lambda: table_sweep(load()),
+            "train_tuned": lambda: tuned("long"),
+            "train_tuned_short": lambda: tuned("short"),
+            "train_paired": lambda: table_paired(load()),
+            "train_anchor": lambda: table_anchor(load()),
+            "train_fixed_small": lambda: table_results(groups(load(), "small"), "small",
+                                                       what="fixed-rate runs of size small"),
+            "train_fixed_medium": lambda: table_results(groups(load(), "medium"), "medium",
+                                                        what="fixed-rate runs of size medium"),
+            "train_verdicts": lambda: table_verdicts(load())}
 
 
 def figures() -> dict:
-    return {"train_loss": lambda: figure_loss(load(), "small")}
+    def loss():
+        runs = load()
+        p = protocol(runs)
+        g = tuned_groups(runs, horizon="long")
+        return figure_loss(g, f"Validation loss, size {p.size if p else '?'}, tuned, {p.steps if p else '?'} steps "
+                              "(mean over seeds)") if g else None
+
+    return {"train_loss": loss,
+            "train_sweep_lr": lambda: figure_sweep(load(), "lr"),
+            "train_sweep_adam": lambda: figure_sweep(load(), "adam_lr")}

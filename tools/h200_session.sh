@@ -4,13 +4,14 @@
 # results/ comes back as one tarball (the device returns at most 8 files).
 #   suite   the whole gpu-marked test suite
 #   bench   python -m anvil_fast.bench dropin (small and medium GPT), with the launch profile
-#   sweep   the training harness's AdamW and Muon learning-rate sweeps (small, seed 0)
-#   small   every contender on the small GPT, seeds 0 1 2, tuned from the sweep
-#   medium  AdamW, Muon and ANVIL on the medium GPT, seeds 0 1 2
+#   train   the paper's training: the tuning protocol and its longer horizon (papers/protocol.py,
+#           TRAIN_JOBS runs at once, results/train/protocol), then lone timings of the tuned contenders;
+#           ANVIL_COMMIT (the commit of the tree copied here) goes into every run JSON and logs/
 #   fingerprint  tools/fingerprint.py (digests of the fast path's bits) and its diff against FP_BEFORE
 #   chunk   tools/chunk_independence.py for SAFE and for the Gram side (GRAM_SIDE's bank shapes)
 #   gramside  the bank bench with its Gram-side table, difftest and the near-rank-1 study of GRAM_SIDE
-#   contenders  TRAIN_CONTENDERS on the small GPT, seeds 0 1 2 (runs that exist are skipped)
+#   contenders  TRAIN_CONTENDERS on the small GPT at the drop-in's rates, seeds 0 1 2, 1000 steps, no
+#           clipping (the setup of ANVIL's configurations in results/train/small; runs that exist are skipped)
 #   engine  the one-process device-decided step first: graphed against eager on the small GPT, bit for
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
@@ -34,15 +35,17 @@ for stage in ${STAGES:-suite bench}; do
              | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
-    sweep) timeout "${T_SWEEP:-240}" python3 -m papers.train --size small --sweep adamw muon \
-             --out results/train/small/sweep --skip-existing \
-             --time-budget-s $(( ${T_SWEEP:-240} - 20 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_sweep.log" ;;
-    small) timeout "${T_SMALL:-560}" python3 -m papers.train --size small --seeds 0 1 2 \
-             --tuned-from results/train/small/sweep --out results/train/small --skip-existing \
-             --time-budget-s $(( ${T_SMALL:-560} - 30 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_small.log" ;;
-    medium) timeout "${T_MEDIUM:-560}" python3 -m papers.train --size medium --seeds 0 1 2 \
-             --contenders adamw muon anvil --tuned-from results/train/small/sweep --tuned-size small --out results/train/medium \
-             --time-budget-s $(( ${T_MEDIUM:-560} - 30 )) ${TRAIN_ARGS} 2>&1 | tee "$OUT/train_medium.log" ;;
+    train) mkdir -p results/train/logs
+           echo "${ANVIL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" > results/train/logs/protocol_commit.txt
+           cp "$OUT/env.txt" results/train/logs/protocol_env.txt
+           ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TRAIN:-450}" python3 -m papers.train \
+             --protocol --jobs "${TRAIN_JOBS:-8}" --out results/train/protocol --skip-existing \
+             --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee results/train/logs/protocol.log \
+             | grep -v "^\[" | tail -30
+           ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TIMING:-50}" python3 -m papers.train \
+             --timing-only --contenders adamw muon dion anvil anvil_lean --tuned-from results/train/protocol \
+             --out results/train/protocol/timing --skip-existing --time-budget-s $(( ${T_TIMING:-50} - 5 )) 2>&1 \
+             | tee results/train/logs/protocol_timing.log | tail -8 ;;
     fingerprint) timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fingerprint.txt" 2>&1 \
              | tee "$OUT/fingerprint.log"
              [ -n "$FP_BEFORE" ] && { diff "$FP_BEFORE" "$OUT/fingerprint.txt" > "$OUT/fingerprint_diff.txt" \
@@ -55,8 +58,8 @@ for stage in ${STAGES:-suite bench}; do
                --shapes 2x256x768,2x768x768,2x2816x768,2x3072x768,2x768x3072 2>&1 | tee "$OUT/difftest_gram_side.log" | tail -3
              timeout 150 python3 -m anvil_fast.near_rank1 --no-progress --count 500 --shapes 256x768,2816x768,3072x768,768x3072 \
                --paths fp64,fast-safe,fast-gram-side 2>&1 | tee "$OUT/near_rank1_gram_side.log" | tail -8 ;;
-    contenders) timeout "${T_CONTENDERS:-300}" python3 -m papers.train --size small --seeds 0 1 2 \
-             --contenders ${TRAIN_CONTENDERS:-anvil_gram_side} --tuned-from results/train/small/sweep \
+    contenders) timeout "${T_CONTENDERS:-300}" python3 -m papers.train --size small --seeds 0 1 2 --clip 0 \
+             --contenders ${TRAIN_CONTENDERS:-anvil_lean} --jobs "${TRAIN_JOBS:-3}" --timing-steps 0 \
              --out results/train/small --skip-existing --time-budget-s $(( ${T_CONTENDERS:-300} - 20 )) ${TRAIN_ARGS} 2>&1 \
              | tee "$OUT/train_contenders.log" | tail -5 ;;
     engine) timeout "${T_ENGINE:-60}" python3 tools/engine_smoke.py 2>&1 | tee "$OUT/engine_smoke.log"
