@@ -636,30 +636,65 @@ class ANVIL(torch.optim.Optimizer):
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-    **Routing** (the first matching rule wins; never by a coincidence of sizes):
+    **Routing**: by what a parameter does in the model. The facts come from the owning module's
+    type (``nn.Linear``, convolutions, ``nn.Embedding``, transformers' ``Conv1D``, found by identity)
+    and, for everything else, from a traced forward (:mod:`anvil_fast.roles`): ``example_input=``
+    (a tensor, a tuple of positional arguments or a dict of keyword arguments) traces one forward at
+    construction (eval mode, no gradients, the random state untouched); without it the model's first
+    forward is traced, and if it shows other roles than the provisional plan assumed, the plan is
+    rebuilt right after that forward (before any step; ``describe()`` says which). A torch.compile'd
+    model is not traced (its compiled forward is left alone): pass ``example_input=`` (the
+    uncompiled module is traced once) or rely on the fallbacks; ``describe()`` says so. The first
+    matching rule wins:
 
     1. ``anvil=`` (names, or a predicate on names) -> a matrix (refused for ndim < 2; ndim >= 4
        is flattened as a convolution weight is).
     2. ``adam=`` (names or predicate) -> Adam.
     3. ndim < 2 (scalars, norms, biases) -> Adam.
-    4. the weight of an ``nn.Embedding``/``nn.EmbeddingBag``, by identity (so an output head tied to
-       an embedding is caught here too) -> Adam.
+    4. a lookup table: the weight of an ``nn.Embedding``/``nn.EmbeddingBag`` (by identity, so an
+       output head tied to an embedding is caught here too), or a parameter the trace saw indexed
+       by an activation -> Adam.
     5. a parameter (ndim >= 2) of a module whose name's last component is in ``head_names``
        (default ``HEAD_NAMES``: lm_head, head, classifier, fc_out, output_layer) -> Adam.
-    6. a convolution weight (any ``_ConvNd``) ``[d0, d1, d2, ...]`` -> the matrix ``[d0, d1*d2*...]``.
-    7. ndim == 2 -> the matrix ``[d0, d1]``.
-    8. ndim == 3 -> a stack: each ``[i]`` is a matrix ``[d1, d2]`` (e.g. per-expert weights).
-    9. anything else -> ConfigError naming the parameter (pass ``adam=[name]`` or ``anvil=[name]``).
+    6. ``io_layers="adam"`` (default): the traced **output layers** (a product whose result is a model
+       output up to casts, reshapes, scaling or a loss: ``lm_head``, resnet's ``fc``, a ``score`` or
+       ``qa_outputs`` head under any name) and the **input layer** (the product applied to the
+       model's input: a stem convolution, a patch embedding, an MLP's first layer) -> Adam. This is
+       the Muon family's convention (Muon's authors keep the embedding and the head on AdamW, and
+       torch.optim.Muon documents the same): an orthogonalized update suits a map between hidden
+       spaces, whose every direction matters alike, not one whose input coordinates are pixels or
+       features of unequal scale, nor logits. ``io_layers="anvil"`` banks them like the others.
+    7. module types: a convolution weight (any ``_ConvNd``) ``[d0, d1, d2, ...]`` -> the matrix
+       ``[d0, d1*d2*...]`` (a transposed convolution's ``[in, out*k]``, transposed); an
+       ``nn.Linear`` (or ``nn.MultiheadAttention`` projection) weight -> a matrix; a ``Conv1D``
+       weight ``[in, out]`` -> a matrix stored transposed.
+    8. the trace (plain Parameters of custom modules): a matrix operand of products only -> a matrix
+       (2-D) or a stack (3-D: each ``[i]`` a matrix ``[d1, d2]``, e.g. per-expert weights), its
+       orientation read off the product (``F.linear(x, W)``: ``[out, in]``; ``x @ W``: ``[in, out]``,
+       transposed); combined with activations otherwise (a class token, a position table, a gain)
+       -> Adam.
+    9. not traced (or not used in the traced forward): a parameter whose first dimension is 1 (a
+       broadcast table: ``[1, N, D]``, a ``[1, D]`` token) -> Adam; else ndim == 2 -> a matrix,
+       ndim == 3 -> a stack; anything else -> ConfigError naming the parameter.
 
-    Parameters with ``requires_grad=False`` at construction are left out (frozen layers).
-    Only what the module tells is used: given ``named_parameters()`` or plain parameters (named
-    ``param0, param1, ...``) rules 4 and 6 cannot apply and rule 5 reads the parameter's name.
-    An ``nn.Sequential``'s last ``nn.Linear`` is named by its index, so it is a matrix by rule 7:
-    check ``describe()`` and pass ``adam=["N.weight"]`` for an output layer.
-    A matrix needs dtype float32 or bfloat16. ``split_rows={name: k}`` splits that parameter's
+    ``describe()`` gives each parameter's rule and what the trace saw. A matrix stored transposed
+    (``[in, out]``) is updated as the ``[out, in]`` matrix it acts as: the learning-rate shape
+    scale and the equalizer's lanes are those of ``nn.Linear``'s layout (:mod:`anvil_ref.config`,
+    ``transposed``); ``split_rows=`` refuses it (its rows are input features).
+
+    Parameters with ``requires_grad=False`` at construction are left out (``frozen="leave"``: no
+    memory for their state; a step at which one of them has a gradient raises ConfigError, since it
+    would not train); ``frozen="include"`` plans them too, so gradual unfreezing trains them. Given
+    parameters without their model (``model.parameters()``, ``model.named_parameters()``), the
+    modules holding them are found among the live ``nn.Module`` objects, so module types and the
+    first forward's trace count as for the model itself; parameters of no module are routed by
+    shape (rule 9) with a UserWarning. Plain parameters are named ``param0, param1, ...``.
+    Two Parameters over one memory (a tie by shared storage) and parameters on the meta device are
+    refused at construction (each parameter is moved into a bank or buffer there). A matrix needs
+    dtype float32 or bfloat16. ``split_rows={name: k}`` splits that parameter's
     matrices into k equal row blocks, each its own matrix (e.g. a fused qkv projection ``[3d, d]``
-    with k=3, or per-head splitting). Matrices of equal ``(rows, cols, dtype)`` share one bank
-    ``[n, rows, cols]``; each member parameter is a view of its bank. Under torch.distributed a
+    with k=3, or per-head splitting). Matrices of equal ``(rows, cols, dtype, transposed)`` share one
+    bank ``[n, rows, cols]``; each member parameter is a view of its bank. Under torch.distributed a
     bank is padded with frozen zero matrices to a multiple of the world size and sharded by
     matrix; Adam parameters with ``numel >= shard_min_numel`` (and a first dimension the world size
     divides) are sharded, the others replicated. A model with parameters of ndim >= 2 but no bank
@@ -725,9 +760,27 @@ class ANVIL(torch.optim.Optimizer):
     ``_orig_mod.`` prefix is dropped from names) work. ``opt.state[p]`` is a live view of p's state:
     matrices ``fast_rail, slow_rail, lane_energy, mantissa`` in the banked shape (``[count, rows,
     cols]``, or ``[rows, cols]`` for one matrix; on several ranks only this rank's matrices), Adam
-    ``step, exp_avg, exp_avg_sq`` (this rank's shard when sharded). ``state_dict()`` holds only
-    tensors and plain containers (``torch.load(f)`` with ``weights_only=True`` loads it);
-    ``load_state_dict`` restores it bit for bit.
+    ``step, exp_avg, exp_avg_sq`` (this rank's shard when sharded).
+
+    **State dict**: torch's format. ``"state"`` maps each parameter's position over
+    ``param_groups`` (the anvil group's parameters in bank order, then the adam group's) to copies
+    of its state; ``"param_groups"`` holds each group's values with ``"params"`` (positions) and,
+    where names were known, ``"param_names"``; the first group's ``"anvil_fast"`` entry holds the
+    optimizer-wide values (format, world size and rank, the steps taken and skipped, and the plan:
+    each position's route, orientation and reason), where torch.distributed.checkpoint keeps them.
+    ``load_state_dict`` loads by position as torch does (a model wrapped in ``nn.Sequential`` or
+    renamed loads), checks every tensor's shape and dtype before it writes anything, and copies into
+    the live tensors. A state dict whose plan routes this optimizer's parameters (by name)
+    differently is loaded by rebuilding this plan as it records it first (so a checkpoint loads
+    before the first forward has been traced). torch's four state-dict hooks run;
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict`` work. State dicts of the format ``anvil_fast.ANVIL/1`` (keyed by
+    bank label) load too. Only tensors and plain containers: ``torch.load(f)`` with
+    ``weights_only=True`` loads it; a reload continues bit for bit.
+
+    **Copies**: ``copy.deepcopy(opt)``, ``pickle`` and ``torch.save(opt)`` rebuild the optimizer
+    from its parameters, arguments, plan and state dict (``copy.deepcopy((model, opt))`` gives an
+    optimizer of the copied model); hooks are not copied, as torch's optimizers do not copy them.
 
     Args:
         params: an ``nn.Module`` (preferred: module types and names are known), its
@@ -741,6 +794,9 @@ class ANVIL(torch.optim.Optimizer):
         lr_scale: "seed" or "match_rms_adamw" (above).
         adam, anvil: names (or a predicate on names) forced onto Adam / onto the matrix route.
         head_names: module names whose parameters of ndim >= 2 are output heads.
+        example_input: a forward's input, traced at construction (Routing).
+        io_layers: "adam" (default) or "anvil": where the traced input and output layers go.
+        frozen: "leave" (default) or "include": parameters frozen at construction (Routing).
         split_rows: ``{name: k}`` (above).
         nonfinite: "skip" or "raise" (above).
         shard_min_numel: Adam parameters at least this large are sharded.
