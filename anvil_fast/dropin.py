@@ -1583,12 +1583,31 @@ class ANVIL(torch.optim.Optimizer):
             kwargs.update(adam=None, anvil=None)
         spec = dict(cls=type(self), named=list(self._named) + list(self._left_out), names_given=self._names_given,
                     model=self._model if routes is None else None, kwargs=kwargs, routes=routes,
-                    state=self.state_dict())
+                    state=_uint16_as_int16(self.state_dict()))
         return _rebuild, (spec,)
 
 
 def _describe_value(v) -> str:
     return f"{v.dtype} {tuple(v.shape)}" if isinstance(v, Tensor) else f"{type(v).__name__} {v!r:.40}"
+
+
+def _uint16_as_int16(x, back: bool = False):
+    """uint16 tensors (the mantissas) as bit-identical int16 views and back: plain pickle cannot load
+    a uint16 tensor (torch.save's zip format can)."""
+    if isinstance(x, Tensor):
+        return _Uint16(x.view(torch.int16)) if not back and x.dtype == torch.uint16 else x
+    if isinstance(x, _Uint16):
+        return x.bits.view(torch.uint16)
+    if isinstance(x, dict):
+        return {k: _uint16_as_int16(v, back) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_uint16_as_int16(v, back) for v in x]
+    return x
+
+
+@dataclass
+class _Uint16:
+    bits: Tensor
 
 
 def _rebuild(spec: Mapping[str, Any]) -> "ANVIL":
@@ -1600,7 +1619,7 @@ def _rebuild(spec: Mapping[str, Any]) -> "ANVIL":
     else:
         params = [p for _, p in spec["named"]]
     opt = spec["cls"](params, **spec["kwargs"], _routes=spec["routes"])
-    opt.load_state_dict(spec["state"])
+    opt.load_state_dict(_uint16_as_int16(spec["state"], back=True))
     return opt
 
 
