@@ -101,6 +101,9 @@ def test_setup_cfg_declares_the_packages_and_extras():
                    for p in (ROOT / top).rglob("__init__.py")}
     assert subpackages <= pkgs, subpackages - pkgs
     assert "pytest" in cfg["options.extras_require"]["test"]
+    # the optional real-model tests' extra, installed by CI
+    assert "transformers" in cfg["options.extras_require"]["models"]
+    assert "pip install torch==2.13.0 -e '.[models]'" in (ROOT / ".ci" / "run").read_text().splitlines()
     reqs = cfg["options"]["install_requires"]
     assert "torch>=2.9" in reqs and "jax" not in reqs
     pyproject = (ROOT / "pyproject.toml").read_text()
