@@ -472,6 +472,8 @@ def _check_hyperparameters(kind: str, g: Mapping[str, Any]) -> None:
     """torch's optimizers' rules: ValueError naming the value."""
     def real(key):
         v = g[key]
+        if isinstance(v, Tensor) and v.numel() != 1:
+            raise ValueError(f"Tensor {key} must be 1-element (the {kind} group's {key} is {tuple(v.shape)})")
         try:
             return float(v)
         except (TypeError, ValueError):
@@ -1416,7 +1418,7 @@ class ANVIL(torch.optim.Optimizer):
             id_map = {i: where[n] for i, n in zip(saved_ids, by_name)}
         # ---- check everything
         writes: list[tuple[Any, ...]] = []
-        state = sd["state"]
+        state = merged_state_keys(sd["state"])
         unknown = [k for k in state if k not in id_map]
         if unknown:
             raise ValueError(f"state dict: state entries {unknown[:4]} belong to no parameter of its param groups")
@@ -1585,6 +1587,17 @@ class ANVIL(torch.optim.Optimizer):
                     model=self._model if routes is None else None, kwargs=kwargs, routes=routes,
                     state=_uint16_as_int16(self.state_dict()))
         return _rebuild, (spec,)
+
+
+def merged_state_keys(state: Mapping) -> dict:
+    """``state`` with entries under ``"3"`` merged into those under ``3``: torch.distributed.checkpoint
+    loads the non-tensor values of an int-keyed dict (Adam's step) under the key's string."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in state.items() if not isinstance(k, str)
+           or not k.isdigit() or int(k) not in state}
+    for k, v in state.items():
+        if isinstance(k, str) and k.isdigit() and int(k) in state and isinstance(v, Mapping):
+            out[int(k)] = {**out[int(k)], **v}
+    return out
 
 
 def _describe_value(v) -> str:

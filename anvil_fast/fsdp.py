@@ -60,8 +60,8 @@ from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .comms import LocalComms
 from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, _check_hyperparameters, classify,
-                     holds_dtensors, named_parameters_of, plan_routes, refuse_ddp_with_own_averaging,
-                     refuse_dtensors_in, register_dtensor_path)
+                     holds_dtensors, merged_state_keys, named_parameters_of, plan_routes,
+                     refuse_ddp_with_own_averaging, refuse_dtensors_in, register_dtensor_path)
 
 #: The format of :meth:`FSDPAnvil.state_dict` (torch's layout; held in the first param group's
 #: ``"anvil_fast"`` entry), and the name-keyed one it still loads.
@@ -553,10 +553,11 @@ class FSDPAnvil(ANVIL):
                              "optimizer's group")
         ids = [i for g in groups for i in g["params"]]
         name_of = dict(zip(ids, self._names_in_groups()))
-        unknown = [k for k in sd["state"] if k not in name_of]
+        state = merged_state_keys(sd["state"])
+        unknown = [k for k in state if k not in name_of]
         if unknown:
             raise ValueError(f"state dict: state entries {unknown[:4]} belong to no parameter of its param groups")
-        return {"format": FSDP_STATE_FORMAT, "state": {name_of[k]: v for k, v in sd["state"].items()},
+        return {"format": FSDP_STATE_FORMAT, "state": {name_of[k]: v for k, v in state.items()},
                 "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names", "anvil_fast")}
                                  for g in groups],
                 "taken_steps": extras["taken_steps"], "skipped_steps": extras["skipped_steps"]}

@@ -155,6 +155,29 @@ def test_get_and_set_optimizer_state_dict_of_torch_distributed_checkpoint():
     assert _train(m2, opt2, 2) == after and _same(m, m2)
 
 
+def test_torch_distributed_checkpoint_save_and_load_of_the_state_dict(tmp_path):
+    """dcp.load hands the non-tensor values of an int-keyed state (Adam's step) back under the
+    key's string ("3" beside 3): load_state_dict merges them."""
+    import torch.distributed.checkpoint as dcp
+
+    m = _small()
+    opt = ANVIL(m, rails="record", total_steps=20)
+    _train(m, opt, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # single process: no process group
+        dcp.save({"model": m.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path))
+        after = _train(m, opt, 2)
+        m2 = _small(seed=6)
+        opt2 = ANVIL(m2, rails="record", total_steps=20)
+        sd = {"model": m2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+    assert any(isinstance(k, str) for k in sd["optim"]["state"])  # the checkpoint library's re-keying
+    m2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    assert opt2.state[m2.gain]["step"] == 2 and opt2.taken_steps == 2
+    assert _train(m2, opt2, 2) == after and _same(m, m2)
+
+
 def test_loads_by_position_into_a_wrapped_model_and_one_built_from_parameters():
     m = _small()
     opt = ANVIL(m)
@@ -271,6 +294,8 @@ def test_bare_tensor_duplicates_and_mixed_names_as_torch():
         ANVIL([("w", w), nn.Parameter(torch.randn(3))])
     with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
         ANVIL([w * 2])
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        ANVIL([w], lr=torch.tensor([0.01, 0.01]))
 
 
 def test_a_non_contiguous_adam_parameter_is_accepted():
