@@ -2,7 +2,9 @@
 
 Building one runs three steps, each a function of this module that can be called and read alone:
 
-* :func:`classify`: every parameter gets a route (a matrix for ANVIL, or Adam) and the reason;
+* :func:`classify`: every parameter gets a route (a matrix for ANVIL, or Adam) and the reason, from
+  its module's type and what a traced forward saw it do (:mod:`anvil_fast.roles`: ``example_input=``
+  at construction, or the model's first forward, after which the plan is rebuilt if it changed);
 * :func:`plan_routes`: matrices of equal ``(rows, cols, dtype)`` are put into banks
   ``[n, rows, cols]``, Adam parameters are marked sharded or replicated; the result is the plan
   :meth:`ANVIL.describe` prints;
@@ -863,9 +865,14 @@ class ANVIL(torch.optim.Optimizer):
         if frozen not in FROZEN:
             raise ValueError(f"frozen must be one of {FROZEN}, got {frozen!r}")
 
+        if not isinstance(params, nn.Module):
+            params = list(params) if not isinstance(params, Tensor) else params
         named, owners, model, self._names_given, self._left_out = _collect(params, frozen=frozen)
+        if not named and self._left_out:  # only frozen parameters, given on purpose: planned as torch's
+            named, self._left_out = self._left_out, []  # optimizers hold them (a step trains them once
+            # they have gradients)
         if not named:
-            raise ValueError("ANVIL got no parameters that require gradients")
+            raise ValueError("optimizer got an empty parameter list")
         refuse_dtensors_in(named)
         check_parameters(named)
         devices = {p.device for _, p in named}
@@ -1334,6 +1341,8 @@ class ANVIL(torch.optim.Optimizer):
             packed["params"] = [index[id(p)] for p in g["params"]]
             groups.append(packed)
         state = {index[id(p)]: self._saved_state_of(p) for g in self.param_groups for p in g["params"]}
+        # anything else in opt.state (a hook's entry) is kept as it is, as torch's optimizers keep it
+        state.update({k: v for k, v in self.state.items() if not isinstance(k, Tensor)})
         if groups:
             groups[0][EXTRAS_KEY] = dict(format=STATE_FORMAT, world_size=self.comms.world_size, rank=self.comms.rank,
                                          routes=self._routes_list(), **self._state_extras())
@@ -1343,8 +1352,9 @@ class ANVIL(torch.optim.Optimizer):
         return {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in self.state[p].items()}
 
     def _routes_list(self) -> dict[str, list]:
-        """The plan in the state dict's parameter order: names, kinds, transposed flags, matrix views
-        ([count, rows, cols] before split_rows) and reasons."""
+        """The plan in the state dict's parameter order: each parameter's index in the parameters as
+        given (``order``), kinds, transposed flags, matrix views ([count, rows, cols] before
+        split_rows) and reasons. Names are torch's ``param_names``, where names were given."""
         entries = {e.name: e for e in self.plan}
         names = [n for b in self._banks for n, _, _, _ in b.plan.members] + [n for n, _ in self._adam_named]
         views = {}
@@ -1353,9 +1363,15 @@ class ANVIL(torch.optim.Optimizer):
             for n, p, first, count in b.plan.members:
                 split = k.get(n, 1)
                 views[n] = [count // split, b.plan.rows * split, b.plan.cols]
-        return {"names": names, "kinds": ["adam" if entries[n].route == "adam" else "matrix" for n in names],
+        given = {n: i for i, (n, _) in enumerate(self._named)}
+        return {"order": [given[n] for n in names],
+                "kinds": ["adam" if entries[n].route == "adam" else "matrix" for n in names],
                 "transposed": [entries[n].transposed for n in names], "views": [views.get(n) for n in names],
                 "reasons": [entries[n].reason for n in names]}
+
+    def _names_in_order(self) -> list[str]:
+        """This optimizer's parameter names in the state dict's parameter order."""
+        return [n for b in self._banks for n, _, _, _ in b.plan.members] + [n for n, _ in self._adam_named]
 
     def _state_extras(self) -> dict[str, Any]:
         """The optimizer-wide values a state dict carries (beside the per-parameter state)."""
@@ -1404,7 +1420,9 @@ class ANVIL(torch.optim.Optimizer):
             raise ConfigError(f"state dict of rank {extras['rank']} of {extras['world_size']} cannot be loaded by rank "
                               f"{self.comms.rank} of {self.comms.world_size} (each rank holds its own matrices' state)")
         saved_ids = [i for g in groups for i in g["params"]]
-        by_name = self._match_routes(extras["routes"], len(saved_ids))
+        saved_names = [n for g in groups for n in g.get("param_names", [])]
+        by_name = self._match_routes(extras["routes"], len(saved_ids),
+                                     saved_names if len(saved_names) == len(saved_ids) else None)
         mine = [p for g in self.param_groups for p in g["params"]]
         if by_name is None:
             if len(groups) != len(self.param_groups):
@@ -1419,11 +1437,14 @@ class ANVIL(torch.optim.Optimizer):
         # ---- check everything
         writes: list[tuple[Any, ...]] = []
         state = merged_state_keys(sd["state"])
-        unknown = [k for k in state if k not in id_map]
+        unknown = [k for k in state if k not in id_map and isinstance(k, int)]
         if unknown:
             raise ValueError(f"state dict: state entries {unknown[:4]} belong to no parameter of its param groups")
+        other = {k: v for k, v in state.items() if k not in id_map}  # kept as they are, as torch does
         names = {id(p): n for n, p in self._named}
         for k, saved in state.items():
+            if k not in id_map:
+                continue
             p = id_map[k]
             live = self.state[p]
             name = names[id(p)]
@@ -1469,33 +1490,41 @@ class ANVIL(torch.optim.Optimizer):
             saved = kinds[g["kind"]]
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()
                       if k not in ("params", "param_names", EXTRAS_KEY)})
-            if "param_names" in saved and "param_names" in g and by_name is None:
+            if "param_names" in saved:  # torch: the loaded names replace the current ones
                 g["param_names"] = list(saved["param_names"])
+        for k, v in other.items():
+            self.state[k] = v
         self._load_state_extras(extras)
         self._loaded = True
         if self._watch is not None:  # the loaded plan is final
             self._watch.remove()
             self._watch = None
 
-    def _match_routes(self, routes: Mapping[str, Any], n_saved: int) -> list[str] | None:
+    def _match_routes(self, routes: Mapping[str, Any], n_saved: int,
+                      saved_names: list[str] | None) -> list[str] | None:
         """Compare the saved plan with this one: None when they agree position by position (load by
-        position, as torch does); the saved names, position by position, when they name this
-        optimizer's parameters but route them otherwise (this plan is rebuilt from the saved one
-        first: a state dict carries its routing); else ValueError."""
+        position, as torch does); else, when the saved dict names this optimizer's parameters (its
+        ``param_names``) or lists as many parameters in the order given, their names here, position
+        by position: this plan is first rebuilt as the saved one routes them (a state dict carries
+        its routing). Anything else: ValueError."""
         try:
-            names, kinds, transposed = list(routes["names"]), list(routes["kinds"]), list(routes["transposed"])
+            order, kinds, transposed = list(routes["order"]), list(routes["kinds"]), list(routes["transposed"])
             views, reasons = list(routes["views"]), list(routes["reasons"])
         except (KeyError, TypeError):
-            raise ValueError("state dict: its routes entry is malformed (expected names, kinds, transposed, views, "
+            raise ValueError("state dict: its routes entry is malformed (expected order, kinds, transposed, views, "
                              "reasons)") from None
-        if not len(names) == len(kinds) == len(transposed) == len(views) == len(reasons) == n_saved:
-            raise ValueError(f"state dict: its routes list {len(names)} parameters, its param groups {n_saved}")
+        if not len(order) == len(kinds) == len(transposed) == len(views) == len(reasons) == n_saved:
+            raise ValueError(f"state dict: its routes list {len(order)} parameters, its param groups {n_saved}")
         mine = self._routes_list()
         if kinds == mine["kinds"] and transposed == mine["transposed"] and \
                 [tuple(v) if v else None for v in views] == [tuple(v) if v else None for v in mine["views"]]:
             return None
-        ours = {n for n, _ in self._named}
-        if set(names) != ours:
+        ours = [n for n, _ in self._named]
+        if saved_names is not None and set(saved_names) == set(ours):
+            names = saved_names
+        elif len(order) == len(ours) and sorted(order) == list(range(len(ours))):
+            names = [ours[i] for i in order]
+        else:
             diff = next((i for i, (a, b) in enumerate(zip(kinds, mine["kinds"])) if a != b), None)
             where = f" (first difference at position {diff}: saved {kinds[diff]}, here {mine['kinds'][diff]})" \
                 if diff is not None else ""
@@ -1561,8 +1590,7 @@ class ANVIL(torch.optim.Optimizer):
             st = inner["state"][n]
             state[n] = dict(step=st["step"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
         new = self._torch_state()  # this optimizer's layout; its per-parameter values replaced below
-        order = self._routes_list()["names"]
-        new["state"] = {i: state[n] for i, n in enumerate(order)}
+        new["state"] = {i: state[n] for i, n in enumerate(self._names_in_order())}
         old_groups = {g["kind"]: g for g in sd["param_groups"]}
         for g in new["param_groups"]:
             g.update({k: v for k, v in old_groups.get(g["kind"], {}).items() if k != "params"})
@@ -1578,8 +1606,8 @@ class ANVIL(torch.optim.Optimizer):
         routes = None
         if self._watch is None:
             r = self._routes_list()
-            routes = {n: {"kind": k, "transposed": t, "reason": why, "view": v}
-                      for n, k, t, why, v in zip(r["names"], r["kinds"], r["transposed"], r["reasons"], r["views"])}
+            routes = {n: {"kind": k, "transposed": t, "reason": why, "view": v} for n, k, t, why, v
+                      in zip(self._names_in_order(), r["kinds"], r["transposed"], r["reasons"], r["views"])}
         kwargs = dict(self._init_kwargs)
         if routes is not None:  # the recorded plan replaces the routing arguments (a predicate may not pickle)
             kwargs.update(adam=None, anvil=None)

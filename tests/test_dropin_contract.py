@@ -417,3 +417,26 @@ def test_lr_schedulers_see_both_groups_and_profile_hooks_run():
     assert seen == ["ANVIL", "ANVIL"]
     assert [g["lr"] for g in opt.param_groups] == [0.023 * 0.5, 0.008 * 0.5]
     assert "ANVIL" in repr(opt)
+
+
+def test_parameters_that_need_no_gradient_are_held_and_left_alone():
+    """torch's optimizers hold parameters given without requires_grad: a step leaves them as they are."""
+    ps = [torch.randn(2, 3, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        opt = ANVIL(ps)
+    kept = [p.clone() for p in ps]
+    assert opt.step(lambda: torch.tensor([1.0])).item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(kept, ps))
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ANVIL([])
+
+
+def test_entries_a_hook_puts_into_opt_state_travel_as_torchs_do():
+    opt = ANVIL(_small())
+    opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("note", 1))
+    sd = opt.state_dict()
+    assert sd["state"]["note"] == 1
+    opt.state.pop("note")
+    opt.load_state_dict(sd)
+    assert opt.state["note"] == 1
