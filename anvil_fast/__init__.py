@@ -12,6 +12,8 @@ module                  concept
 ======================  ===================================================================================
 **optimizers**
 ``dropin``              ``ANVIL``: the drop-in ``torch.optim.Optimizer`` (classify -> plan -> build banks)
+``roles``               what each parameter does in a traced forward (matrix operand, table, input or
+                        output layer, orientation): the facts the drop-in routes by
 ``optimizer``           ``AnvilAndAdam``: the seed's optimizer over a labelled table (classify -> plan ->
                         build state), its comms schedule and step graph
 ``bank``                ``AnvilBank``, ``anvil_bank_update``: one bank's update (rails, cascade, equalizer,
@@ -85,7 +87,7 @@ import importlib
 
 # Imported on first use, so ``import anvil_fast`` stays light (no Triton, no compile).
 _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is dropin.ANVIL
-          "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".dropin",
+          "HEAD_NAMES": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".dropin",
          "NonFiniteGradientError": ".optimizer", "AnvilAndAdam": ".optimizer",
          "NonFiniteUpdateWarning": ".device_step", "NonFiniteUpdateError": ".device_step",
          # the bank update and its parts (anvil_fast.bank, .cascade, .gram)
@@ -93,7 +95,7 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
          "GRAM_SIDE": ".cascade",
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
-_SUBMODULES = ("dropin", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
+_SUBMODULES = ("dropin", "roles", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
                "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp", "device_step", "nonfinite",

@@ -109,7 +109,7 @@ class AnvilBank:
                maps=ANVIL_MAPS, velocity: Tensor | None = None, lane_energy: Tensor | None = None,
                mantissa: Tensor | None = None, grad: Tensor | None = None, scalars: dict[str, Tensor] | None = None,
                eff_lr: Tensor | None = None, rails_dtype: torch.dtype = torch.float32,
-               persistent_workspace: bool = True, grad_buffer: bool = True) -> "AnvilBank":
+               persistent_workspace: bool = True, grad_buffer: bool = True, transposed: bool = False) -> "AnvilBank":
         """A bank over ``p_slice`` ([chunk, rows, cols], updated in place): bf16 (the seed's storage,
         with a uint16 ``mantissa`` holding the fp32 masters' low halves) or float32 (the parameter is
         its own master; no mantissa). State tensors and scalars not given are allocated (zeros;
@@ -117,7 +117,9 @@ class AnvilBank:
         :meth:`set_scalars`). Given ones are checked and used as they are (the optimizer passes views
         of its own state and of its one scalar staging buffer). ``rails_dtype`` bf16: the lean state
         (rails rounded stochastically). ``grad_buffer=False``: no bf16 gradient buffer (the caller
-        sets ``grad_ptrs`` so the rails read gradients in place)."""
+        sets ``grad_ptrs`` so the rails read gradients in place). ``transposed``: the bank stores each
+        matrix as the transpose of the one it acts as (an ``[in, out]`` weight), so the equalizer's lanes
+        are those of the stored transposes (:func:`anvil_ref.equalizer.reduction_axis`)."""
         if not isinstance(p_slice, torch.Tensor) or p_slice.dtype not in (torch.bfloat16, torch.float32) \
                 or p_slice.ndim != 3:
             raise ValueError(f"{label}: p_slice must be a [chunk, rows, cols] bf16 or float32 tensor, got "
@@ -130,8 +132,8 @@ class AnvilBank:
             raise ValueError(f"{label}: rails_dtype must be torch.float32 or torch.bfloat16, got {rails_dtype}")
         shape, dev = tuple(p_slice.shape), p_slice.device
         chunk, rows, cols = shape
-        red = reduction_axis(shape)
-        lane_shape = lane_energy_shape(shape)
+        red = reduction_axis(shape, transposed=transposed)
+        lane_shape = lane_energy_shape(shape, transposed=transposed)
         f32 = dict(dtype=torch.float32, device=dev)
 
         def given(name, t, want_shape, want_dtype):

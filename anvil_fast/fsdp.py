@@ -34,7 +34,12 @@ Adam moments as DTensors with the parameter's placement (the owner scatters its 
 energies as plain tensors (the same on every rank), so ``torch.distributed.checkpoint`` saves it
 once and loads it into an optimizer on any world size (:meth:`FSDPAnvil.load_state_dict` gathers
 each matrix's state to its new owner and reads the matrices' weights from the model, so load the
-model's state first). A state dict taken with ``torch.save`` on another world size is refused.
+model's state first). A state dict taken with ``torch.save`` on another world size is refused. The
+layout is torch's, as the single-process drop-in's (state by position over the param groups, each
+group's ``params`` and ``param_names``, the steps taken and skipped in the first group's
+``"anvil_fast"`` entry), torch's four state-dict hooks run, and
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+work; the name-keyed format ``anvil_fast.ANVIL.fsdp/1`` still loads.
 """
 
 from __future__ import annotations
@@ -55,9 +60,12 @@ from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .comms import LocalComms
 from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, _check_hyperparameters, classify,
-                     holds_dtensors, named_parameters_of, plan_routes, refuse_ddp_with_own_averaging,
-                     refuse_dtensors_in, register_dtensor_path)
+                     holds_dtensors, merged_state_keys, named_parameters_of, plan_routes,
+                     refuse_ddp_with_own_averaging, refuse_dtensors_in, register_dtensor_path)
 
+#: The format of :meth:`FSDPAnvil.state_dict` (torch's layout; held in the first param group's
+#: ``"anvil_fast"`` entry), and the name-keyed one it still loads.
+FSDP_FORMAT = "anvil_fast.ANVIL.fsdp/2"
 FSDP_STATE_FORMAT = "anvil_fast.ANVIL.fsdp/1"
 #: The ANVIL keyword arguments the owners' local optimizer receives unchanged.
 _PASSED = ("momentum", "fast_beta", "fast_weight", "beta2", "weight_decay", "adam_betas", "adam_eps",
@@ -211,6 +219,7 @@ class FSDPAnvil(ANVIL):
         if local_named:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="ANVIL: no parameter was banked")
+                warnings.filterwarnings("ignore", message="ANVIL: these parameters came without their model")
                 self.local = ANVIL(local_named, lr, adam_lr, anvil=list(self._local_mat), adam=list(self._local_adam),
                                    head_names=(), nonfinite="raise", comms=LocalComms(),
                                    split_rows={n: k for n, k in (split_rows or {}).items() if n in self._local_mat},
@@ -491,9 +500,81 @@ class FSDPAnvil(ANVIL):
         stride = tuple(torch.empty(shape, device="meta").stride())
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
-    @torch.no_grad()
+    def _names_in_groups(self) -> list[str]:
+        by_id = {id(p): n for n, p in self._mat + self._adam}
+        return [by_id[id(p)] for g in self.param_groups for p in g["params"]]
+
     def state_dict(self) -> dict[str, Any]:
-        """The state per parameter, resharding-ready (module docstring): collective (every rank calls it)."""
+        """torch's format (as :class:`~anvil_fast.dropin.ANVIL`'s: ``"state"`` by position over the
+        param groups, ``"params"`` and ``"param_names"`` in each group, the optimizer-wide values in
+        the first group's ``"anvil_fast"`` entry) over :meth:`_named_state`, through torch's
+        state-dict hooks. Collective (every rank calls it)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        named = self._named_state()
+        names = self._names_in_groups()
+        groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + n)),
+                           "param_names": names[i:i + n]})
+            i += n
+        groups[0]["anvil_fast"] = {"format": FSDP_FORMAT, "taken_steps": named["taken_steps"],
+                                   "skipped_steps": named["skipped_steps"]}
+        sd = {"state": {k: named["state"][n] for k, n in enumerate(names)}, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (by position, as torch does; or a name-keyed state
+        dict of the format ``anvil_fast.ANVIL.fsdp/1``), through torch's load hooks; then as
+        :meth:`_load_named`. Collective."""
+        sd = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        if not (isinstance(sd, Mapping) and sd.get("format") == FSDP_STATE_FORMAT):
+            sd = self._named_from_torch_format(sd)
+        self._load_named(sd)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _named_from_torch_format(self, sd) -> dict[str, Any]:
+        groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+        extras = groups[0].get("anvil_fast") if isinstance(groups, (list, tuple)) and groups and \
+            isinstance(groups[0], Mapping) else None
+        if not isinstance(extras, Mapping) or extras.get("format") != FSDP_FORMAT or \
+                not isinstance(sd.get("state"), Mapping):
+            fmt = extras.get("format") if isinstance(extras, Mapping) else (
+                sd.get("format") if isinstance(sd, Mapping) else type(sd).__name__)
+            raise ValueError(f"not an FSDP2 anvil_fast.ANVIL state dict (format {fmt!r}, expected {FSDP_FORMAT!r} in "
+                             f"the first param group's 'anvil_fast' entry, or {FSDP_STATE_FORMAT!r})")
+        if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(h["params"])
+                                                        for g, h in zip(groups, self.param_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        ids = [i for g in groups for i in g["params"]]
+        name_of = dict(zip(ids, self._names_in_groups()))
+        state = merged_state_keys(sd["state"])
+        unknown = [k for k in state if k not in name_of]
+        if unknown:
+            raise ValueError(f"state dict: state entries {unknown[:4]} belong to no parameter of its param groups")
+        return {"format": FSDP_STATE_FORMAT, "state": {name_of[k]: v for k, v in state.items()},
+                "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names", "anvil_fast")}
+                                 for g in groups],
+                "taken_steps": extras["taken_steps"], "skipped_steps": extras["skipped_steps"]}
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an FSDP2 ANVIL is not copied or pickled (its parameters are shards across ranks): save "
+                        "opt.state_dict() with torch.distributed.checkpoint and build a new optimizer to load it")
+
+    @torch.no_grad()
+    def _named_state(self) -> dict[str, Any]:
+        """The state per parameter name, resharding-ready (module docstring): collective."""
         by_name = self._params_by_name()
         fields = ("fast_rail", "slow_rail", "mantissa")
         keys = [(n, f) for n, _ in self._mat for f in fields]
@@ -526,8 +607,8 @@ class FSDPAnvil(ANVIL):
                 "taken_steps": self.taken_steps, "skipped_steps": self.skipped_steps}
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (from ``torch.distributed.checkpoint`` on any world
+    def _load_named(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`_named_state`'s output (from ``torch.distributed.checkpoint`` on any world
         size, or a ``torch.save``'d one of this world size, each rank its own file: DTensors do not
         record which rank saved them), then read the banked matrices' weights from the model (load
         the model first). Collective. Everything is checked before anything is written."""
@@ -619,7 +700,7 @@ class FSDPAnvil(ANVIL):
             t.copy_(full[n].reshape(t.shape))
 
 
-__all__ = ["FSDPAnvil", "FSDP_STATE_FORMAT", "assign_owners", "shard_rows", "check_placement", "holds_dtensors",
+__all__ = ["FSDPAnvil", "FSDP_FORMAT", "FSDP_STATE_FORMAT", "assign_owners", "shard_rows", "check_placement", "holds_dtensors",
            "refuse_ddp_with_own_averaging", "refuse_dtensors_in"]
 
 

@@ -254,7 +254,8 @@ def new_param_states(params: Mapping[str, Tensor], param_cfgs: Mapping[str, Para
             chunk_shape = (cfg.chunk_size, *cfg.reshape[1:])
             states[label] = dict(
                 velocity=torch.zeros((2, *chunk_shape), dtype=rails_dtype, device=device),
-                lane_energy=torch.zeros(lane_energy_shape(chunk_shape), dtype=torch.float32, device=device))
+                lane_energy=torch.zeros(lane_energy_shape(chunk_shape, transposed=cfg.transposed), dtype=torch.float32,
+                                        device=device))
             if p.dtype != torch.float32:
                 states[label]["mantissa"] = torch.zeros(chunk_shape, dtype=torch.uint16, device=device)
     return states
@@ -348,7 +349,7 @@ class AnvilAndAdam:
             bank = AnvilBank.create(
                 label, live["p_slice"], beta2=cfg.beta2, velocity=live["velocity"],
                 lane_energy=live["lane_energy"], mantissa=live.get("mantissa"), scalars=self.staging.scalars(i),
-                eff_lr=self.staging.eff_lr(i), rails_dtype=self.rails_dtype, config=config,
+                eff_lr=self.staging.eff_lr(i), rails_dtype=self.rails_dtype, config=config, transposed=cfg.transposed,
                 persistent_workspace=not grad_in_place, grad_buffer=not grad_in_place, **extra)
             bank.rail_step = self.rail_step
             bank.first = self.rank * cfg.chunk_size

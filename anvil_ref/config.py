@@ -11,8 +11,17 @@ A ``param_table`` maps each label to an entry::
 
 ANVIL parameters additionally carry ``reshape`` (the bank shape ``[n_matrices, rows, cols]``; the
 seed reads it from the parameter's ``.reshape`` attribute), optionally ``frozen_matrices`` (global
-indices whose learning rate is 0) and ``lr_scale`` (the shape multiplier's convention,
-:func:`anvil_ref.update.shape_lr_multiplier`; default "seed").
+indices whose learning rate is 0), ``lr_scale`` (the shape multiplier's convention,
+:func:`anvil_ref.update.shape_lr_multiplier`; default "seed") and ``transposed`` (default False).
+
+``transposed``: the bank stores each matrix as the transpose of the one it acts as. A layer
+``y = x @ W`` with ``W`` of shape ``[in, out]`` (transformers' ``Conv1D``) is the layer
+``y = x @ M.T`` of ``nn.Linear`` with ``M = W.T`` of shape ``[out, in]``; its update is defined as
+that of ``M``: the learning-rate shape multiplier is ``shape_lr_multiplier(out, in)`` (the stored
+``cols, rows``), the equalizer reduces over ``M``'s axis (:func:`anvil_ref.equalizer.reduction_axis`
+with ``transposed=True``), and rails, cascade and decay, which commute with the transpose, need no
+change (the cascade's maps are odd polynomials ``X -> a X + b (X X^T) X + ...``, and
+``p(X^T) = p(X)^T``).
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ class ParamConfig:
     #: ANVIL: one multiplier per matrix of this rank's chunk (global index rank*chunk + i)
     per_matrix_lr_mul: tuple[float, ...] | None = None
     frozen_matrices: frozenset[int] = field(default_factory=frozenset)
+    #: ANVIL: each stored matrix is the transpose of the matrix it acts as (module docstring)
+    transposed: bool = False
 
 
 def _real(entry: Mapping, key: str, default: float, label: str) -> float:
@@ -126,7 +137,11 @@ def build_param_config(label: str, entry: Mapping, *, shape: Sequence[int],
     convention = entry.get("lr_scale", "seed")
     if convention not in LR_SCALE_CONVENTIONS:
         raise ConfigError(f"{label}: lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {convention!r}")
-    lr_mul = shape_lr_multiplier(reshape[-2], reshape[-1], convention=convention) * lr_mul
+    transposed = entry.get("transposed", False)
+    if not isinstance(transposed, bool):
+        raise ConfigError(f"{label}: transposed must be True or False, got {transposed!r}")
+    rows, cols = (reshape[-1], reshape[-2]) if transposed else (reshape[-2], reshape[-1])
+    lr_mul = shape_lr_multiplier(rows, cols, convention=convention) * lr_mul
     frozen = frozenset(int(k) for k in frozen_matrices)
     all_mults = per_matrix_lr_multipliers(label, reshape[0], frozen=frozen)
     lr = float(anvil_defaults["lr"])
@@ -136,7 +151,7 @@ def build_param_config(label: str, entry: Mapping, *, shape: Sequence[int],
                        chunk_size=chunk, momentum=float(anvil_defaults["momentum"]),
                        beta2=float(anvil_defaults["beta2"]),
                        per_matrix_lr_mul=all_mults[rank * chunk:(rank + 1) * chunk],
-                       frozen_matrices=frozen)
+                       frozen_matrices=frozen, transposed=transposed)
 
 
 def check_labels(labels: Iterable[str], param_table: Mapping[str, Mapping]) -> list[str]:

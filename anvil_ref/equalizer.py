@@ -17,6 +17,10 @@ dimension"; its code (``red_dim = -1 if rows >= cols else -2``) reduces over the
 code is the specification; see :mod:`anvil_ref` for the list of such disagreements.
 
 A zero ``V`` is a documented finite case: ``V' = 0`` and ``E' = beta2 * E``.
+
+A *transposed* matrix (:mod:`anvil_ref.config`, ``transposed``) is stored as ``V = M^T`` of the
+matrix ``M`` it acts as; its lanes are ``M``'s, so the reduction axis is ``M``'s mapped to the
+stored layout: ``equalize(V) = equalize(M)^T`` with the lane energy stored transposed as well.
 """
 
 from __future__ import annotations
@@ -36,17 +40,21 @@ class EqualizeResult(NamedTuple):
     lane_energy: Any  #: the updated lane energy E'
 
 
-def reduction_axis(shape: tuple[int, ...]) -> int:
-    """The axis the lane power is averaged over: -1 (columns) if rows >= cols, else -2 (rows)."""
+def reduction_axis(shape: tuple[int, ...], *, transposed: bool = False) -> int:
+    """The axis the lane power is averaged over: -1 (columns) if rows >= cols, else -2 (rows).
+    ``transposed``: ``shape`` stores the transposes of the matrices the update is defined on, and the
+    axis is theirs, in the stored layout (-2 if cols >= rows, else -1)."""
     if len(shape) < 2:
         raise ReferenceInputError(f"expected a matrix or a batch of matrices, got shape {tuple(shape)}")
+    if transposed:
+        return -2 if shape[-1] >= shape[-2] else -1
     return -1 if shape[-2] >= shape[-1] else -2
 
 
-def lane_energy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+def lane_energy_shape(shape: tuple[int, ...], *, transposed: bool = False) -> tuple[int, ...]:
     """Shape of the lane-energy state for a bank of matrices of ``shape``: ``[..., m, 1]`` if m >= n,
-    else ``[..., 1, n]``."""
-    axis = reduction_axis(shape)
+    else ``[..., 1, n]`` (``transposed``: the reduction axis of :func:`reduction_axis` with it)."""
+    axis = reduction_axis(shape, transposed=transposed)
     out = list(shape)
     out[axis] = 1
     return tuple(out)

@@ -6,7 +6,9 @@ applies one step from the gradients it is given:
 * **ANVIL banks** (every step): the gradient is viewed in the bank shape ``reshape``; twin rails
   (:func:`~anvil_ref.rails.twin_rail`), cascade (:func:`~anvil_ref.cascade.cascade`), equalizer
   (:func:`~anvil_ref.equalizer.equalize`), then :func:`~anvil_ref.update.sign_aligned_update` gated
-  on the slow rail *after* this step's update.
+  on the slow rail *after* this step's update. A ``transposed`` bank (:mod:`anvil_ref.config`)
+  stores the transposes of its matrices: its step is the step of the transposed bank, transposed
+  back (state included), so it equals that of the same layer stored as ``nn.Linear`` stores it.
 * **Adam** (only when ``do_adam``): :func:`~anvil_ref.adam.adam_update`. On other steps the
   gradients are kept: the next step's gradient is added to them, as ``backward()`` accumulating into
   a ``.grad`` the seed does not clear. So the ``grads`` passed to :meth:`step` are each backward
@@ -108,7 +110,8 @@ class ReferenceAnvilAndAdam:
                 self.state[label] = dict(step=0, exp_avg=np.zeros_like(value), exp_avg_sq=np.zeros_like(value))
             else:
                 self.state[label] = dict(velocity=np.zeros((2, *cfg.reshape)),
-                                         lane_energy=np.zeros(lane_energy_shape(cfg.reshape)))
+                                         lane_energy=np.zeros(lane_energy_shape(cfg.reshape,
+                                                                                transposed=cfg.transposed)))
         #: Adam gradients accumulated since the last Adam step (label -> float64 array)
         self.pending_grads: dict[str, np.ndarray] = {}
         self.fast_beta, self.fast_weight = 0.0, 1.0
@@ -165,17 +168,20 @@ class ReferenceAnvilAndAdam:
 
     def _anvil_step(self, label: str, grad: np.ndarray) -> None:
         cfg, st = self.param_cfgs[label], self.state[label]
-        p = self.params[label].reshape(cfg.reshape)
-        g = grad.reshape(cfg.reshape)
-        rails = twin_rail(g, st["velocity"][0], st["velocity"][1], momentum=cfg.momentum,
+        # a transposed bank is updated as the bank of the matrices it stores transposed
+        t = (lambda x: np.swapaxes(x, -1, -2)) if cfg.transposed else (lambda x: x)
+        p = t(self.params[label].reshape(cfg.reshape))
+        g = t(grad.reshape(cfg.reshape))
+        rails = twin_rail(g, t(st["velocity"][0]), t(st["velocity"][1]), momentum=cfg.momentum,
                           fast_beta=self.fast_beta, fast_weight=self.fast_weight)
         u = cascade(rails.lookahead, maps=self.maps, margin=self.margin, eps=self.eps)
-        u, energy = equalize(u, st["lane_energy"], beta2=cfg.beta2)
+        u, energy = equalize(u, t(st["lane_energy"]), beta2=cfg.beta2)
         eff_wd = effective_weight_decay(lr=cfg.lr, weight_decay=cfg.weight_decay, wd_mul=cfg.wd_mul)
         eff_lr = effective_lrs(lr=cfg.lr, lr_mul=cfg.lr_mul, per_matrix=cfg.per_matrix_lr_mul)
         p_new = sign_aligned_update(p, u, rails.v_slow, eff_lr=eff_lr, eff_wd=eff_wd)
-        self.params[label] = p_new.reshape(self.params[label].shape)
-        self.state[label] = dict(velocity=np.stack([rails.v_fast, rails.v_slow]), lane_energy=energy)
+        self.params[label] = np.ascontiguousarray(t(p_new)).reshape(self.params[label].shape)
+        self.state[label] = dict(velocity=np.ascontiguousarray(np.stack([t(rails.v_fast), t(rails.v_slow)])),
+                                 lane_energy=np.ascontiguousarray(t(energy)))
 
     def _adam_step(self, label: str, grad: np.ndarray) -> None:
         cfg, st = self.param_cfgs[label], self.state[label]

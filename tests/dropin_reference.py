@@ -57,13 +57,15 @@ COMPILED_PREFIX = "_orig_mod."
 @dataclass(frozen=True)
 class Route:
     """One parameter's route: ``kind`` "matrix" or "adam", the spec's reason, and for matrices the
-    stack ``[n, rows, cols]`` its value is viewed as (after any split_rows)."""
+    stack ``[n, rows, cols]`` its value is viewed as (after any split_rows), stored transposed when
+    ``transposed`` (the layer reads each matrix as ``[in, out]``)."""
 
     name: str
     shape: tuple[int, ...]
     kind: str
     reason: str
     stack: tuple[int, int, int] | None = None
+    transposed: bool = False
 
 
 def _rule(rule) -> Callable[[str], bool]:
@@ -120,6 +122,10 @@ def route_parameters(params, *, adam=None, anvil=None, head_names: Sequence[str]
                      if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
     conv_ids = {id(m.weight) for ms in owners.values() for _, m in ms
                 if isinstance(m, nn.modules.conv._ConvNd)}
+    # weights stored [in, out]: transformers' Conv1D (by its class name) and transposed convolutions
+    transposed_ids = {id(m.weight) for ms in owners.values() for _, m in ms
+                      if (type(m).__name__ == "Conv1D" and m.weight.ndim == 2)
+                      or (isinstance(m, nn.modules.conv._ConvNd) and m.transposed)}
     routes = []
     for name, p in named:
         shape = tuple(p.shape)
@@ -139,6 +145,11 @@ def route_parameters(params, *, adam=None, anvil=None, head_names: Sequence[str]
             kind, reason = "adam", "output head"
         elif id(p) in conv_ids:
             kind, reason = "matrix", "conv (flattened)"
+        elif id(p) in transposed_ids:
+            kind, reason = "matrix", "Conv1D weight [in, out] (transposed)"
+        elif p.shape[0] == 1 and not any(isinstance(m, nn.Linear) and m.weight is p
+                                         for ms in owners.values() for _, m in ms):
+            kind, reason = "adam", "broadcast table (leading dimension of size 1, not observed)"
         elif p.ndim == 2:
             kind, reason = "matrix", "matrix"
         elif p.ndim == 3:
@@ -154,8 +165,10 @@ def route_parameters(params, *, adam=None, anvil=None, head_names: Sequence[str]
             n, rows, cols = matrix_stack(shape, conv=id(p) in conv_ids or p.ndim > 3, split=1)
             if rows % k:
                 raise ConfigError(f"{name}: split_rows={k} does not divide {rows} rows")
+            if k != 1 and id(p) in transposed_ids:
+                raise ConfigError(f"{name}: split_rows= on a weight stored [in, out] would split its inputs")
             stack = (n * k, rows // k, cols)
-        routes.append(Route(name, shape, kind, reason, stack))
+        routes.append(Route(name, shape, kind, reason, stack, kind == "matrix" and id(p) in transposed_ids))
     return routes
 
 
@@ -191,6 +204,8 @@ class DropinReference:
                  rails: str = "nesterov", total_steps: int | None = None, lr_scale: str = "seed",
                  adam=None, anvil=None, head_names: Sequence[str] = SPEC_HEAD_NAMES, split_rows=None,
                  nonfinite: str = "skip", maps=None, **_ignored: Any):
+        # the specification's routing without a traced forward (the tests step from given
+        # gradients and never run one): module types, names and shapes
         self.routes = route_parameters(params, adam=adam, anvil=anvil, head_names=head_names, split_rows=split_rows)
         named = dict(named_parameters(params)[0])
         self.maps = load_maps(ANVIL_MAPS if maps is None else maps)
@@ -209,7 +224,7 @@ class DropinReference:
             if r.kind == "matrix":
                 self.values[r.name] = _f64(p).reshape(r.stack)
                 self.state[r.name] = dict(fast_rail=np.zeros(r.stack), slow_rail=np.zeros(r.stack),
-                                          lane_energy=np.zeros(lane_energy_shape(r.stack)))
+                                          lane_energy=np.zeros(lane_energy_shape(r.stack, transposed=r.transposed)))
             else:
                 self.values[r.name] = _f64(p)
                 self.state[r.name] = dict(step=0, exp_avg=np.zeros(r.shape), exp_avg_sq=np.zeros(r.shape))
@@ -226,16 +241,20 @@ class DropinReference:
 
     # ------------------------------------------------------------------ one step
     def _matrix_step(self, r: Route, g: np.ndarray, hp: Mapping[str, float]) -> None:
+        """One matrix step; a transposed parameter steps as the ``[out, in]`` stack it stores
+        transposed (the same layer in nn.Linear's layout), and is stored back transposed."""
         st = self.state[r.name]
+        t = (lambda x: np.ascontiguousarray(np.swapaxes(x, -1, -2))) if r.transposed else (lambda x: x)
         fast_beta = hp["momentum"] if hp["fast_beta"] is None else hp["fast_beta"]
-        rails = twin_rail(g.reshape(r.stack), st["fast_rail"], st["slow_rail"], momentum=hp["momentum"],
+        rails = twin_rail(t(g.reshape(r.stack)), t(st["fast_rail"]), t(st["slow_rail"]), momentum=hp["momentum"],
                           fast_beta=fast_beta, fast_weight=hp["fast_weight"])
         u = cascade(rails.lookahead, maps=self.maps)
-        u, energy = equalize(u, st["lane_energy"], beta2=hp["beta2"])
-        eff_lr = hp["lr"] * lr_scale(r.stack[1], r.stack[2], self.lr_scale)
-        self.values[r.name] = sign_aligned_update(self.values[r.name], u, rails.v_slow, eff_lr=eff_lr,
-                                                  eff_wd=hp["weight_decay"] * hp["lr"])
-        self.state[r.name] = dict(fast_rail=rails.v_fast, slow_rail=rails.v_slow, lane_energy=energy)
+        u, energy = equalize(u, t(st["lane_energy"]), beta2=hp["beta2"])
+        n, rows, cols = r.stack
+        eff_lr = hp["lr"] * (lr_scale(cols, rows, self.lr_scale) if r.transposed else lr_scale(rows, cols, self.lr_scale))
+        self.values[r.name] = t(sign_aligned_update(t(self.values[r.name]), u, rails.v_slow, eff_lr=eff_lr,
+                                                    eff_wd=hp["weight_decay"] * hp["lr"]))
+        self.state[r.name] = dict(fast_rail=t(rails.v_fast), slow_rail=t(rails.v_slow), lane_energy=t(energy))
 
     def _adam_step(self, r: Route, g: np.ndarray, hp: Mapping[str, Any]) -> None:
         st = self.state[r.name]

@@ -331,7 +331,7 @@ class Experts(nn.Module):
 
 def test_expert_stack_is_a_bank_of_its_matrices():
     m = Experts()
-    opt = ANVIL(m)
+    opt = ANVIL(m, io_layers="anvil")  # both stacks are this model's input and output layers
     e = {x.name: x for x in opt.plan}
     assert (e["w_in"].route, e["w_in"].reason, e["w_in"].bank_shape, e["w_in"].slots) == \
         ("bank_12x8_float32", "stack", (4, 12, 8), (0, 4))

@@ -66,6 +66,31 @@ class ZooPlus(Zoo):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
 
 
+class Conv1D(nn.Module):
+    """transformers' Conv1D layout (weight [in, out], y = x @ W + b), by its class name."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf, generator=torch.Generator().manual_seed(nf + nx)) * 0.2)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+class ZooT(Zoo):
+    """Zoo and two weights stored [in, out]: wide as stored (tall as a layer) and tall as stored."""
+
+    def __init__(self, vocab=40, d=16):
+        super().__init__(vocab, d)
+        self.c_fc = Conv1D(3 * d, d)  # [16, 48]
+        self.c_out = Conv1D(d, 3 * d)  # [48, 16]
+
+
+class ZooTSquare(Zoo):
+    def __init__(self, vocab=40, d=16):
+        super().__init__(vocab, d)
+        self.c_proj = Conv1D(d, d)  # [16, 16]: the stored shape's reduction axis is not the layer's
+
+
 def make_model(cls=Zoo, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)  # nn's initializers draw from the global generator; fixed here
     return cls().to(dtype)
@@ -283,6 +308,7 @@ def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, s
                     rb.step(s0[key], gm, s1[key])
                 err = np.abs(fs[key] - s1[key])
                 assert (err <= rb.e).all(), (t, r.name, key, float(err.max()), float(rb.e.max()))
+            assert fs["lane_energy"].shape[-2:] == s1["lane_energy"].shape[-2:], (t, r.name)  # the same lanes
             e_energy = float(np.max(np.abs(fs["lane_energy"] - s1["lane_energy"]) /
                                     np.maximum(s1["lane_energy"], 1e-30)))
             assert e_energy <= TOL.DROPIN_LANE_ENERGY_REL, (t, r.name, e_energy)
@@ -395,6 +421,16 @@ def test_step_returns_the_closures_loss():
 # ------------------------------------------------------------------ tests: the specification's additions
 def test_conv_stack_and_split_rows_match_the_reference():
     check_run(ZooPlus, kw=dict(KW, split_rows={"qkv.weight": 3}), eager=False)
+
+
+def test_weights_stored_in_out_step_as_their_linear_layout():
+    routes = {r.name: r for r in route_parameters(make_model(ZooT))}
+    assert routes["c_fc.weight"].transposed and routes["c_fc.weight"].stack == (1, 16, 48)
+    check_run(ZooT, eager=False)
+
+
+def test_a_square_weight_stored_in_out_steps_as_its_linear_layout():
+    check_run(ZooTSquare, eager=False)
 
 
 def test_lr_scale_match_rms_adamw():

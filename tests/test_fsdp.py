@@ -169,10 +169,12 @@ def _rank_train(rank: int, world: int, folder: str, rendezvous: str, backend: st
     _run(model, opt, SAVE_AT, STEPS)
     out["whole"], out["shards"] = _whole(model), _shards(model)
     sd = opt.state_dict()  # collective: every rank takes it
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    by_name = {names[i]: st for i, st in sd["state"].items()}
     out["rails"] = {n: (st["fast_rail"].full_tensor().cpu(), st["slow_rail"].full_tensor().cpu())
-                    for n, st in sd["state"].items() if "fast_rail" in st}
-    out["adam_steps"] = {n: st["step"] for n, st in sd["state"].items() if "step" in st}
-    out["taken"] = sd["taken_steps"]
+                    for n, st in by_name.items() if "fast_rail" in st}
+    out["adam_steps"] = {n: st["step"] for n, st in by_name.items() if "step" in st}
+    out["taken"] = sd["param_groups"][0]["anvil_fast"]["taken_steps"]
     out["bytes"], out["comm_bytes"] = opt.last_step_bytes, opt.comm_bytes()
     torch.save(out, os.path.join(folder, f"train_w{world}_r{rank}_{load_from or 'scratch'}.pt"))
     dist.barrier()
@@ -281,7 +283,7 @@ def _rank_refusals(rank: int, world: int, folder: str, rendezvous: str) -> None:
     out["one_rank_grad"] = _outcome(opt.step)
     # a state dict with a field missing, or of another dtype: refused before anything is written
     sd = opt.state_dict()
-    name = "blocks.0.mlp.fc.weight"
+    name = [n for g in sd["param_groups"] for n in g["param_names"]].index("blocks.0.mlp.fc.weight")
     st = sd["state"][name]
     missing = {**sd, "state": {**sd["state"], name: {k: v for k, v in st.items() if k != "mantissa"}}}
     out["missing_field"] = _outcome(lambda: opt.load_state_dict(missing))
@@ -472,6 +474,59 @@ def test_fsdp_two_gpus_training_through_backward(tmp_path, monkeypatch):
     monkeypatch.setenv("ANVIL_FAST_TUNE", "0")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (torch's requirement)
     _backward("nccl", "cuda", tmp_path)
+
+
+def _rank_contract(rank: int, world: int, folder: str, rendezvous: str) -> None:
+    """torch's state-dict contract on the FSDP2 path: the format, the four hooks, a name-keyed
+    dict of format anvil_fast.ANVIL.fsdp/1, and torch.distributed.checkpoint's state-dict helpers."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    _init(rank, world, rendezvous)
+    model = _sharded_model(torch.float32, "cpu")
+    opt = ANVIL(model, **KW, bank_config="faithful", compile=False)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    _run(model, opt, 0, 3)
+    sd = opt.state_dict()
+    out = {"keys": sorted(sd), "ints": all(isinstance(k, int) for k in sd["state"]),
+           "params": [g["params"] for g in sd["param_groups"]],
+           "names": [g["param_names"] for g in sd["param_groups"]]}
+    opt.load_state_dict(sd)
+    out["calls"] = list(calls)
+    named = opt._named_state()  # the name-keyed layout, as format anvil_fast.ANVIL.fsdp/1 wrote it
+    assert named["format"] == "anvil_fast.ANVIL.fsdp/1"
+    opt.load_state_dict(named)
+    osd = get_optimizer_state_dict(model, opt)
+    out["dcp_keys"] = sorted(osd["state"])[:3]
+    set_optimizer_state_dict(model, opt, osd)
+    out["taken"] = opt.taken_steps
+    _run(model, opt, 3, 5)
+    out["whole"] = _whole(model)
+    torch.save(out, os.path.join(folder, f"contract_r{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_state_dict_keeps_torchs_contract(tmp_path):
+    spawn_in(str(tmp_path), _rank_contract, 2)
+    res = [torch.load(tmp_path / f"contract_r{r}.pt", weights_only=False) for r in range(2)]
+    ref, _ = single_process_run(steps=5)
+    for out in res:
+        assert out["keys"] == ["param_groups", "state"] and out["ints"]
+        flat = [i for ps in out["params"] for i in ps]
+        assert flat == list(range(len(flat)))
+        assert "blocks.0.attn.qkv.weight" in out["names"][0] and "wte.weight" in out["names"][1]
+        assert out["calls"] == ["pre", "post", "load_pre", "load_post"]
+        assert out["dcp_keys"] and all(isinstance(k, str) for k in out["dcp_keys"])
+        assert out["taken"] == 3
+        for n, w in ref.items():  # reloading three times changed nothing: still the uninterrupted run
+            assert torch.equal(out["whole"][n], w), n
 
 
 @pytest.mark.slow

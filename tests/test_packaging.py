@@ -33,10 +33,29 @@ def test_ci_runs_the_readme_test_line_verbatim():
     assert ci.index("python -m pip install torch==2.13.0") < ci.index(quick_start_commands()[1])
 
 
-def python_files():
-    for p in ROOT.rglob("*.py"):
-        if not any(part.startswith(".") or part in {"build", "dist"} for part in p.relative_to(ROOT).parts):
-            yield p
+def python_files(root: Path = ROOT):
+    """The project's own .py files: not in hidden folders, build outputs, site-packages or a virtual
+    environment (a folder holding pyvenv.cfg, e.g. the ``python -m venv venv`` a newcomer makes in
+    the checkout: its third-party files need not even parse under this Python)."""
+    import os
+
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in {"build", "dist", "site-packages",
+                                                                              "__pycache__"}
+                         and not (Path(here) / d / "pyvenv.cfg").exists())
+        yield from (Path(here) / f for f in sorted(files) if f.endswith(".py"))
+
+
+def test_python_files_skip_a_virtual_environment_in_the_checkout(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "torch"
+    site.mkdir(parents=True)
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (site / "newer.py").write_text("type Alias = int\n")  # Python 3.12 syntax
+    (tmp_path / "env2" / "site-packages").mkdir(parents=True)  # a venv without its pyvenv.cfg
+    (tmp_path / "env2" / "site-packages" / "x.py").write_text("type Alias = int\n")
+    assert [p.relative_to(tmp_path).as_posix() for p in python_files(tmp_path)] == ["pkg/mod.py"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -82,6 +101,9 @@ def test_setup_cfg_declares_the_packages_and_extras():
                    for p in (ROOT / top).rglob("__init__.py")}
     assert subpackages <= pkgs, subpackages - pkgs
     assert "pytest" in cfg["options.extras_require"]["test"]
+    # the optional real-model tests' extra, installed by CI
+    assert "transformers" in cfg["options.extras_require"]["models"]
+    assert "pip install torch==2.13.0 -e '.[models]'" in (ROOT / ".ci" / "run").read_text().splitlines()
     reqs = cfg["options"]["install_requires"]
     assert "torch>=2.9" in reqs and "jax" not in reqs
     pyproject = (ROOT / "pyproject.toml").read_text()
