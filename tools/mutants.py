@@ -169,8 +169,8 @@ MUTANTS: list[Mutant] = [
       "row = adam_row(lr=cfg.lr * cfg.lr_mul, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,",
       "row = adam_row(lr=cfg.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,",
       "tests/test_optimizer.py"),
-    M("optimizer: maps= not passed to the banks", "anvil_fast/optimizer.py", "            extra[\"maps\"] = maps",
-      "            pass", "tests/test_optimizer_api.py"),
+    M("optimizer: maps= not passed to the banks", "anvil_fast/optimizer.py",
+      'extra = {} if maps is None else {"maps": maps}', "extra = {}", "tests/test_optimizer_api.py"),
     # ---- the benchmark's baseline
     M("plain: the slow rail's beta for the fast rail", "anvil_fast/plain.py",
       "velocity[0].lerp_(grad_chunk, 1 - fast_beta_t.to(grad_chunk.dtype))",
