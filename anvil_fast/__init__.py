@@ -42,8 +42,8 @@ module                  concept
 ``tolerances``          THE tolerance table of fast against reference (its derivations inside)
 **studies and baselines**
 ``difftest``            ``python -m anvil_fast.difftest``: per-component error next to the bf16 floors
-``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study (SAFE's headroom under bf16
-                        is certified by ``derive_maps.robust``)
+``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study (SAFE's headroom under bf16,
+                        measured; ``derive_maps.robust`` certifies the maps under worst-case rounding models)
 ``gram_side_study``     ``python -m anvil_fast.gram_side_study``: the Gram side's error study (its schedule)
 ``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
 ``plain``               the benchmark's baseline: the seed's update with library matmuls
