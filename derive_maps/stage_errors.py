@@ -110,7 +110,7 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
         s_fast = torch.linalg.svdvals(C.double()).cpu().numpy()
         measured = np.abs(s_fast - s_ex).max(1)
         bound = stage_bound(X64, (a, b, c), model, tall=tall)
-        i = int(np.argmax(measured / bound))
+        i = int(np.argmax(np.divide(measured, bound, out=np.full_like(measured, np.inf), where=bound > 0)))
         out.append(StageError(k, float(measured[i]), float(bound[i])))
         X = C
     return out

@@ -91,7 +91,9 @@ def test_floor_rows_are_marked():
     assert floor                                   # the seven-map rows reach the certifier's floor
     for r in floor:
         assert exact_text(r["exact"]).endswith("(floor)")
-        assert r["exact"]["max_abs_log_attained"] < r["exact"]["max_abs_log_certified"] / 2
+        assert r["exact"]["max_abs_log_attained"] <= r["exact"]["max_abs_log_certified"]
+    # where the floor decides, the certified value says nothing about the set's error
+    assert any(r["exact"]["max_abs_log_attained"] < r["exact"]["max_abs_log_certified"] / 100 for r in floor)
     assert all(not exact_text(r["exact"]).endswith("(floor)") for r in d["rows"] if not r["exact"]["floor_limited"])
 
 

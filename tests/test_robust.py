@@ -19,7 +19,7 @@ import torch
 from anvil_fast.cascade import SAFE_MARGIN_SLACK, fast_cascade
 from anvil_fast.eager import eager_bf16_cascade
 from anvil_ref.constants import ANVIL_MAPS, BF16_UNIT_ROUNDOFF, FROBENIUS_MARGIN
-from derive_maps.errors import DeriveMapsError
+from derive_maps.errors import DeriveMapsError, parse_real
 from derive_maps.falsify import ADVERSARIAL, FALSIFIER_2X2, padded, search
 from derive_maps.frontier import CLASSES, DATA, exact_set
 from derive_maps.robust import (RoundingModel, _input_interval, cross_frame, reached, resolution_floor,
@@ -32,7 +32,8 @@ U = "1/1.05"
 
 #: Sets of a frontier certified under a scalar model of every rounding (each relative to the value it
 #: carries, no cross-talk): (n maps, l) -> safety headroom h of exact_set(n, l, U, h), no cushion.
-SCALAR_SETS = {(7, "1/100"): "1/128", (6, "1/1000"): "3/256", (5, "1/300"): "3/256", (4, "1/100"): "3/256"}
+SCALAR_SETS = {(7, "1/100"): Fraction(1, 128), (6, "1/1000"): Fraction(3, 256), (5, "1/300"): Fraction(3, 256),
+               (4, "1/100"): Fraction(3, 256)}
 
 
 def diagonal_model():
@@ -45,7 +46,7 @@ def _iterate_only(delta: float) -> RoundingModel:
 
 def _cascade(x: torch.Tensor, maps, u) -> torch.Tensor:
     """The package's eager SAFE-order bf16 cascade at the total margin 1/u (fp32 products)."""
-    return eager_bf16_cascade(x, maps=maps, margin=float(1 / Fraction(u)), fp32_trace=True, prescale=True,
+    return eager_bf16_cascade(x, maps=maps, margin=float(1 / parse_real(u, "u")), fp32_trace=True, prescale=True,
                               gemm="fp32")
 
 
@@ -271,6 +272,19 @@ def test_the_low_end_is_certified_and_refused_when_it_collapses():
         # the model reaches below the limit, and its certified minimum holds what the cascade gives
         assert v.envelope.f_min_reached < v.lo_limit
         assert v.envelope.f_min_certified <= signed_min
+
+
+def test_envelopes_of_collapsing_sets_finish():
+    # the low side is decided once the model reaches 0 or below, and the work is bounded: the
+    # envelopes of the l = 1/1000 scalar-model sets (which flip signs) and of the four-map l = 1/300
+    # set come back in seconds, converged, with a minimum the model reaches
+    u = Fraction(20, 21)
+    for (n, l), h in (((6, "1/1000"), "3/256"), ((4, "1/300"), "5/128")):
+        maps = exact_set(n, l, U, h)
+        e = robust_envelope(maps, l, u, diagonal_model(), margin_u=u)
+        assert e.converged and e.cells < 10_000
+        assert e.f_min_certified <= e.f_min_reached < 0.1
+        assert (e.f_min_reached < 0) == (n == 6)
 
 
 def test_resolution_floor_refuses_the_low_end_at_once():

@@ -5,6 +5,8 @@ among them), the bank shapes on a GPU."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def test_stage_errors_within_the_model_triton_interpreter():
 def test_the_falsifier_stays_inside_the_cross_talk_model():
     # the 2 x 2 input that breaks a scalar model: its first stage moves the top singular value by
     # 1.1% (a relative 2^-8 per rounding would allow 0.8%), inside the Weyl bound of the block
-    maps = exact_set(7, "1/100", "1/1.05", "1/128")
+    maps = exact_set(7, "1/100", "1/1.05", Fraction(1, 128))
     errs = measure(torch.tensor(FALSIFIER_2X2)[None], maps=maps, backend="torch", slack=0.0)
     _check(errs, n_maps=7)
     assert errs[1].measured > 0.01
