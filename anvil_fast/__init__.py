@@ -54,8 +54,8 @@ module                  concept
                         ``judge``): errors next to its eager bf16 floor, polar factor, explosions, Gram side
 ``adapters``            the other libraries' orthogonalizations (torch, dion, emerging-optimizers, heavyball,
                         pytorch-optimizer) and the package's own, each with its declared math, for ``harness``
-``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study (SAFE's headroom under bf16
-                        is certified by ``derive_maps.robust``)
+``near_rank1``          ``python -m anvil_fast.near_rank1``: the near-rank-1 study (SAFE's headroom under bf16,
+                        measured; ``derive_maps.robust`` certifies the maps under worst-case rounding models)
 ``gram_side_study``     ``python -m anvil_fast.gram_side_study``: the Gram side's error study (its schedule)
 ``eager``               the seed's math in eager bf16 torch (the difftest's second floor)
 ``plain``               the benchmark's baseline: the seed's update with library matmuls

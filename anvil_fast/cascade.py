@@ -47,12 +47,19 @@ and inf. The seed's trace is a sum of bf16-rounded diagonal entries, whose relat
 ``2**-8 / sqrt(3 n)`` (1.4e-4 for n = 768): roughly a third of the time it rounds down by more than
 the ~5e-5 the composite tolerates, and the output explodes. With the fp32 trace the remaining
 perturbation (roundings of A_1, X_1 and of every later iterate) is ~1e-5 and smaller, and
-SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``, where the robust certificate
-of the maps (:mod:`derive_maps.robust`, outward-rounded interval arithmetic) bounds the output by
-1.0052 under a relative perturbation of up to 4e-3 (~ one bf16 ulp) of every iterate at every stage.
-Its full rounding model of this cascade (every Gram, B and iterate rounding at its worst case, a
-per-element alignment that real roundings do not reach) needs a slack between 2**-7 and 2**-6:
-``python -m derive_maps robust anvil [--slack 1/64]``.
+SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``. That this slack suffices is
+measured (the near-rank-1 study, :mod:`anvil_fast.near_rank1`), not certified. A scalar model in
+which every iterate is perturbed by a relative 4e-3 (~ one bf16 ulp) of its own singular value keeps
+ANVIL_MAPS' output below 1.0052 at this slack (:mod:`derive_maps.robust`, outward-rounded interval
+arithmetic), but that is a statement about the model: a bf16 rounding of a matrix moves every
+singular value by up to ``2**-8 ||X||_F``, not ``2**-8 sigma``, and B = bA + cA^2 carries the
+rounding of one singular direction into the others. The certificates of :mod:`derive_maps.robust`
+name the inputs they hold for: with every rounding at its worst case, for diagonal inputs (each
+rounding relative to the value it carries) ANVIL_MAPS needs a slack of 2**-6
+(``python -m derive_maps robust anvil --inputs diagonal --slack 1/64``), and for general matrices,
+whose roundings couple the singular directions, no slack it was checked at is enough (the ANVIL row
+of ``papers/data/frontier.json``). The Gram-side configuration is another computation, outside
+those models.
 """
 
 from __future__ import annotations

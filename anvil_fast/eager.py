@@ -4,7 +4,7 @@ and no torch.compile.
 
 They serve two purposes: the "eager bf16" error floor that the fast path is judged against (see
 anvil_fast/tolerances.py), and a seed-faithful bf16 cascade that runs anywhere (derive_maps measures
-bf16-realized envelopes with it).
+bf16 envelopes on suites of inputs with it).
 
 ``eager_bf16_cascade`` with its defaults is the seed; ``fp32_trace=True, prescale=True`` and a
 widened ``margin`` give the eager floor of the fast path's SAFE configuration (anvil_fast.cascade).

@@ -12,12 +12,14 @@ their composite ``F = p_K o ... o p_1`` to the singular values ``sigma`` of the 
 ``intervals``       outward-rounded interval arithmetic (vectorized, ``numpy.longdouble``)
 ``enclosure``       rigorous enclosures of ``F``, ``F'``, ``F''`` on boxes
 ``certify``         branch and bound: certified envelope, ``max |log F|``, headroom, extrema
-``robust``          the robust certificate: the bf16 cascade's rounding model (derived from its
-                    kernels), robust envelope, headroom and verdict
+``robust``          the robust certificate: the bf16 cascade's rounding models (derived from its
+                    kernels; scalar for diagonal inputs, cross-talk for general blocks), two-sided
+                    robust envelope, headroom and verdict
+``falsify``         falsification search: adversarial small inputs through the real bf16 cascade
 ``stage_errors``    measured per-stage rounding errors of the fast cascade against that model
 ``frontier``        best certified max|log F| per number of maps, exact and bf16-robust
 ``analysis``        per-stage interval chain and stage headroom, alternation points
-``bf16``            bf16-realized envelope via ``anvil_fast.eager.eager_bf16_cascade``
+``bf16``            bf16 envelope measured with ``anvil_fast.eager.eager_bf16_cascade``
 ``anvil_kind``      the ANVIL-kind pipelines ``express`` (recommended), ``optimal``, ``polished``
 ``sets``            the named map sets written to ``anvil_ref/map_sets`` and their certificates
 ``compare``         side-by-side table and the ANVIL-kind requirements, per set

@@ -1,5 +1,5 @@
 """Analysis of one map set on ``[l, u]``: the per-stage interval chain, the alternation points, the
-certified envelope and headroom (and, on request, the bf16-realized envelope).
+certified envelope and headroom (and, on request, the bf16 envelope measured on a suite of inputs).
 
 * Interval chain: for each stage ``k`` the certified range ``[l_k, u_k]`` of ``s_k = p_k(...p_1(x))``
   over ``x in [l, u]`` (:func:`derive_maps.certify.certify_range`), and the stage headroom: how far

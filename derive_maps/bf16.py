@@ -1,6 +1,8 @@
-"""bf16-realized envelope: what the actual bf16 cascade does to singular values.
+"""bf16 envelope, measured: what the actual bf16 cascade does to singular values on a suite of inputs.
 
-Runs :func:`anvil_fast.eager.eager_bf16_cascade` (the seed-faithful bf16 cascade, on the CPU) on a
+A measurement, not a bound: the extremes over the matrices of the suite, which say nothing about
+other inputs (:mod:`derive_maps.robust` certifies; :mod:`derive_maps.falsify` searches). Runs
+:func:`anvil_fast.eager.eager_bf16_cascade` (the seed-faithful bf16 cascade, on the CPU) on a
 fixed, seeded suite of test matrices ``X = U diag(sigma) V^T`` with Haar-random ``U, V`` and
 prescribed singular values, and measures the singular values of the bf16 output in float64. The
 cascade divides by ``1.05 ||X||_F + 1e-6``, so the prescribed values are the *normalized* ones
@@ -12,6 +14,11 @@ rounding the input to bf16 moves the small singular values by up to ~0.4% of the
 * ``near_rank1``: one dominant ``t_1 = sqrt(u^2 - sum rest^2)`` (within ~0.1% of ``u`` for the
   smaller shapes) and the rest geometric in ``[1.15 l, 2 l]``;
 * ``flat``: all equal, ``t_i = u / sqrt(k)`` (an input that is already orthogonal).
+
+Two suites: DEFAULT_SHAPES (64 to 768 rows, two seeds: 30 matrices) and SMALL_SHAPES (2 x 2 and
+8 x 8, eight seeds: 48 matrices), where ``near_rank1`` is ill-conditioned (a 2 x 2 one has
+singular values ``1.15 l`` next to ``~u``: below the resolution of a bf16 iterate, ``u ||X||_F``,
+see :func:`derive_maps.robust.resolution_limits`, so its small singular value comes out anywhere).
 
 The envelope is ``[min, max]`` of all output singular values over the suite; the realized input
 range (normalized singular values of the bf16-rounded input, computed in float64) is reported so
@@ -41,6 +48,9 @@ KINDS = ("spread", "near_rank1", "flat")
 DEFAULT_SHAPES = ((64, 64), (256, 256), (256, 768), (768, 256), (768, 768))
 QUICK_SHAPES = ((64, 64), (128, 384))
 DEFAULT_SEEDS = (0, 1)
+#: The small suite: 2 x 2 and 8 x 8 matrices (ill-conditioned where near_rank1), more seeds.
+SMALL_SHAPES = ((2, 2), (8, 8))
+SMALL_SEEDS = tuple(range(8))
 
 
 @dataclass(frozen=True)

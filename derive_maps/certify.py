@@ -100,10 +100,14 @@ def _log_down(x) -> float:
 class Envelope:
     """Certified bounds of the composite on ``[l, u]``.
 
-    ``f_min_certified <= min F <= f_min_attained`` (attained at ``argmin``) and
-    ``f_max_attained <= max F <= f_max_certified`` (at ``argmax``).
+    ``f_min_certified <= min F <= f_min_attained`` and ``f_max_attained <= max F <= f_max_certified``:
+    ``f_min_attained`` is F's value at the point ``argmin`` (the lowest value seen at a point, an
+    upper bound on the minimum, not the minimum itself), ``f_max_attained`` likewise at ``argmax``.
     ``max_abs_log_certified`` is a rigorous upper bound on ``max |log F|`` (``inf`` if F may reach
     0 or below); ``max_abs_log_attained`` is a value of ``|log F|`` that F certainly reaches.
+    ``floor_limited``: some bound is set by boxes at the rounding floor of the interval format (the
+    certificate is then the arithmetic's resolution, not the composite's accuracy: two sets both at
+    the floor cannot be ordered by their certified values).
     """
     l: float
     u: float
@@ -117,6 +121,7 @@ class Envelope:
     max_abs_log_attained: float
     boxes: int
     floor_boxes: int
+    floor_limited: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -133,6 +138,20 @@ def _initial_boxes(lo, hi, n0: int):
     return edges[:-1].copy(), edges[1:].copy()
 
 
+#: The smallest tolerance a bound refines to, relative to its value: 8 units of the interval format.
+FLOOR_TOL = 8 * float(np.finfo(DTYPE).eps)
+
+
+def _own_tolerance(a, rtol: float) -> float:
+    """The tolerance of a bound whose attained value is ``a``: ``rtol |log a|`` relative to ``a``
+    (each bound gets one of its own size: one scaled by the interval's worst ``|log F|`` would swamp a
+    bound whose own value is close to 1 wherever F is large elsewhere), and at least the format's
+    floor."""
+    with np.errstate(all="ignore"):
+        lg = abs(float(np.log(float(a)))) if a > 0 and np.isfinite(a) else 1.0
+    return rtol * lg * max(abs(float(a)), 1e-300) + FLOOR_TOL
+
+
 def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64,
                   progress: Progress | None = None):
     """Branch and bound on ``[lo, hi]`` (DTYPE numbers). Returns a dict of DTYPE bounds."""
@@ -141,6 +160,7 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
     amax, amin = DTYPE(-np.inf), DTYPE(np.inf)
     xmax = xmin = blo[0]
     cmax, cmin = DTYPE(-np.inf), DTYPE(np.inf)
+    floor_hi, floor_lo = DTYPE(-np.inf), DTYPE(np.inf)
     nbox = floor = level = 0
     total_width = float(hi - lo) or 1.0
     while blo.size:
@@ -164,14 +184,7 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
         ub = np.where(mono, np.maximum(vl[1], vh[1]), e.value[1])
         lb = np.where(mono, np.minimum(vl[0], vh[0]), e.value[0])
         if atol is None:
-            with np.errstate(all="ignore"):
-                err = max(abs(float(np.log(amax))) if amax > 0 else 1.0,
-                          abs(float(np.log(amin))) if amin > 0 else 1.0)
-            # Each bound gets a tolerance relative to its own value: one scaled by max F would
-            # swamp the lower bound wherever F is large elsewhere in the interval.
-            floor_tol = 8 * float(np.finfo(DTYPE).eps)
-            tol_hi = rtol * err * max(abs(float(amax)), 1e-300) + floor_tol
-            tol_lo = rtol * err * max(abs(float(amin)), 1e-300) + floor_tol
+            tol_hi, tol_lo = _own_tolerance(amax, rtol), _own_tolerance(amin, rtol)
         else:
             tol_hi = tol_lo = atol
         done = (ub <= amax + DTYPE(tol_hi)) & (lb >= amin - DTYPE(tol_lo))
@@ -180,6 +193,9 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
         floored = ~done & (((e.value[1] - e.value[0]) <= 4 * pw) | ((bhi - blo) <= 4 * np.spacing(bhi)))
         leave = done | floored
         floor += int(floored.sum())
+        if floored.any():
+            floor_hi = max(floor_hi, ub[floored].max())
+            floor_lo = min(floor_lo, lb[floored].min())
         if leave.any():
             cmax = max(cmax, ub[leave].max())
             cmin = min(cmin, lb[leave].min())
@@ -189,17 +205,23 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
             progress.update(max(progress.done, 1.0 - float((bhi - blo).sum()) / total_width))
         mid = blo + (bhi - blo) / 2
         blo, bhi = np.concatenate([blo, mid]), np.concatenate([mid, bhi])
-    return dict(amin=amin, amax=amax, cmin=cmin, cmax=cmax, xmin=xmin, xmax=xmax, boxes=nbox, floor=floor)
+    # A bound is the floor's when a floored box sets it beyond the tolerance of the attained value.
+    if atol is None:
+        tol_hi, tol_lo = _own_tolerance(amax, rtol), _own_tolerance(amin, rtol)
+    floor_limited = bool(floor_hi > amax + DTYPE(tol_hi) or floor_lo < amin - DTYPE(tol_lo))
+    return dict(amin=amin, amax=amax, cmin=cmin, cmax=cmax, xmin=xmin, xmax=xmax, boxes=nbox, floor=floor,
+                floor_limited=floor_limited)
 
 
 def certify_envelope(maps, l: RealLike, u: RealLike, *, rtol: float = 1e-3,
                      progress: bool | None = None) -> Envelope:
     """Rigorous envelope of the composite of ``maps`` on the real interval ``[l, u]``.
 
-    ``rtol``: each certified bound is within ``rtol * max|log F|`` relative to a value F attains
-    (``f_max_certified <= f_max_attained (1 + rtol max|log F|)`` and
-    ``f_min_certified >= f_min_attained (1 - rtol max|log F|)`` for positive values), unless the
-    rounding floor of the interval format is reached first (``floor_boxes`` > 0).
+    ``rtol``: each certified bound is within ``rtol`` times its own ``|log|`` of a value F attains
+    (``f_max_certified <= f_max_attained (1 + rtol |log f_max_attained|)`` and
+    ``f_min_certified >= f_min_attained (1 - rtol |log f_min_attained|)`` for positive values, plus
+    :data:`FLOOR_TOL`), unless the rounding floor of the interval format is reached first
+    (``floor_boxes`` > 0; ``floor_limited`` when that decides a bound).
     """
     maps_ = check_maps(maps)
     lf, uf = check_interval(l, u)
@@ -216,7 +238,7 @@ def certify_envelope(maps, l: RealLike, u: RealLike, *, rtol: float = 1e-3,
                     f_max_attained=f64_down(amax), f_max_certified=f64_up(cmax),
                     argmin=float(r["xmin"]), argmax=float(r["xmax"]),
                     max_abs_log_certified=mal_c, max_abs_log_attained=max(mal_a, 0.0),
-                    boxes=int(r["boxes"]), floor_boxes=int(r["floor"]))
+                    boxes=int(r["boxes"]), floor_boxes=int(r["floor"]), floor_limited=r["floor_limited"])
 
 
 def certify_range(maps, l: RealLike, u: RealLike, *, rel: float = 1e-12) -> tuple[float, float, float, float]:

@@ -14,7 +14,7 @@ Examples::
     python -m derive_maps derive express --headroom 0.01 --name my_maps --out my_maps.json
     python -m derive_maps derive greedy --l 1e-3 --u 1 --n-maps 5 --cushion 0.02 --safety 1.02
     python -m derive_maps compare anvil anvil_express muon_jordan5
-    python -m derive_maps robust anvil --config safe
+    python -m derive_maps robust anvil --inputs diagonal --slack 1/64
     python -m derive_maps regenerate --check
 """
 
@@ -118,27 +118,37 @@ def cmd_robust(a) -> int:
     from .robust import model_for, robust_verdict, safe_u
     from .tables import Table, interval, sig
     maps = _maps_arg(a.maps)
-    model = model_for(a.config, delta=a.delta, delta0=a.delta0, rows=a.rows, cols=a.cols)
+    for name in ("rows", "cols"):
+        if getattr(a, name) < 1:
+            raise DeriveMapsError(f"--{name} {getattr(a, name)}: expected a positive block size")
+    model = model_for(a.config, delta=a.delta, delta0=a.delta0, rows=a.rows, cols=a.cols, inputs=a.inputs,
+                      min_norm=a.min_norm)
     if a.u is not None:
         u = a.u
     else:
         from .errors import parse_real
         slack = parse_real(a.slack, "slack") if a.slack is not None else None
         u = safe_u(slack if a.config == "safe" else (slack or Fraction(0)))
-    v = robust_verdict(maps, model, l=a.l, u=u, eps=a.eps)
+    v = robust_verdict(maps, model, l=a.l, u=u, eps=a.eps, progress=a.progress)
     a.eps = v.eps
     h, e = v.headroom, v.envelope
     u_txt = u if isinstance(u, str) else f"{float(u):.12g}"
-    data = dict(maps=a.maps, config=a.config, interval=[a.l, u_txt], verdict=v.as_dict())
+    data = dict(maps=a.maps, config=a.config, inputs=a.inputs, covers=model.covers(), interval=[a.l, u_txt],
+                verdict=v.as_dict())
     mdl = ", ".join(f"{k} {sig(x, 4)}" for k, x in model.as_dict().items())
-    rows = [["rounding model", mdl],
-            [f"output on [0, {u_txt}] (certified)", "blows up" if h.blown_up else interval(h.f_min_certified, h.f_max_certified, 8)],
-            ["max output reached", f"{h.f_max_reached:.8g} at sigma = {h.argmax:.10g}"],
-            ["robust headroom (max output - 1)", "inf (blow-up)" if h.blown_up else
-             f"{sig(h.headroom_reached, 4)} reached, {sig(h.headroom_certified, 4)} certified"],
-            [f"robust envelope on [{a.l}, {u_txt}]", "blows up" if e.blown_up else interval(e.f_min_certified, e.f_max_certified, 8)],
-            ["robust max |log| (certified)", sig(e.max_abs_log_certified, 6)],
-            [f"verdict (eps {sig(a.eps, 3)})", ("passed: " if v.passed else "refused: ") + v.reason]]
+    rows = [["inputs covered", model.covers()], ["rounding model", mdl]]
+    if h is not None:
+        rows += [[f"output on [0, {u_txt}] (certified)", "blows up" if h.blown_up else
+                  interval(h.f_min_certified, h.f_max_certified, 8)],
+                 ["max output reached by the model", f"{h.f_max_reached:.8g} at sigma = {h.argmax:.10g}"],
+                 ["robust headroom (max output - 1)", "inf (blow-up)" if h.blown_up else
+                  f"{sig(h.headroom_reached, 4)} reached, {sig(h.headroom_certified, 4)} certified"]]
+    if e is not None:
+        rows += [[f"robust envelope on [{a.l}, {u_txt}] (certified)", "blows up" if e.blown_up else
+                  interval(e.f_min_certified, e.f_max_certified, 8)],
+                 ["min output reached by the model", f"{e.f_min_reached:.8g} at sigma = {e.argmin:.10g}"],
+                 ["robust max |log| (certified)", sig(e.max_abs_log_certified, 6)]]
+    rows.append([f"verdict (eps {sig(a.eps, 3)})", ("passed: " if v.passed else "refused: ") + v.reason])
     _emit([Table(f"{a.maps} under the {a.config} rounding model", ["quantity", "value"], rows)], data, a.fmt)
     return 0 if v.passed else 1
 
@@ -168,7 +178,7 @@ def cmd_analyse(a) -> int:
                  ["certified max |log F|", sig(e.max_abs_log_certified, 6)],
                  [f"certified headroom (|log F| <= {sig(h.band, 3)})", pct(h.certified, 4)]]
     if r.bf16:
-        summ_rows.append(["bf16-realized envelope", interval(r.bf16["lo"], r.bf16["hi"], 6)])
+        summ_rows.append(["bf16 envelope (measured on the suite)", interval(r.bf16["lo"], r.bf16["hi"], 6)])
     summ = Table("certificate", ["quantity", "value"], summ_rows)
     _emit([summ, chain, alt], r.as_dict(), a.fmt)
     return 0
@@ -312,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "certify":
             s.add_argument("--rtol", type=float, default=1e-3, help="relative tightness of each certified bound, in units of max|log F|")
         else:
-            s.add_argument("--bf16", action="store_true", help="also measure the bf16-realized envelope")
+            s.add_argument("--bf16", action="store_true", help="also measure the bf16 envelope on a suite of inputs")
             s.add_argument("--top", type=int, default=12, help="how many alternation points to list")
 
     s = sub.add_parser("robust", help="robust certificate under the bf16 rounding model (exit 1 if refused)")
@@ -322,13 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--delta", type=float, default=None,
                    help="override: relative perturbation of every rounding point (iterate, Gram, B)")
     s.add_argument("--delta0", type=float, default=None, help="override: relative perturbation of the trace")
-    s.add_argument("--rows", type=int, default=768, help="matrix rows (the model's fp32 sum lengths)")
-    s.add_argument("--cols", type=int, default=768, help="matrix columns")
+    s.add_argument("--inputs", choices=("general", "diagonal"), default="general",
+                   help="the inputs certified: general matrices whose nonzero block is at most rows x cols "
+                        "(min(rows, cols) singular values share each rounding), or diagonal ones")
+    s.add_argument("--rows", type=int, default=8, help="rows of the nonzero block (diagonal: of the matrix)")
+    s.add_argument("--cols", type=int, default=8, help="columns of the nonzero block (diagonal: of the matrix)")
+    s.add_argument("--min-norm", type=float, default=1e-3,
+                   help="smallest Frobenius norm of an input the low end covers (the normalization's eps)")
     s.add_argument("--l", default=ANVIL_L, help="lower end of the envelope's interval")
     s.add_argument("--u", default=None, help="end of the input interval (None: 1/(1.05 (1 + slack)))")
     s.add_argument("--slack", default=None, help="margin slack when --u is not given (None: the config's, "
                                                  "2^-7 for safe, 0 for faithful)")
-    s.add_argument("--eps", type=float, default=None, help="pass if the output stays <= 1 + eps (None: 2^-5)")
+    s.add_argument("--eps", type=float, default=None,
+                   help="pass if the output stays in [1/(1 + eps), 1 + eps] (None: 2^-5)")
     _add_format(s)
     s.set_defaults(func=cmd_robust)
 

@@ -4,23 +4,31 @@ For ``n`` maps and an interval ``[l, u]`` (``u = 1/1.05``):
 
 * **exact**: the greedy minimax composition (:func:`derive_maps.polar_express.greedy`, no cushion, no
   safety factor, recentred; optimal for the composition problem, Polar Express Theorem 4.1) on
-  ``[l, u]``, certified with :func:`derive_maps.certify.certify_envelope`;
-* **robust**: the same construction on ``[l, u (1 + h)]`` with the safety factor ``1 + h`` inside the
-  loop (every map but the last is designed for stage values up to ``1 + h`` times its interval's
-  end: a rounding at an inner stage pushes the value past that end, and widening only the input
-  interval leaves every inner stage at the cliff -- those sets blow up under a 1e-3 perturbation
-  even with h = 1/4), for the smallest ``h`` (bisection on ``[0, H_MAX]``, BISECT_STEPS steps)
-  whose set passes the robust certificate
-  (:mod:`derive_maps.robust`) under the SAFE rounding model on ``[0, u]`` -- no blow-up, and the
-  output at most ``exp(e) (1 + eps)`` for every admissible perturbation, where ``e`` is the set's
-  own certified exact ``max |log F|`` on ``[l, u]`` (a coarse set cannot promise ``1 + eps``) and
-  ``eps = DEFAULT_EPS``. The search is over this one-parameter family: its value is an upper bound
-  on the robust optimum, and every number reported is certified.
+  ``[l, u]``, certified with :func:`derive_maps.certify.certify_envelope` (a certificate at the
+  interval arithmetic's rounding floor is flagged: ``floor_limited``, then it bounds the
+  arithmetic's resolution, not the set's error, and such rows are not ordered among themselves);
+* **robust**, per input class (:data:`CLASSES`: diagonal inputs of any bank shape, and every matrix
+  with two singular values, i.e. a 2 x n or n x 2 block, zero-padded into any bank): the same
+  construction on ``[l, u (1 + h)]`` with the safety factor ``1 + h`` inside the loop (every map
+  but the last is designed for stage values up to ``1 + h`` times its interval's end: a rounding
+  at an inner stage pushes the value past that end) and a cushion ``c`` (each map is fitted on
+  ``[max(l_k, c u_k), u_k]``: it keeps ``p(x)/x`` away from 0, the cancellation that lets a rounding
+  flip or collapse a singular value in the middle of the interval), for the most accurate
+  ``(h, c)`` of the grid :data:`H_GRID` x :data:`CUSHIONS` whose set passes the two-sided robust
+  certificate (:func:`derive_maps.robust.robust_verdict`) under the SAFE rounding model of the
+  class: no blow-up, the output at most ``exp(e) (1 + eps)`` on ``[0, u]`` and at least
+  ``exp(-e) / (1 + eps)`` on ``[l, u]`` for every admissible perturbation, where ``e`` is the set's
+  own certified exact ``max |log F|`` on ``[l, u]`` and ``eps = DEFAULT_EPS``. For each cushion the
+  scan takes the smallest passing ``h`` (skipping the members less accurate than the best found:
+  the error grows with ``h``); of those the smallest certified ``e`` wins. The search is
+  over this two-parameter family: its value is an upper bound on the robust optimum, and every
+  number reported is certified. Next to each certificate: what the falsification search
+  (:mod:`derive_maps.falsify`) *measured* on the class (a measurement on the inputs it tried).
 
 Each row also has the tail gain ``F'(0) = prod a_k`` (how much the cascade amplifies the smallest
-singular directions). ``python -m derive_maps.frontier`` derives everything (a few minutes) and
-writes ``papers/data/frontier.json`` and ``frontier.md``; ``--check`` re-certifies the stored sets
-and compares (what the tests run, marked slow).
+singular directions). ``python -m derive_maps.frontier`` derives everything (tens of minutes on
+two cores) and writes ``papers/data/frontier.json`` and ``frontier.md``; ``--check`` re-certifies
+the stored sets and compares (``--maps 5``: only the five-map rows).
 """
 
 from __future__ import annotations
@@ -36,17 +44,31 @@ from anvil_ref.constants import ANVIL_MAPS
 
 from .anvil_kind import ANVIL_L, ANVIL_U
 from .certify import certify_envelope
-from .errors import parse_real
+from .errors import DeriveMapsError, parse_real
 from .polar_express import GreedySettings, greedy
-from .robust import DEFAULT_EPS, robust_envelope, rounding_model
+from .progress import Progress
+from .robust import DEFAULT_EPS, robust_verdict, rounding_model, safe_u
 from .tables import dumps
 
 GENERATED_BY = "python -m derive_maps.frontier"
 N_MAPS = (4, 5, 6, 7)
-LOWER_ENDS = ("1/1000", "1/300", "1/100")
-H_MAX = Fraction(1, 4)
-BISECT_STEPS = 6
+LOWER_ENDS = ("1/1000", "1/300", "1/100", "1/30")
+#: The family's safety headrooms and cushions.
+H_GRID = ("0", "1/128", "1/64", "1/32", "1/8", "1/4")
+CUSHIONS = ("0", "1/20", "1/10", "1/5")
 MODEL_CONFIG = "safe"
+#: The input classes a robust set is certified for: name -> (rounding_model arguments, words, the
+#: falsification search's block shapes).
+CLASSES = {
+    "diagonal": (dict(inputs="diagonal", rows=2816, cols=768), "diagonal inputs (any bank shape)",
+                 ((8, 8),)),
+    "two": (dict(inputs="general", rows=2, cols=768), "matrices with two singular values (2 x n blocks, n <= 768)",
+            ((2, 2), (2, 8))),
+}
+#: The falsification search's budget per block shape (inputs, local-search rounds).
+SEARCH_BUDGET = (2048, 2)
+#: Slacks of ANVIL_MAPS' margin checked in the ANVIL row (0: the seed's margin).
+ANVIL_SLACKS = ("0", "1/128", "1/64")
 DATA = Path(__file__).resolve().parent.parent / "papers" / "data"
 
 
@@ -55,75 +77,143 @@ def tail_gain(maps) -> float:
     return math.prod(float(m[0]) for m in maps)
 
 
-def exact_set(n: int, l: str, u: str, h: Fraction = Fraction(0)):
-    """The greedy minimax set of ``n`` maps on ``[l, u (1 + h)]``, safety factor ``1 + h`` inside the loop."""
+def exact_set(n: int, l: str, u: str, h: Fraction | str = Fraction(0), cushion: Fraction | str = "0"):
+    """The greedy minimax set of ``n`` maps on ``[l, u (1 + h)]``, safety factor ``1 + h`` inside the
+    loop, cushion ``cushion``."""
+    h = parse_real(h, "h")
+    c = parse_real(cushion, "cushion")
     ud = parse_real(u, "u") * (1 + h)
-    g = greedy(GreedySettings(l=l, u=f"{ud.numerator}/{ud.denominator}", n_maps=n, cushion="0",
+    g = greedy(GreedySettings(l=l, u=f"{ud.numerator}/{ud.denominator}", n_maps=n,
+                              cushion=f"{c.numerator}/{c.denominator}",
                               safety=f"{(1 + h).numerator}/{(1 + h).denominator}", safety_mode="inside",
                               recentre="arithmetic", recentre_when="always", final_recentre="geometric"), dps=40)
     return g.maps
 
 
-def robust_check(maps, l: str, u: str) -> dict:
-    """Certified exact error on [l, u] and the robust certificate on [0, u] (see the module docstring)."""
-    e = certify_envelope(maps, l, u)
-    r = robust_envelope(maps, 0, u, rounding_model(MODEL_CONFIG))
-    limit = math.exp(e.max_abs_log_certified) * (1 + DEFAULT_EPS) if math.isfinite(e.max_abs_log_certified) else 0.0
-    passed = (not r.blown_up) and r.f_max_certified <= limit
-    return dict(max_abs_log_certified=e.max_abs_log_certified, robust_max_certified=r.f_max_certified,
-                robust_max_reached=r.f_max_reached, blown_up=r.blown_up, limit=limit, passed=passed)
+def class_model(cls: str):
+    """The SAFE rounding model of an input class of :data:`CLASSES`."""
+    return rounding_model(MODEL_CONFIG, **CLASSES[cls][0])
 
 
-def robust_search(n: int, l: str, u: str) -> dict | None:
-    """Smallest headroom (bisection) whose set passes; None if ``H_MAX`` does not."""
-    hi = H_MAX
-    maps = exact_set(n, l, u, hi)
-    chk = robust_check(maps, l, u)
-    if not chk["passed"]:
+def robust_check(maps, l: str, u: str, cls: str = "diagonal", *, exact_error: float | None = None) -> dict:
+    """Certified exact error on [l, u] and the two-sided robust certificate of the class (module
+    docstring)."""
+    e = certify_envelope(maps, l, u).max_abs_log_certified if exact_error is None else exact_error
+    if not math.isfinite(e):
+        return dict(max_abs_log_certified=e, passed=False, reason="the exact composite may reach 0 on [l, u]")
+    v = robust_verdict(maps, class_model(cls), l=l, u=parse_real(u, "u"), exact_error=e)
+    h, env = v.headroom, v.envelope
+    return dict(max_abs_log_certified=e, passed=v.passed, reason=v.reason, hi_limit=v.hi_limit,
+                lo_limit=v.lo_limit, blown_up=None if h is None else h.blown_up,
+                robust_max_certified=None if h is None else h.f_max_certified,
+                robust_max_reached=None if h is None else h.f_max_reached,
+                robust_min_certified=None if env is None else env.f_min_certified,
+                robust_min_reached=None if env is None else env.f_min_reached,
+                converged=bool((h is None or h.converged) and (env is None or env.converged)))
+
+
+def measured(maps, l: str, u: str, cls: str, *, seed: int = 0) -> dict:
+    """What the falsification search measures for ``maps`` on the class: the largest output singular
+    value over every input it tried, the smallest over those with every normalized singular value
+    in ``[l, u]`` (measured, not certified)."""
+    from .falsify import ADVERSARIAL, search
+    kind = CLASSES[cls][0]["inputs"]
+    hi, lo, count, blocks = -math.inf, math.inf, 0, []
+    for block in CLASSES[cls][2]:
+        f = search(maps, u=u, l=l, inputs=kind, block=block, budget=SEARCH_BUDGET[0], rounds=SEARCH_BUDGET[1],
+                   seeds=ADVERSARIAL.get(tuple(block), ()) if kind == "general" else (), seed=seed)
+        hi = max(hi, f.out_max)
+        lo = min(lo, f.out_min) if f.out_min is not None else lo
+        count += f.inputs
+        blocks.append(list(block))
+    return dict(out_max=hi, out_min=None if lo == math.inf else lo, inputs=count, blocks=blocks)
+
+
+def _entry(maps, h: str, c: str, chk: dict) -> dict:
+    return dict(headroom=h, cushion=c, maps=[list(m) for m in maps], maps_hex=[[float(v).hex() for v in m] for m in maps],
+                tail_gain=tail_gain(maps), **chk)
+
+
+def robust_search(n: int, l: str, u: str, cls: str, *, bar: Progress | None = None) -> dict | None:
+    """The most accurate passing member of the family for the class (module docstring); None if no
+    member of the grid passes."""
+    from .robust import resolution_floor
+    if resolution_floor(class_model(cls), u) >= float(parse_real(l, "l")):
+        return None          # every set is refused: the class's first rounding can move l to 0
+    best, tried = None, 0
+    for c in CUSHIONS:
+        for h in H_GRID:
+            try:
+                maps = exact_set(n, l, u, h, c)
+            except DeriveMapsError:
+                continue     # the cushioned chain closes up (l_k = u_k) before the last map: no member
+            cert = certify_envelope(maps, l, u)
+            e = cert.max_abs_log_certified
+            if best is not None and not e < best["max_abs_log_certified"]:
+                break        # a larger h of this cushion only costs more accuracy
+            tried += 1
+            if bar is not None:
+                bar.update(advance=0.0, detail=f"{n} maps, l = {l}, {cls}: h = {h}, cushion = {c}")
+            chk = robust_check(maps, l, u, cls, exact_error=e)
+            if chk["passed"]:
+                best = _entry(maps, h, c, chk)
+                best.update(max_abs_log_attained=cert.max_abs_log_attained, floor_limited=cert.floor_limited)
+                break
+    if best is None:
         return None
-    best = (hi, maps, chk)
-    lo = Fraction(0)
-    for _ in range(BISECT_STEPS):
-        mid = (lo + hi) / 2
-        maps = exact_set(n, l, u, mid)
-        chk = robust_check(maps, l, u)
-        if chk["passed"]:
-            hi, best = mid, (mid, maps, chk)
-        else:
-            lo = mid
-    h, maps, chk = best
-    return dict(headroom=f"{h.numerator}/{h.denominator}", maps=[list(m) for m in maps],
-                maps_hex=[[float(v).hex() for v in m] for m in maps], tail_gain=tail_gain(maps), **chk)
+    best["tried"] = tried
+    best["measured"] = measured(tuple(map(tuple, best["maps"])), l, u, cls)
+    return best
+
+
+def _exact_entry(maps, l: str, u: str) -> dict:
+    e = certify_envelope(maps, l, u)
+    return dict(maps=[list(m) for m in maps], maps_hex=[[float(v).hex() for v in m] for m in maps],
+                max_abs_log_certified=e.max_abs_log_certified, max_abs_log_attained=e.max_abs_log_attained,
+                floor_limited=e.floor_limited, tail_gain=tail_gain(maps),
+                refused={cls: robust_check(maps, l, u, cls, exact_error=e.max_abs_log_certified)["reason"]
+                         for cls in CLASSES})
 
 
 def anvil_row() -> dict:
-    """ANVIL_MAPS: its certified error at every lower end, its tail gain, and the robust check at
-    the seed's margin and at SAFE's."""
-    from .robust import safe_u
-    return dict(max_abs_log_certified={l: certify_envelope(ANVIL_MAPS, l, ANVIL_U).max_abs_log_certified
-                                       for l in LOWER_ENDS},
-                tail_gain=tail_gain(ANVIL_MAPS),
-                robust_seed_margin=robust_check(ANVIL_MAPS, ANVIL_L, ANVIL_U),
-                robust_safe_slack=robust_check(ANVIL_MAPS, ANVIL_L, safe_u()))
+    """ANVIL_MAPS: its certified error at every lower end, its tail gain, and the robust check of each
+    class at the seed's margin and at wider ones (SAFE's slack 2^-7, and 2^-6)."""
+    out = dict(max_abs_log_certified={l: certify_envelope(ANVIL_MAPS, l, ANVIL_U).max_abs_log_certified
+                                      for l in LOWER_ENDS},
+               tail_gain=tail_gain(ANVIL_MAPS), robust={})
+    e = out["max_abs_log_certified"][ANVIL_L]
+    for slack in ANVIL_SLACKS:
+        u = safe_u(Fraction(slack))
+        out["robust"][slack] = {cls: robust_check(ANVIL_MAPS, ANVIL_L, f"{u.numerator}/{u.denominator}", cls,
+                                                  exact_error=e) for cls in CLASSES}
+    return out
 
 
-def frontier(progress=print) -> dict:
+def frontier(progress: bool | None = None, checkpoint: Path | None = None) -> dict:
+    """Every row (module docstring). ``checkpoint``: a file that keeps the rows done so far (a run
+    that stops resumes from it; it is deleted at the end)."""
+    done = json.loads(checkpoint.read_text()) if checkpoint is not None and checkpoint.is_file() else {}
     rows = []
-    for l in LOWER_ENDS:
-        for n in N_MAPS:
-            ex = exact_set(n, l, ANVIL_U)
-            e = certify_envelope(ex, l, ANVIL_U)
-            rb = robust_search(n, l, ANVIL_U)
-            rows.append(dict(n_maps=n, l=l, u=ANVIL_U,
-                             exact=dict(maps=[list(m) for m in ex], maps_hex=[[float(v).hex() for v in m] for m in ex],
-                                        max_abs_log_certified=e.max_abs_log_certified, tail_gain=tail_gain(ex)),
-                             robust=rb))
-            progress(f"n={n} l={l}: exact {e.max_abs_log_certified:.4g}, robust "
-                     f"{'none' if rb is None else format(rb['max_abs_log_certified'], '.4g')}")
-    return dict(generated_by=GENERATED_BY, model=dict(config=MODEL_CONFIG, **rounding_model(MODEL_CONFIG).as_dict()),
-                eps=DEFAULT_EPS, h_max=str(H_MAX), bisect_steps=BISECT_STEPS,
-                anvil=anvil_row(),
-                rows=rows)
+    with Progress(len(LOWER_ENDS) * len(N_MAPS) + 1, "frontier", enabled=progress) as bar:
+        for l in LOWER_ENDS:
+            for n in N_MAPS:
+                bar.update(len(rows), label=f"frontier: {n} maps on [{l}, u]")
+                key = f"{n} {l}"
+                if key not in done:
+                    ex = exact_set(n, l, ANVIL_U)
+                    done[key] = dict(n_maps=n, l=l, u=ANVIL_U, exact=_exact_entry(ex, l, ANVIL_U),
+                                     robust={cls: robust_search(n, l, ANVIL_U, cls, bar=bar) for cls in CLASSES})
+                    if checkpoint is not None:
+                        checkpoint.write_text(dumps(done))
+                rows.append(done[key])
+        bar.update(len(rows), label="frontier: ANVIL_MAPS")
+        anvil = anvil_row()
+    if checkpoint is not None and checkpoint.is_file():
+        checkpoint.unlink()
+    return dict(generated_by=GENERATED_BY, config=MODEL_CONFIG,
+                classes={k: dict(words=v[1], model=class_model(k).as_dict()) for k, v in CLASSES.items()},
+                eps=DEFAULT_EPS, h_grid=list(H_GRID), cushions=list(CUSHIONS), search_budget=list(SEARCH_BUDGET),
+                anvil=anvil, rows=rows)
 
 
 def _g(x) -> str:
@@ -132,54 +222,85 @@ def _g(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+def exact_text(ex: dict) -> str:
+    """A certified max|log F| column: the certified value, or its floor."""
+    v = _g(ex["max_abs_log_certified"])
+    return f"<= {v} (floor)" if ex.get("floor_limited") else v
+
+
 def markdown(d: dict) -> str:
-    head = ("| l | maps | exact: max\\|log F\\| | exact: F'(0) | robust: max\\|log F\\| | robust: headroom h | "
-            "robust: max output (bf16 model) | robust: F'(0) |")
-    lines = [f"<!-- generated by `{GENERATED_BY}`: do not edit -->", head, "|" + "---|" * 8]
+    cls = list(d["classes"])
+    head = "| l | maps | exact: max\\|log F\\| | exact: F'(0) |" + "".join(
+        f" {c}: max\\|log F\\| | {c}: (h, cushion) | {c}: certified bf16 envelope | {c}: measured |" for c in cls)
+    lines = [f"<!-- generated by `{GENERATED_BY}`: do not edit -->", head, "|" + "---|" * (4 + 4 * len(cls))]
     for r in d["rows"]:
-        ex, rb = r["exact"], r["robust"]
-        lines.append(f"| {r['l']} | {r['n_maps']} | {_g(ex['max_abs_log_certified'])} | {ex['tail_gain']:.1f} | "
-                     + ("none up to h = " + d["h_max"] + " | - | - | - |" if rb is None else
-                        f"{_g(rb['max_abs_log_certified'])} | {rb['headroom']} | {rb['robust_max_certified']:.4f} | "
-                        f"{rb['tail_gain']:.1f} |"))
+        ex = r["exact"]
+        cells = [r["l"], str(r["n_maps"]), exact_text(ex), f"{ex['tail_gain']:.1f}"]
+        for c in cls:
+            rb = r["robust"][c]
+            if rb is None:
+                below = "resolution" in ex["refused"][c]
+                cells += ["none: l below the resolution" if below else "none in the grid", "-", "-", "-"]
+                continue
+            m = rb["measured"]
+            lo = "-" if m["out_min"] is None else f"{m['out_min']:.4f}"
+            cells += [exact_text(rb), f"({rb['headroom']}, {rb['cushion']})",
+                      f"[{rb['robust_min_certified']:.4f}, {rb['robust_max_certified']:.4f}]",
+                      f"[{lo}, {m['out_max']:.4f}]"]
+        lines.append("| " + " | ".join(cells) + " |")
+    words = "; ".join(f"{c}: {d['classes'][c]['words']}" for c in cls)
+    lines += ["", f"Classes: {words}. Certified bf16 envelope: [min on [l, u], max on [0, u]] of the output "
+                  "singular values under the class's rounding model; measured: the same extremes over the "
+                  f"falsification search's inputs ({d['search_budget'][0]} per block shape plus "
+                  f"{d['search_budget'][1]} rounds of local moves), a measurement. (floor): the certificate is "
+                  "the interval arithmetic's rounding floor, not the set's error; such rows are not ordered. "
+                  "Below the resolution: the class's first rounding can move a singular value at l to 0."]
     return "\n".join(lines) + "\n"
 
 
-def check_stored(d: dict) -> list[str]:
-    """Re-certify every stored set; the differences (empty if none)."""
+def check_stored(d: dict, *, n_maps=None) -> list[str]:
+    """Re-certify every stored set (``n_maps``: only rows with that many maps); the differences
+    (empty if none)."""
     diffs = []
     for r in d["rows"]:
+        if n_maps is not None and r["n_maps"] != n_maps:
+            continue
         ex = tuple(tuple(float.fromhex(v) for v in m) for m in r["exact"]["maps_hex"])
-        got = certify_envelope(ex, r["l"], r["u"]).max_abs_log_certified
-        if got != r["exact"]["max_abs_log_certified"]:
-            diffs.append(f"exact n={r['n_maps']} l={r['l']}: stored {r['exact']['max_abs_log_certified']}, now {got}")
-        rb = r["robust"]
-        if rb is not None:
+        got = certify_envelope(ex, r["l"], r["u"])
+        if got.max_abs_log_certified != r["exact"]["max_abs_log_certified"]:
+            diffs.append(f"exact n={r['n_maps']} l={r['l']}: stored {r['exact']['max_abs_log_certified']}, "
+                         f"now {got.max_abs_log_certified}")
+        for cls, rb in r["robust"].items():
+            if rb is None:
+                continue
             maps = tuple(tuple(float.fromhex(v) for v in m) for m in rb["maps_hex"])
-            chk = robust_check(maps, r["l"], r["u"])
-            for k in ("max_abs_log_certified", "robust_max_certified", "passed"):
+            chk = robust_check(maps, r["l"], r["u"], cls)
+            for k in ("max_abs_log_certified", "robust_max_certified", "robust_min_certified", "passed"):
                 if chk[k] != rb[k]:
-                    diffs.append(f"robust n={r['n_maps']} l={r['l']} {k}: stored {rb[k]}, now {chk[k]}")
+                    diffs.append(f"robust {cls} n={r['n_maps']} l={r['l']} {k}: stored {rb[k]}, now {chk[k]}")
     return diffs
 
 
 def main(argv=None) -> int:
+    from anvil_ref.cli_args import add_progress_flags
     p = argparse.ArgumentParser(prog="python -m derive_maps.frontier", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="re-certify the stored sets, change nothing")
+    p.add_argument("--maps", type=int, default=None, choices=N_MAPS, help="--check: only the rows with this many maps")
     p.add_argument("--out", default=str(DATA), help="directory for frontier.json and frontier.md")
+    add_progress_flags(p)
     a = p.parse_args(argv)
     out = Path(a.out)
     if a.check:
         d = json.loads((out / "frontier.json").read_text())
-        diffs = check_stored(d)
+        diffs = check_stored(d, n_maps=a.maps)
         md_ok = (out / "frontier.md").read_text() == markdown(d)
         for x in diffs:
             print(x)
         if not md_ok:
             print("frontier.md differs from the table of frontier.json")
         return 1 if diffs or not md_ok else 0
-    d = frontier(progress=lambda s: print(s, file=sys.stderr))
     out.mkdir(parents=True, exist_ok=True)
+    d = frontier(progress=a.progress, checkpoint=out / "frontier.partial.json")
     (out / "frontier.json").write_text(dumps(d))
     (out / "frontier.md").write_text(markdown(d))
     print(f"wrote {out / 'frontier.json'} and {out / 'frontier.md'}")

@@ -112,3 +112,31 @@ def iv_intersect(a: Interval, b: Interval) -> Interval:
 
 def iv_contains_zero(a: Interval) -> np.ndarray:
     return (a[0] <= 0) & (a[1] >= 0)
+
+
+def iv_sqrt(a: Interval) -> Interval:
+    """``sqrt(a)`` for ``a >= 0`` (negative lower ends are read as 0; the square root of the format
+    is correctly rounded, so one ulp outward encloses it)."""
+    lo = np.maximum(a[0], DTYPE(0))
+    return np.maximum(_down(np.sqrt(lo)), DTYPE(0)), _up(np.sqrt(np.maximum(a[1], DTYPE(0))))
+
+
+def iv_abs(a: Interval) -> Interval:
+    """``|a|``."""
+    lo = np.where(a[0] >= 0, a[0], np.where(a[1] <= 0, -a[1], DTYPE(0)))
+    return lo, np.maximum(np.abs(a[0]), np.abs(a[1]))
+
+
+def iv_max(a: Interval, b: Interval) -> Interval:
+    """``max(a, b)`` (elementwise, of two enclosed quantities)."""
+    return np.maximum(a[0], b[0]), np.maximum(a[1], b[1])
+
+
+def iv_min(a: Interval, b: Interval) -> Interval:
+    """``min(a, b)``."""
+    return np.minimum(a[0], b[0]), np.minimum(a[1], b[1])
+
+
+def iv_mul_pos(a: Interval, b: Interval) -> Interval:
+    """``a * b`` for ``a, b >= 0`` (two products instead of four)."""
+    return _down(a[0] * b[0]), _up(a[1] * b[1])

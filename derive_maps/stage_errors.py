@@ -1,16 +1,18 @@
 """Measured per-stage rounding errors of the fast SAFE cascade, against the robust certificate's model.
 
-The model (:mod:`derive_maps.robust`) says how far one stage of the bf16 cascade can move a
-singular value. This measures it: the normalization, then every map, run with the fast path's own
-kernels (:func:`anvil_fast.gram.XTX`/``XXT``, ``ba_plus_cAA``, ``aX_plus_mm``, the SAFE
-normalization) on a bf16 bank, each stage compared with the float64 application of the same map to
-the *same* bf16 input (stage-local error: earlier roundings are not counted twice):
+The cross-talk model (:mod:`derive_maps.robust`) bounds how far one stage of the bf16 cascade can
+move the singular values: ``|sigma_i(X') - |p|(sigma(X))_i| <= eps`` (both sorted), with ``eps``
+from :func:`derive_maps.robust.weyl_eps`. This measures it: the normalization, then every map, run
+with the fast path's own kernels (:func:`anvil_fast.gram.XTX`/``XXT``, ``ba_plus_cAA``,
+``aX_plus_mm``, the SAFE normalization) on a bf16 bank, each stage compared with the float64
+application of the same map to the *same* bf16 input (stage-local error: earlier roundings are not
+counted twice), and ``eps`` evaluated with that input's own norms (``||X||_F``, ``||X X^T||_F``,
+``||X||_2``, ``||h(X X^T)||_F``, ``||p(X)||_F``, computed in float64 and widened by a relative 1e-12):
 
 * trace: ``|d_fast^2 / d_64^2 - 1|`` (``d = margin sqrt(tr) + eps``, the squared ratio is the trace's
   relative error plus the model's roundings of sqrt, margin and product), against ``delta0``;
-* stage k: the relative error of the top singular value of the bf16 output against the float64
-  output, against the model's bound for that stage at the input's singular values (the stage
-  enclosure of :func:`derive_maps.robust._stage` at each point, relative to the exact map).
+* stage k: the largest sorted singular-value difference of the bf16 output against the float64 one
+  (absolute), against the model's ``eps`` (worst ratio over the bank's matrices).
 
 ``python -m derive_maps.stage_errors`` prints the table on the available device.
 """
@@ -26,32 +28,35 @@ from torch import Tensor
 
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 
-from .intervals import DTYPE, iv_point
-from .robust import RoundingModel, _stage, rounding_model
+from .intervals import DTYPE
+from .robust import RoundingModel, rounding_model, weyl_eps
 
 
 @dataclass(frozen=True)
 class StageError:
     stage: int              #: 0: the normalization's trace; k >= 1: map k
-    measured: float         #: worst over the bank's matrices
-    bound: float            #: the model's bound (worst over the same matrices)
+    measured: float         #: worst over the bank's matrices (of measured / bound: the one reported)
+    bound: float            #: the model's bound for the same matrix
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def stage_bound(s: np.ndarray, coeffs, model: RoundingModel) -> np.ndarray:
-    """The model's bound on the relative error of one stage's output at input singular values ``s``
-    (the enclosure of the perturbed stage at each point, against the exact map there)."""
-    s = np.asarray(s, dtype=np.float64)
-    Y = _stage(iv_point(s), coeffs, model)
-    a, b, c = (DTYPE(v) for v in coeffs)
-    sd = s.astype(DTYPE)
-    p = sd * (a + sd * sd * (b + c * sd * sd))
-    with np.errstate(all="ignore"):
-        rel = np.maximum(Y[1] - p, p - Y[0]) / np.abs(p)
-    # the exact value is rounded at ~1e-19 here; one part in 1e12 covers it
-    return (rel.astype(np.float64) + 1e-12)
+def _widen(x: np.ndarray) -> tuple:
+    x = np.asarray(x, dtype=np.float64)
+    return (x * (1 - 1e-12)).astype(DTYPE), (x * (1 + 1e-12)).astype(DTYPE)
+
+
+def stage_bound(X: Tensor, coeffs, model: RoundingModel, *, tall: bool) -> np.ndarray:
+    """The model's ``eps`` for one stage on each matrix of the float64 bank ``X`` (its own norms)."""
+    a, b, c = (float(v) for v in coeffs)
+    A = X.mT @ X if tall else X @ X.mT
+    hA = b * A + c * (A @ A)
+    P = a * X + (X @ hA if tall else hA @ X)
+    nrm = lambda M: torch.linalg.matrix_norm(M).cpu().numpy()  # noqa: E731
+    e = weyl_eps(coeffs, model, nsq=_widen(nrm(X) ** 2), AF=_widen(nrm(A)),
+                 X2=_widen(torch.linalg.matrix_norm(X, ord=2).cpu().numpy()), hAF=_widen(nrm(hA)), pF=_widen(nrm(P)))
+    return e[1].astype(np.float64)
 
 
 def _gram64(X: Tensor, tall: bool) -> Tensor:
@@ -60,7 +65,8 @@ def _gram64(X: Tensor, tall: bool) -> Tensor:
 
 def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, backend: str = "auto",
             slack: float | None = None) -> list[StageError]:
-    """Per-stage measured errors and bounds for the bank ``x`` ([batch, rows, cols], cast to bf16)."""
+    """Per-stage measured errors and bounds for the bank ``x`` ([batch, rows, cols], cast to bf16);
+    ``model`` defaults to SAFE's for general ``rows x cols`` matrices."""
     from anvil_fast.cascade import SAFE, CascadeWorkspace, _normalize, is_tall
     from anvil_fast.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
     from anvil_fast.normalize import block_partials, normalize_from_partials
@@ -100,18 +106,12 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
         A64 = _gram64(X64, tall)
         B64 = b * A64 + c * (A64 @ A64)
         Y64 = a * X64 + (X64 @ B64 if tall else B64 @ X64)
-        s_in = torch.linalg.svdvals(X64).cpu().numpy()
-        top_ex = torch.linalg.svdvals(Y64)[:, 0].cpu().numpy()
-        top_fast = torch.linalg.svdvals(C.double())[:, 0].cpu().numpy()
-        measured = np.abs(top_fast - top_ex) / top_ex
-        bound = np.empty(batch)
-        for i in range(batch):
-            # the output's top value is the image of some input singular value: take the model's
-            # bound over every input whose exact image is at least half the top
-            p = s_in[i] * (a + s_in[i] ** 2 * (b + c * s_in[i] ** 2))
-            sel = np.abs(p) >= 0.5 * top_ex[i]
-            bound[i] = stage_bound(s_in[i][sel], (a, b, c), model).max()
-        out.append(StageError(k, float(measured.max()), float(bound[np.argmax(measured / bound)])))
+        s_ex = torch.linalg.svdvals(Y64).cpu().numpy()
+        s_fast = torch.linalg.svdvals(C.double()).cpu().numpy()
+        measured = np.abs(s_fast - s_ex).max(1)
+        bound = stage_bound(X64, (a, b, c), model, tall=tall)
+        i = int(np.argmax(np.divide(measured, bound, out=np.full_like(measured, np.inf), where=bound > 0)))
+        out.append(StageError(k, float(measured[i]), float(bound[i])))
         X = C
     return out
 

@@ -1,11 +1,12 @@
-"""The maps-versus-accuracy frontier in the write-up: a table, a figure and the sentence that
-answers "can 5 robust maps match ANVIL_MAPS?", all from papers/data/frontier.json (written by
+"""The maps-versus-accuracy frontier in the write-up: a table, a figure and the sentences that
+answer "can 5 robust maps match ANVIL_MAPS?", all from papers/data/frontier.json (written by
 ``python -m derive_maps.frontier``)."""
 
 from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 
 from papers.svg import Series, line_plot
@@ -30,73 +31,138 @@ def table() -> str:
     return include_markdown("frontier.md")
 
 
-def figure() -> str:
-    d = load()
-    series = []
-    ls = sorted({r["l"] for r in d["rows"]}, key=lambda s: -eval_frac(s))
-    for i, l in enumerate(ls):
-        rows = [r for r in d["rows"] if r["l"] == l]
-        ex = [(r["n_maps"], math.log10(r["exact"]["max_abs_log_certified"])) for r in rows]
-        rb = [(r["n_maps"], math.log10(r["robust"]["max_abs_log_certified"])) for r in rows if r["robust"]]
-        series.append(Series(f"exact, l = {l}", [x for x, _ in ex], [y for _, y in ex]))
-        if rb:
-            series.append(Series(f"bf16-robust, l = {l}", [x for x, _ in rb], [y for _, y in rb], dashed=True))
-    anvil = math.log10(d["anvil"]["max_abs_log_certified"][ANVIL_INTERVAL_L])
-    ys = [y for s in series for y in s.y]
-    return line_plot(series, title="Best certified max|log F| on [l, 1/1.05] (dotted: ANVIL_MAPS, l = 1/300)",
-                     xlabel="number of maps", ylabel="log10 max|log F| (certified)",
-                     ylim=(math.floor(min(ys)) - 0.5, math.ceil(max(ys)) + 0.5), hlines=(anvil,),
-                     legend="lower left")
-
-
 def eval_frac(s: str) -> float:
     num, _, den = s.partition("/")
     return float(num) / float(den or 1)
 
 
+def figure() -> str:
+    d = load()
+    series = []
+    ls = sorted({r["l"] for r in d["rows"]}, key=lambda s: -eval_frac(s))
+    for l in ls:
+        rows = [r for r in d["rows"] if r["l"] == l]
+        ex = [(r["n_maps"], math.log10(r["exact"]["max_abs_log_certified"])) for r in rows
+              if not r["exact"]["floor_limited"]]
+        if ex:
+            series.append(Series(f"exact, l = {l}", [x for x, _ in ex], [y for _, y in ex]))
+        for cls in d["classes"]:
+            rb = [(r["n_maps"], math.log10(r["robust"][cls]["max_abs_log_certified"])) for r in rows
+                  if r["robust"][cls] is not None and r["robust"][cls]["max_abs_log_certified"] > 0]
+            if rb:
+                series.append(Series(f"bf16-robust ({cls}), l = {l}", [x for x, _ in rb], [y for _, y in rb],
+                                     dashed=True))
+    anvil = math.log10(d["anvil"]["max_abs_log_certified"][ANVIL_INTERVAL_L])
+    ys = [y for s in series for y in s.y]
+    return line_plot(series, title="Best certified max|log F| on [l, 1/1.05] (dotted: ANVIL_MAPS, l = 1/300; "
+                                   "certificates at the rounding floor left out)",
+                     xlabel="number of maps", ylabel="log10 max|log F| (certified)",
+                     ylim=(math.floor(min(ys)) - 0.5, math.ceil(max(ys)) + 0.5), hlines=(anvil,),
+                     legend="lower left")
+
+
+def _short(d: dict, cls: str) -> str:
+    """A class's name in prose: its words up to the parenthesis."""
+    return d["classes"][cls]["words"].split(" (")[0]
+
+
+def _robust_phrase(d: dict, rb: dict | None, cls: str) -> str:
+    if rb is None:
+        return f"none of the family passes for {_short(d, cls)}"
+    return (f"for {_short(d, cls)} the best five maps that pass reach {rb['max_abs_log_certified']:.3g} "
+            f"($h = {rb['headroom']}$, cushion ${rb['cushion']}$, $F'(0) = {rb['tail_gain']:.1f}$)")
+
+
+def _why(c: dict) -> str:
+    """A refusal's reason, short."""
+    r = c["reason"]
+    if "blow" in r:
+        return "it may blow up" if r.startswith("may") else "it blows up"
+    if "resolution" in r:
+        return f"l = {ANVIL_INTERVAL_L} lies below the class's resolution"
+    if "on [0, u]" in r:
+        return f"its output may reach {c['robust_max_certified']:.4g}"
+    return f"its output may fall to {c['robust_min_certified']:.4g}"
+
+
+def _certified(rb: dict) -> str:
+    """A certified max|log F| in prose, its floor said as such."""
+    v = f"{rb['max_abs_log_certified']:.3g}"
+    return f"at most {v} (the certifier's floor)" if rb.get("floor_limited") else v
+
+
+def _anvil_verdicts(d: dict) -> str:
+    """ANVIL_MAPS' robust checks, one clause per margin slack."""
+    out = []
+    for slack, per in d["anvil"]["robust"].items():
+        name = "at the seed's margin" if Fraction(slack) == 0 else f"with a slack of ${slack}$"
+        got = []
+        for cls, c in per.items():
+            if c["passed"]:
+                got.append(f"is certified for {_short(d, cls)} (output in [{c['robust_min_certified']:.4g}, "
+                           f"{c['robust_max_certified']:.4g}])")
+            else:
+                got.append(f"is refused for {_short(d, cls)} ({_why(c)})")
+        out.append(f"{name} it " + " and ".join(got))
+    return "; ".join(out)
+
+
 def values() -> dict[str, str]:
+    from derive_maps.robust import resolution_floor, resolution_limits, rounding_model
     d = load()
     l = ANVIL_INTERVAL_L
     anvil = d["anvil"]["max_abs_log_certified"][l]
     r5, r6 = _row(d, 5, l), _row(d, 6, l)
     ex5 = r5["exact"]["max_abs_log_certified"]
-    rb5 = r5["robust"]
-    rb6 = r6["robust"]
-    if rb5 is not None and rb5["max_abs_log_certified"] <= anvil:
-        answer = (f"Yes: on $[1/300, 1/1.05]$ a five-map set certified under the bf16 rounding model reaches "
-                  f"max|log F| = {rb5['max_abs_log_certified']:.3g}, against ANVIL_MAPS' {anvil:.3g}.")
+    classes = d["classes"]
+    robust5 = "; ".join(_robust_phrase(d, r5["robust"][c], c) for c in classes)
+    best5 = [rb for rb in r5["robust"].values() if rb is not None]
+    if best5 and min(rb["max_abs_log_certified"] for rb in best5) <= anvil:
+        answer = (f"Yes: on $[1/300, 1/1.05]$ a five-map set certified under a bf16 rounding model reaches "
+                  f"max|log F| = {min(rb['max_abs_log_certified'] for rb in best5):.3g}, against ANVIL_MAPS' "
+                  f"{anvil:.3g}.")
     else:
-        robust5 = ("no five-map set of the family passes the robust certificate" if rb5 is None else
-                   f"the best five-map set that passes the robust certificate reaches "
-                   f"{rb5['max_abs_log_certified']:.3g} (headroom $h = {rb5['headroom']}$, "
-                   f"$F'(0) = {rb5['tail_gain']:.1f}$)")
         answer = (f"No. On $[1/300, 1/1.05]$ ANVIL_MAPS' certified max|log F| is {anvil:.3g}; the best five maps "
                   f"reach {ex5:.3g} even in exact arithmetic (a factor {ex5 / anvil:.1f} short), and {robust5}.")
-    lows = [r for r in d["rows"] if r["n_maps"] == 5 and r["robust"] and eval_frac(r["l"]) > eval_frac(l)
-            and r["robust"]["max_abs_log_certified"] <= d["anvil"]["max_abs_log_certified"][r["l"]]]
-    for r in lows:
-        answer += (f" On the shorter interval $[{r['l']}, 1/1.05]$ they can: a robust five-map set reaches "
-                   f"{r['robust']['max_abs_log_certified']:.3g} there (ANVIL_MAPS: "
-                   f"{d['anvil']['max_abs_log_certified'][r['l']]:.3g}) with $F'(0) = {r['robust']['tail_gain']:.1f}$, "
-                   f"at the price of certifying nothing about the singular values in $[{l}, {r['l']}]$.")
-    if rb6 is not None:
-        answer += (f" Six maps that pass the robust certificate do much better than ANVIL_MAPS: "
-                   f"{rb6['max_abs_log_certified']:.3g} (headroom $h = {rb6['headroom']}$, "
-                   f"$F'(0) = {rb6['tail_gain']:.1f}$ against ANVIL_MAPS' {d['anvil']['tail_gain']:.1f}).")
-    def verdict(c: dict) -> str:
-        if c["blown_up"]:
-            if c["robust_max_reached"] >= 1e50:
-                return "blows up (a perturbation sequence of the model drives the output past $10^{50}$)"
-            return "may blow up (its enclosure leaves $[-10^{50}, 10^{50}]$)"
-        return (f"stays below {c['robust_max_certified']:.4g}" + ("" if c["passed"] else
-                f", above its limit {c['limit']:.4g}: refused"))
+    for r in d["rows"]:
+        if r["n_maps"] != 5 or eval_frac(r["l"]) <= eval_frac(l):
+            continue
+        base = d["anvil"]["max_abs_log_certified"][r["l"]]
+        ok = [(c, rb) for c, rb in r["robust"].items() if rb is not None and rb["max_abs_log_certified"] <= base]
+        if ok:
+            clauses = ", ".join(f"{_certified(rb)} for {_short(d, c)}" for c, rb in ok)
+            answer += (f" On the shorter interval $[{r['l']}, 1/1.05]$ robust five-map sets reach {clauses} "
+                       f"(ANVIL_MAPS: {base:.3g}), at the price of certifying nothing about the singular values "
+                       f"in $[{l}, {r['l']}]$.")
+    six = [(c, rb) for c, rb in r6["robust"].items() if rb is not None]
+    if six:
+        answer += " Six robust maps on $[1/300, 1/1.05]$: " + ", ".join(
+            f"{rb['max_abs_log_certified']:.3g} for {_short(d, c)} ($F'(0) = {rb['tail_gain']:.1f}$)"
+            for c, rb in six) + f" (ANVIL_MAPS' $F'(0)$: {d['anvil']['tail_gain']:.1f})."
+    floor_rows = [f"{r['n_maps']} maps on $[{r['l']}, u]$" for r in d["rows"] if r["exact"]["floor_limited"]]
+    two = rounding_model("safe", **{k: v for k, v in _class_args(d, "two").items()})
+    lim = resolution_limits(rounding_model("safe", rows=2, cols=2))
+    smallest_two = min((r["l"] for r in d["rows"] if r["robust"].get("two")), key=eval_frac, default=None)
+    diag = d["classes"]["diagonal"]["model"]
     return {
         "frontier_answer": answer,
         "frontier_eps": f"{d['eps']:g}",
-        "frontier_h_max": d["h_max"],
-        "frontier_bisect_steps": str(d["bisect_steps"]),
-        "frontier_delta": f"{d['model']['delta_x']:.4g}",
-        "frontier_delta0": f"{d['model']['delta0']:.3g}",
-        "frontier_anvil_seed": verdict(d["anvil"]["robust_seed_margin"]),
-        "frontier_anvil_safe": verdict(d["anvil"]["robust_safe_slack"]),
+        "frontier_h_grid": ", ".join(d["h_grid"]),
+        "frontier_cushions": ", ".join(d["cushions"]),
+        "frontier_delta": f"{diag['delta_x']:.4g}",
+        "frontier_delta0": f"{diag['delta0']:.3g}",
+        "frontier_delta_eps": f"{diag['delta_eps']:.3g}",
+        "frontier_anvil": _anvil_verdicts(d),
+        "frontier_floor_rows": ", ".join(floor_rows) if floor_rows else "none",
+        "frontier_resolution_iterate": f"{lim['iterate']:.3g}",
+        "frontier_resolution_gram": f"{lim['gram']:.3g}",
+        "frontier_floor_two": f"{resolution_floor(two, '1/1.05'):.3g}",
+        "frontier_smallest_l_two": "no $l$ of the table" if smallest_two is None else f"$l = {smallest_two}$",
+        "frontier_search_budget": str(d["search_budget"][0]),
     }
+
+
+def _class_args(d: dict, cls: str) -> dict:
+    """The rounding_model arguments of a class, from the data's model (block shape by singular values)."""
+    from derive_maps.frontier import CLASSES
+    return CLASSES[cls][0]

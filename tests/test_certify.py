@@ -1,6 +1,8 @@
 """derive_maps.certify: certified bounds hold against dense high-precision sampling, and catch
 narrow excursions that a grid misses."""
 
+import math
+
 import mpmath
 import numpy as np
 import pytest
@@ -179,12 +181,45 @@ def test_band_limits_round_outward_and_inward(band):
 
 def test_lower_bound_survives_a_large_value_elsewhere():
     # On [1/300, 0.953] the composite reaches about exp(27.4) near the top while its minimum is
-    # 0.99934 (the dense check below); a tolerance scaled by max F must not spoil the lower bound.
+    # 0.99934 (at 0.9522787, found here in mpmath); each bound refines to a tolerance of its own
+    # size, so the lower one is not spoilt by the 27.4 of the upper one.
     e = certify_envelope(ANVIL_MAPS, "1/300", "0.953")
-    f = composite(np.geomspace(1 / 300, 0.953, 20001), maps=ANVIL_MAPS)
-    # the promise of certify_envelope's rtol (1e-3), each bound relative to its own value
-    assert e.f_min_certified >= e.f_min_attained * (1 - 1e-3 * e.max_abs_log_certified) > 0.97
-    assert e.f_max_certified <= e.f_max_attained * (1 + 1e-3 * e.max_abs_log_certified)
-    assert e.f_min_certified <= e.f_min_attained <= f.min() * (1 + 1e-12)
+    th = _mpmaps(ANVIL_MAPS)
+
+    def slope(x):      # F'(x) = prod_k p_k'(s_{k-1}), written out
+        d = mpmath.mpf(1)
+        for a, b, c in th:
+            d *= a + 3 * b * x ** 2 + 5 * c * x ** 4
+            x = a * x + b * x ** 3 + c * x ** 5
+        return d
+    with mpmath.workdps(40):
+        g = lambda s: composite(s, maps=th)  # noqa: E731
+        x_star = mpmath.findroot(slope, (mpmath.mpf("0.95227"), mpmath.mpf("0.95229")), solver="anderson")
+        true_min = float(g(x_star))
+    assert 0.99933 < true_min < 0.99935
+    assert e.f_min_certified <= true_min <= e.f_min_attained
+    # the promise of certify_envelope's rtol (1e-3): relative to the bound's own |log|
+    assert e.f_min_certified >= true_min * (1 - 2e-3 * abs(math.log(true_min))) - 1e-15
+    assert e.f_max_certified <= e.f_max_attained * (1 + 1e-3 * abs(math.log(e.f_max_attained))) * (1 + 1e-15)
+    # the attained value is F at a point (argmin), an upper bound on the minimum
+    with mpmath.workdps(40):
+        assert float(g(mpmath.mpf(e.argmin))) <= e.f_min_attained * (1 + 1e-15)
     assert 27.0 < e.max_abs_log_certified < 28.0
     assert e.max_abs_log_attained <= e.max_abs_log_certified
+
+
+def test_a_certificate_at_the_rounding_floor_says_so():
+    # The seven-map greedy set on [1/300, 1/1.05] is accurate to far below what the 64-bit interval
+    # format resolves through seven maps: its certified bound is the arithmetic's floor. A value F
+    # attains (at 50 digits, on a grid) is orders of magnitude below it.
+    from derive_maps.frontier import exact_set
+    maps = exact_set(7, "1/300", U)
+    e = certify_envelope(maps, L, U)
+    assert e.floor_limited and e.floor_boxes > 0
+    xs = np.concatenate([[e.argmin, e.argmax], np.geomspace(1 / 300, 1 / 1.05, 400)])
+    th = _mpmaps(maps)
+    with mpmath.workdps(50):
+        worst = max(abs(mpmath.log(composite(mpmath.mpf(float(x)), maps=th))) for x in xs)
+    assert 0 < worst < e.max_abs_log_certified / 100
+    # a certificate far above the floor is not flagged
+    assert not certify_envelope(ANVIL_MAPS, L, U).floor_limited

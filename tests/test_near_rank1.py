@@ -56,7 +56,7 @@ def _iterate_only(delta: float) -> RoundingModel:
 
 
 def test_interval_analysis_supports_the_slack():
-    # the numbers quoted in anvil_fast/cascade.py (certified upper bounds on [0, u])
+    # the numbers quoted in anvil_fast/cascade.py (the scalar model's certified bounds on [0, u])
     seed_u = 1 / Fraction(FROBENIUS_MARGIN)
     assert robust_envelope(ANVIL_MAPS, 0, seed_u, _iterate_only(0.0)).f_max_certified < 1.001
     # the seed's margin has no room for a 1e-4 perturbation: a perturbation sequence reaches > 20

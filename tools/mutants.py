@@ -304,6 +304,16 @@ MUTANTS: list[Mutant] = [
     M("ref polar: the clamp read as an additive eps", "anvil_ref/polar.py",
       "d = np.maximum(margin * np.sqrt(np.square(z_).sum(axis=(-2, -1), keepdims=True)), eps)",
       "d = margin * np.sqrt(np.square(z_).sum(axis=(-2, -1), keepdims=True)) + eps", "tests/test_polar.py"),
+    M("certify: the lower bound's tolerance scaled by the upper value", "derive_maps/certify.py",
+      "tol_hi, tol_lo = _own_tolerance(amax, rtol), _own_tolerance(amin, rtol)\n        else:",
+      "tol_hi, tol_lo = _own_tolerance(amax, rtol), _own_tolerance(amax, rtol)\n        else:",
+      "tests/test_certify.py::test_lower_bound_survives_a_large_value_elsewhere"),
+    M("robust: the iterate's rounding left out of the cross-talk bound", "derive_maps/robust.py",
+      "eX = iv_mul_pos(_c(m.delta_x), iv_add(YF, eY))", "eX = iv_mul_pos(_c(0.0), iv_add(YF, eY))",
+      "tests/test_robust.py::test_weyl_bound_holds_under_the_kernels_rounding_bounds"),
+    M("robust: the verdict checks the maximum only", "derive_maps/robust.py",
+      "if e is not None and e.f_min_certified < lo_limit:", "if False:",
+      "tests/test_robust.py::test_the_low_end_is_certified_and_refused_when_it_collapses"),
 ]
 
 
