@@ -16,6 +16,9 @@
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
+#   orthogonalizers  python -m anvil_fast.difftest --adapter all on the bank shapes (the paper's table of
+#           other libraries' orthogonalizations): wheels from .whl, dion from .peers/dion; JSON and log
+#           into $OUT (copy them to results/h200_orthogonalizers/)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
@@ -73,6 +76,15 @@ for stage in ${STAGES:-suite bench}; do
                > "$OUT/fp_after.log" 2>&1
              diff "$OUT/fp_before.txt" "$OUT/fp_after.txt" > "$OUT/fp_diff.txt" && echo "fingerprint: identical" \
                || { echo "fingerprint: differs"; cat "$OUT/fp_diff.txt"; } ;;
+    orthogonalizers) if ls .whl/*.whl > /dev/null 2>&1; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+               .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "orthogonalizers: the wheels in .whl did not install"
+           fi
+           PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-260}" python3 -m anvil_fast.difftest --adapter all \
+             --shapes 4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096 --families gaussian,well_conditioned,near_rank1 \
+             --near-rank1-count 8 --time-reps 10 --time-limit $(( ${T_ORTHO:-260} - 60 )) --no-progress \
+             --json "$OUT/orthogonalizers.json" > "$OUT/orthogonalizers.log" 2>&1; echo "rc=$?" >> "$OUT/orthogonalizers.log"
+           tail -5 "$OUT/orthogonalizers.log" ;;
     peers) if ls .whl/*.whl > /dev/null 2>&1; then
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "peers: the wheels in .whl did not install"
@@ -85,4 +97,9 @@ for stage in ${STAGES:-suite bench}; do
 done
 stamp done
 [ -d results/train ] && tar czf "$OUT/results_train.tgz" results/train
+# the device returns at most 8 files: past 7, everything but stages.txt travels in one tarball
+if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+  (cd "$OUT" && tar czf /tmp/h200_all.tgz --exclude=stages.txt . && find . -type f ! -name stages.txt -delete \
+     && mv /tmp/h200_all.tgz ./all.tgz)
+fi
 exit 0
