@@ -521,7 +521,7 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     """Every row for every implementation, shape and family (same inputs for all implementations).
     ``near_rank1_count``: inputs of the near-rank-1 family per shape; ``time_reps``: timed calls per
     shape on CUDA (0: none); ``time_limit``: seconds after which no new row is started (the rows done
-    are returned); ``checkpoint``: called with the rows so far after every shape (a run that is
+    are returned); ``checkpoint``: called with the rows so far after every row (a run that is
     stopped from outside keeps what it measured)."""
     from anvil_ref.progress import Progress
 
@@ -542,10 +542,10 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
                 break
             bar.update(n, label=f"harness: {impl.name} {'x'.join(map(str, s))} {f} ({n + 1}/{len(cases)})")
             rows.append(judge_one(impl, s, f, cache, time_reps=time_reps))
+            if checkpoint is not None:
+                checkpoint(rows)  # after every row: one implementation's compilation can outlast a run's box
             if n + 1 == len(cases) or cases[n + 1][1] != s:  # this shape is done
                 cache.store = {k: v for k, v in cache.store.items() if k[1] != s}
-                if checkpoint is not None:
-                    checkpoint(rows)
         bar.update(len(cases))
     return rows
 

@@ -1,4 +1,5 @@
-"""Shared test helpers: matrices with prescribed singular values, and exact (mpmath) composites."""
+"""Shared test helpers: matrices with prescribed singular values, exact (mpmath) composites, and the
+CUDA caching allocator's rounding."""
 
 from __future__ import annotations
 
@@ -37,3 +38,11 @@ def exact_cascade_spectrum(s, maps, *, margin: float, eps: float, dps: int = 50)
         s_mp = [mpmath.mpf(float(v)) for v in s]
         d = mpmath.mpf(margin) * mpmath.sqrt(mpmath.fsum(v * v for v in s_mp)) + mpmath.mpf(eps)
         return np.array([float(composite(v / d, maps=mp_maps)) for v in s_mp])
+
+
+def cuda_block_bound(nbytes: int) -> int:
+    """The most bytes PyTorch's CUDA caching allocator (default settings: no expandable segments, no
+    max split size) counts in ``memory_allocated`` for one request of ``nbytes``: the request rounded
+    up to 512 B (kMinBlockSize), plus, for a request over 1 MiB (kSmallSize), the remainder of the
+    block it takes, which it splits off only when more than 1 MiB would remain."""
+    return -(-int(nbytes) // 512) * 512 + ((1 << 20) if nbytes > (1 << 20) else 0)

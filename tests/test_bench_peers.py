@@ -21,6 +21,7 @@ import torch
 
 from anvil_fast.bench import COMMANDS
 from anvil_fast.bench import peers as P
+from tests.helpers import cuda_block_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -275,12 +276,12 @@ def test_the_readme_sentence_quotes_the_fastest_peer():
     assert got == ("Measured on one NVIDIA H200 (torch 2.11.0, `results/h200_peers/`, `python -m anvil_fast.bench "
                    "peers`): on the small GPT the drop-in's step (`anvil_fast.ANVIL`, defaults) takes 1.500 ms; the "
                    "fastest peer measured beside it, label of dion_graphed, 0.500 ms (3.00x ANVIL's time over the "
-                   "peer's); on the medium GPT the drop-in's step (`anvil_fast.ANVIL`, defaults) takes 4.000 ms; the "
+                   "peer's); not timed in that run: label of heavyball (timeout); on the medium GPT the drop-in's step (`anvil_fast.ANVIL`, defaults) takes 4.000 ms; the "
                    "fastest peer measured beside it, label of pytorch_optimizer, 4.500 ms (0.89x ANVIL's time over "
                    "the peer's).")
     no_anvil = P.readme_sentence(_data([r for r in ROWS if r["contender"] != "anvil"], sizes=("small",)))
     assert "on the small GPT the drop-in's step did not run; the fastest peer measured beside it, label of " \
-           "dion_graphed, 0.500 ms." in no_anvil
+           "dion_graphed, 0.500 ms; not timed in that run: label of heavyball (timeout)." in no_anvil
 
 
 def test_rewrite_readme_replaces_only_the_marked_sentence(tmp_path):
@@ -294,19 +295,50 @@ def test_rewrite_readme_replaces_only_the_marked_sentence(tmp_path):
         P.rewrite_readme(readme, None)
 
 
-def test_the_readme_speed_sentence_is_generated_from_the_stored_run():
-    """The README's sentence is what the stored H200 JSON gives (the placeholder while none is stored):
-    `python -m anvil_fast.bench peers --readme README.md --from results/h200_peers/peers.json` rewrites it."""
-    stored = ROOT / P.RESULTS_JSON
-    data = json.loads(stored.read_text()) if stored.exists() else None
-    assert P.readme_block(data) in (ROOT / "README.md").read_text()
+def test_each_size_is_quoted_from_a_run_that_timed_the_drop_in_and_a_peer():
+    cut_short = [r for r in ROWS if r["size"] == "small"] + [
+        _row("medium", "anvil", "anvil", ms=4.0), _row("medium", "dion_graphed", "peer", status="not run",
+                                                      detail="the run's budget of 230 s was spent")]
+    medium = [_row("medium", "anvil", "anvil", ms=3.0), _row("medium", "dion_graphed", "peer", ms=4.2)]
+    got = P.readme_sentence([(_data(cut_short), "a/"), (_data(medium, sizes=("medium",)), "b/")])
+    assert got.startswith("Measured on one NVIDIA H200 (torch 2.11.0, each size's times from one run, in the folder "
+                          "named, `python -m anvil_fast.bench peers`): on the small GPT (`a/`) the drop-in's step")
+    assert "on the medium GPT (`b/`) the drop-in's step (`anvil_fast.ANVIL`, defaults) takes 3.000 ms; the fastest " \
+           "peer measured beside it, label of dion_graphed, 4.200 ms (0.71x ANVIL's time over the peer's)." in got
+    # with no run that timed both, the first run holding the size is quoted as it is
+    alone = P.readme_sentence([(_data(cut_short), "a/")])
+    assert "on the medium GPT the drop-in's step (`anvil_fast.ANVIL`, defaults) takes 4.000 ms; no peer ran; not " \
+           "timed in that run: label of dion_graphed (not run)." in alone
 
 
-def test_the_stored_tables_are_the_stored_json_rendered():
-    stored = ROOT / P.RESULTS_JSON
+def test_the_readme_speed_sentence_is_generated_from_the_stored_runs():
+    """The README's sentence is what the stored H200 JSONs give (the placeholder while none is stored):
+    the command in :data:`~anvil_fast.bench.peers.README_BEGIN` rewrites it."""
+    runs = P.stored_runs(ROOT)
+    assert P.readme_block(runs or None) in (ROOT / "README.md").read_text()
+    assert " ".join(f"--from {p}" for p in P.RESULTS_JSONS) in P.README_BEGIN
+
+
+@pytest.mark.parametrize("stored", P.RESULTS_JSONS)
+def test_the_stored_tables_are_the_stored_json_rendered(stored):
+    stored = ROOT / stored
     if not stored.exists():
-        pytest.skip(f"no {P.RESULTS_JSON} stored yet")
+        pytest.skip(f"no {stored} stored yet")
     assert (stored.parent / "peers.md").read_text() == P.render_markdown(json.loads(stored.read_text()))
+
+
+def test_the_cli_renders_one_run_and_quotes_several(tmp_path, capsys):
+    from anvil_fast.bench import main
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_data(ROWS)))
+    b.write_text(json.dumps(_data(ROWS)))
+    assert main(["peers", "--from", str(a), "--from", str(b)]) == 2
+    assert "give one JSON" in capsys.readouterr().err
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{P.README_BEGIN}\nold\n{P.README_END}\n")
+    assert main(["peers", "--readme", str(readme), "--from", str(a), "--from", str(b)]) == 0
+    assert P.readme_sentence([(_data(ROWS), f"{tmp_path.as_posix()}/")] * 2) in readme.read_text()
 
 
 def test_bad_contender_names_are_refused(capsys):
@@ -447,9 +479,9 @@ def test_a_long_log_keeps_its_first_and_last_lines():
 @pytest.mark.gpu
 def test_gpu_run_reads_the_memory_counters(tmp_path):
     """The CUDA-only columns on two quick contenders. Fused AdamW's resident state is its two moments,
-    8 B per parameter, each tensor's allocation rounded up to the caching allocator's 512 B, plus a
-    4 B step tensor per parameter tensor (also rounded up): so between 8 N and 8 N + 3 * 512 B per
-    tensor."""
+    8 B per parameter, and a 4 B step tensor per parameter tensor, each allocation as the caching
+    allocator rounds it (:func:`helpers.cuda_block_bound`: 512 B, and up to 1 MiB of an unsplit
+    block past 1 MiB)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     out = tmp_path / "out"
@@ -461,9 +493,9 @@ def test_gpu_run_reads_the_memory_counters(tmp_path):
     assert all(r["status"] == "ok" for r in rows.values()), rows
     model = P.build_model("small", CPU)
     n = sum(p.numel() for p in model.parameters())
-    tensors = len(list(model.parameters()))
     adamw = rows["adamw"]
-    assert 8 * n <= adamw["resident_mib"] * P.MIB <= 8 * n + 3 * 512 * tensors, adamw
+    bound = sum(2 * cuda_block_bound(4 * p.numel()) + cuda_block_bound(4) for p in model.parameters())
+    assert 8 * n <= adamw["resident_mib"] * P.MIB <= bound, (adamw, 8 * n, bound)
     for r in rows.values():
         assert r["ms"] > 0 and r["host_ms"] > 0
         assert r["peak_mib"] >= r["resident_mib"] >= 0 and r["reserved_mib"] >= 0

@@ -26,6 +26,7 @@ from anvil_fast.nonfinite import AddressCheck, BufferCheck, check_addresses, che
 from anvil_fast.optimizer import NonFiniteGradientError
 from anvil_ref.rails import rail_scalars
 
+from tests.helpers import cuda_block_bound
 from tests.test_dropin import TinyLM
 
 
@@ -260,7 +261,7 @@ def test_in_place_read_leaves_a_member_without_gradient_untouched(triton_dev):
     assert torch.equal(_bits(idle), _bits(keep_w)) and torch.equal(m.gain, keep_gain)
     for k, v in opt.state[idle].items():
         assert torch.equal(_bits(v), _bits(keep[k])), k
-    assert not torch.equal(opt.state[m.blocks[0].q.weight]["fast_rail"], torch.zeros(()))
+    assert opt.state[m.blocks[0].q.weight]["fast_rail"].abs().sum() > 0  # the members with a gradient moved
     assert label in opt.banks
 
 
@@ -403,9 +404,13 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
 
 @pytest.mark.gpu
 def test_fp32_model_state_is_at_adamw_memory():
-    """An fp32 model's resident optimizer state: the two fp32 rails per banked weight and Adam's two
-    moments (AdamW's 8 bytes per parameter), plus the lane energies, counters and tables; no
-    mantissa, no bf16 copy, no gradient buffer, no persistent workspace."""
+    """An fp32 model's resident optimizer state on the GPU: the two fp32 rails per banked weight and
+    Adam's two moments (AdamW's 8 bytes per parameter), plus the lane energies, counters and tables;
+    no mantissa, no bf16 copy, no gradient buffer, no persistent workspace. ``memory_allocated`` counts
+    the caching allocator's blocks, so each held storage is allowed its block's rounding
+    (:func:`helpers.cuda_block_bound`), and 1 MiB more for device buffers no state holds (compiled
+    kernels' and the graph's own); a bf16 copy or a mantissa of the banked weights (2 B each, 14 MiB
+    on the small GPT) does not fit."""
     torch.manual_seed(0)
     m = anvil_fast.gpt.build("small").cuda()
     _fixed_grads(m, 0)
@@ -417,9 +422,10 @@ def test_fp32_model_state_is_at_adamw_memory():
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated() - base
     n = sum(p.numel() for p in m.parameters())
-    extra = sum(t.numel() * t.element_size() for st in opt.inner.param_states.values() for k, t in st.items()
-                if isinstance(t, torch.Tensor) and k == "lane_energy")
-    assert resident <= 8 * n + extra + (1 << 20), (resident, 8 * n)
+    sizes, lanes = _held_storages(opt)
+    assert 8 * n + lanes <= sum(sizes) <= 8 * n + lanes + (1 << 20), (sum(sizes), 8 * n)
+    bound = sum(cuda_block_bound(b) for b in sizes) + (1 << 20)
+    assert resident <= bound, (resident, bound, 8 * n)
 
 
 # ----------------------------------------------------------------------------------------------- memory

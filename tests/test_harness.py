@@ -347,3 +347,19 @@ def test_near_rank1_inputs_reach_the_implementation_in_chunks_of_the_shape_batch
     rows = H.judge(H.Implementation("chunks", fn, None), shapes=[(2, 24, 16)], families=("near_rank1",),
                    near_rank1_count=6, progress=False)
     assert rows[0].count == 6 and seen == [(2, 24, 16)] * 3
+
+
+def test_a_run_keeps_every_finished_row_when_a_later_one_never_ends():
+    """The checkpoint follows every row, not every shape: a run cut short inside a shape (one
+    library's compilation outlasting the box) still has the rows of that shape done before it."""
+    calls, seen = [], []
+
+    def hangs(x):
+        raise KeyboardInterrupt  # stands for the run's outer timeout arriving during this row
+
+    impls = [H.Implementation("genuine", torch_muon, H.DeclaredMath.of(**TORCH_MATH), per_matrix=True),
+             H.Implementation("hangs", hangs, None, per_matrix=True)]
+    with pytest.raises(KeyboardInterrupt):
+        H.judge(impls, shapes=[(2, 32, 24)], families=("gaussian",), checkpoint=lambda rows: calls.append(len(rows))
+                or seen.extend(r.impl for r in rows[len(seen):]))
+    assert calls == [1] and seen == ["genuine"]

@@ -17,13 +17,24 @@
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
 #   orthogonalizers  python -m anvil_fast.difftest --adapter all on the bank shapes (the paper's table of
-#           other libraries' orthogonalizations): wheels from .whl, dion from .peers/dion; JSON and log
-#           into $OUT (copy them to results/h200_orthogonalizers/)
+#           other libraries' orthogonalizations): wheels from .whl, dion from .peers/dion; JSON (rewritten
+#           after every row) and log (a line per row) into $OUT (copy them to results/h200_orthogonalizers/)
+#   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
+#           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
 # TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
+# `bash tools/h200_session.sh pack` only packs $OUT (after a run cut short by an outer timeout).
 set -o pipefail
+# the device returns at most 8 files: past 7, everything but stages.txt travels in one tarball
+pack() {
+  if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+    (cd "$OUT" && tar czf /tmp/h200_all.tgz --exclude=stages.txt . && find . -type f ! -name stages.txt -delete \
+       && mv /tmp/h200_all.tgz ./all.tgz)
+  fi
+}
+[ "$1" = pack ] && { OUT=${OUT:-/tmp/h200_out}; pack; exit 0; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -82,24 +93,25 @@ for stage in ${STAGES:-suite bench}; do
            fi
            PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-260}" python3 -m anvil_fast.difftest --adapter all \
              --shapes 4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096 --families gaussian,well_conditioned,near_rank1 \
-             --near-rank1-count 8 --time-reps 10 --time-limit $(( ${T_ORTHO:-260} - 60 )) --no-progress \
+             --near-rank1-count 8 --time-reps 10 --time-limit $(( ${T_ORTHO:-260} - 60 )) \
              --json "$OUT/orthogonalizers.json" > "$OUT/orthogonalizers.log" 2>&1; echo "rc=$?" >> "$OUT/orthogonalizers.log"
            tail -5 "$OUT/orthogonalizers.log" ;;
+    nothinglost) timeout "${T_CHUNK:-90}" python3 tools/chunk_independence.py --no-progress > "$OUT/chunk_safe.txt" 2>&1
+             tail -3 "$OUT/chunk_safe.txt"
+             timeout "${T_NR1:-80}" python3 -m anvil_fast.near_rank1 --no-progress --device cuda --count 500 \
+               --paths fp64,fast-safe 2>&1 | tee "$OUT/near_rank1_safe.log" | tail -6
+             timeout "${T_OPTBENCH:-100}" python3 -m anvil_fast.bench optimizer 2>&1 | tee "$OUT/bench_optimizer.log" | tail -10 ;;
     peers) if ls .whl/*.whl > /dev/null 2>&1; then
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "peers: the wheels in .whl did not install"
            fi
-           timeout "${T_PEERS:-300}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
-             --budget-s $(( ${T_PEERS:-300} - 60 )) --note "${PEERS_NOTE:-nvidia-h200}" 2>&1 \
+           timeout "${T_PEERS:-580}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
+             --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}" 2>&1 \
              | tee "$OUT/bench_peers.log" | grep -E "^  |stopped|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
 stamp done
 [ -d results/train ] && tar czf "$OUT/results_train.tgz" results/train
-# the device returns at most 8 files: past 7, everything but stages.txt travels in one tarball
-if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
-  (cd "$OUT" && tar czf /tmp/h200_all.tgz --exclude=stages.txt . && find . -type f ! -name stages.txt -delete \
-     && mv /tmp/h200_all.tgz ./all.tgz)
-fi
+pack
 exit 0

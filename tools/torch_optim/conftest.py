@@ -1,0 +1,66 @@
+"""Runs torch's generic optimizer tests against anvil_fast.ANVIL, with torch's AdamW and Muon as
+controls: optim_db is cut to those three before test_optim.py is imported.
+
+Put beside this file (never into the package) pytorch's test/test_optim.py and its test/optim/ folder
+of a torch-2.13-era commit (maggiemoss/pytorch@eb4247c60570b3bd9f6404efae673f748ea0a5ea was used:
+`fetch` it, then `git show <commit>:test/test_optim.py`), and run pytest on test_optim.py from this
+folder, with `-k ANVIL` for the drop-in and `-k "AdamW or Muon"` for the controls (ANVIL_ROOT: the
+repository, by default two folders up). The logs of such a run on the CPU are in results/torch_optim/.
+"""
+import os
+import sys
+
+import torch
+from torch.nn import Parameter
+
+sys.path.insert(0, os.environ.get("ANVIL_ROOT", os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from torch.testing._internal import common_optimizers as C  # noqa: E402
+
+import anvil_fast  # noqa: E402
+from anvil_fast.optimizer import NonFiniteGradientError  # noqa: E402
+
+
+def anvil_inputs(device, dtype=None):
+    I = C.OptimizerInput
+    return [I(params=None, kwargs={}, desc="default"),
+            I(params=None, kwargs={"lr": 0.01, "adam_lr": 0.01}, desc="non-default lr"),
+            I(params=None, kwargs={"weight_decay": 0.0, "adam_weight_decay": 0.0}, desc="no weight decay"),
+            I(params=None, kwargs={"lr_scale": "match_rms_adamw"}, desc="match_rms_adamw"),
+            I(params=None, kwargs={"momentum": 0.8}, desc="non-default momentum"),
+            I(params=None, kwargs={"rails": "record", "total_steps": 100}, desc="record rails")]
+
+
+def anvil_errors(device, dtype):
+    # ANVIL plans its own two param groups and refuses param-group dicts (TypeError), so torch's
+    # inputs made of param groups (duplicates across groups, named and unnamed groups) do not apply;
+    # every other generic one does
+    errors = [e for e in C.get_error_inputs_for_all_optims(device, dtype)
+              if "param groups" not in e.optimizer_error_input.desc]
+    p = Parameter(torch.randn(4, 4, device=device, dtype=dtype))
+    bad = Parameter(torch.randn(4, 4, device=device, dtype=dtype))
+    bad.grad = torch.full_like(bad, float("nan"))
+    E, I, ON = C.ErrorOptimizerInput, C.OptimizerInput, C.OptimizerErrorEnum
+    errors += [
+        E(I(params=[p], kwargs=dict(lr=-1.0), desc="negative lr"), error_type=ValueError, error_regex="Invalid lr"),
+        E(I(params=[p], kwargs=dict(momentum=1.0), desc="momentum 1"), error_type=ValueError,
+          error_regex="Invalid momentum"),
+        E(I(params=[p], kwargs=dict(adam_betas=(1.0, 0.9)), desc="beta1 1"), error_type=ValueError,
+          error_regex="beta parameter at index 0"),
+        E(I(params=[p], kwargs=dict(adam_eps=-1e-8), desc="negative eps"), error_type=ValueError,
+          error_regex="Invalid eps"),
+        E(I(params=[p], kwargs=dict(rails="x"), desc="unknown rails"), error_type=ValueError,
+          error_regex="rails must be one of"),
+        E(I(params=[bad], kwargs=dict(nonfinite="raise"), desc="NaN gradient"), error_type=NonFiniteGradientError,
+          error_regex="non-finite gradient", error_on=ON.STEP_ERROR),
+    ]
+    return errors
+
+
+def _keep(info):
+    return info.optim_cls.__name__ in ("AdamW", "Muon")
+
+
+ANVIL_INFO = C.OptimizerInfo(anvil_fast.ANVIL, optim_inputs_func=anvil_inputs, optim_error_inputs_func=anvil_errors,
+                             supported_impls=(), not_og_supported_flags=(), supports_complex=False)
+C.optim_db[:] = [i for i in C.optim_db if _keep(i)] + [ANVIL_INFO]
