@@ -45,7 +45,7 @@ stamp() { echo "== $1 at +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.txt";
 for stage in ${STAGES:-suite bench}; do
   stamp "$stage"
   case $stage in
-    suite) timeout "${T_SUITE:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/ 2>&1 \
+    suite) timeout "${T_SUITE:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/ 2>&1 \
              | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
@@ -98,7 +98,7 @@ for stage in ${STAGES:-suite bench}; do
            tail -5 "$OUT/orthogonalizers.log" ;;
     nothinglost) timeout "${T_CHUNK:-90}" python3 tools/chunk_independence.py --no-progress > "$OUT/chunk_safe.txt" 2>&1
              tail -3 "$OUT/chunk_safe.txt"
-             timeout "${T_NR1:-80}" python3 -m anvil_fast.near_rank1 --no-progress --device cuda --count 500 \
+             timeout "${T_NR1:-150}" python3 -m anvil_fast.near_rank1 --no-progress --device cuda --count 500 \
                --paths fp64,fast-safe 2>&1 | tee "$OUT/near_rank1_safe.log" | tail -6
              timeout "${T_OPTBENCH:-100}" python3 -m anvil_fast.bench optimizer 2>&1 | tee "$OUT/bench_optimizer.log" | tail -10 ;;
     peers) if ls .whl/*.whl > /dev/null 2>&1; then
