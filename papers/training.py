@@ -24,6 +24,7 @@ from pathlib import Path
 
 from papers import protocol as P
 from papers import stats as S
+from papers.markdown import md_table
 from papers.svg import Series, line_plot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +235,6 @@ def table_results(g: dict[str, list[dict]], size: str, *, lone: dict[str, dict] 
     """A comparison's table: losses at the budgets and at the end, steps to the target (per seed,
     and their paired ratio to AdamW's), time per step (``lone``: from lone timing records; else the
     runs' own, when they ran alone)."""
-    from papers.build import md_table  # papers.build imports this module at call time, not at import
 
     if not g:
         return NO_RUNS.format(what=what or f"size {size}")
@@ -296,7 +296,6 @@ def _paired_rows(g: dict[str, list[dict]], label: str, pairs) -> list[list]:
 def table_paired(runs: list[dict]) -> str:
     """Paired differences of the final validation loss (a - b, per seed) of the tuned contenders,
     at the protocol's horizon and at the sweep's."""
-    from papers.build import md_table
 
     p = protocol(runs)
     rows = []
@@ -338,7 +337,6 @@ def _equal_time(ra: list[dict], rb: list[dict]) -> tuple[list[float], list[float
 def table_verdicts(runs: list[dict]) -> str:
     """The fixed-rate comparisons' pairs: the spread rule and the paired interval at equal steps,
     the spread rule at equal training time."""
-    from papers.build import md_table
 
     rows = []
     for size in _sizes(runs):
@@ -377,7 +375,6 @@ def _cell(s: P.Search, v: float, best: float | None) -> str:
 def table_sweep(runs: list[dict]) -> str:
     """Each tuned contender's two searches: every value tried with its mean final loss, the
     chosen one in bold, and whether it lies strictly inside its grid."""
-    from papers.build import md_table
 
     p = protocol(runs)
     if p is None:
@@ -406,7 +403,6 @@ def table_sweep(runs: list[dict]) -> str:
 def table_contenders(runs: list[dict]) -> str:
     """Each tuned contender's description and hyper-parameters as a run at its chosen rates
     recorded them (the horizon's runs, else the sweep's), and the absent ones."""
-    from papers.build import md_table
 
     p = protocol(runs)
     g = tuned_groups(runs, horizon="long") or tuned_groups(runs, horizon="short")
@@ -426,7 +422,6 @@ def _chosen_text(runs: list[dict]) -> str:
 
 
 def table_anchor(runs: list[dict]) -> str:
-    from papers.build import md_table
 
     rows = [[ANCHOR_SOURCE, f"124M GPT, FineWeb, target {ANCHOR_TARGET_LOSS:g}", "Muon / Adam",
              f"{ANCHOR_MUON_STEPS:,} / {ANCHOR_ADAM_STEPS:,}", f"{ANCHOR_MUON_STEPS / ANCHOR_ADAM_STEPS:.2f}"]]

@@ -16,14 +16,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from anvil_ref.constants import ANVIL_MAPS
+
 from ..gram_tune import time_us as kernel_us
 
 #: Bytes per element the element-wise phases of one bank update move: rails 20 B, normalization
 #: 4 B (read and write X; its partials come from the rails), equalizer 6 B, update 14 B.
 ELEMENTWISE_BYTES = 20 + 4 + 6 + 14
 
-#: The cascade's number of maps (each one Gram, one ``b*A + c*A@A`` and one ``a*X + X@B``).
-MAPS_PER_CASCADE = 6
+#: The cascade's number of maps (each one Gram, one ``b*A + c*A@A`` and one ``a*X + X@B``): the
+#: record's, ``len(ANVIL_MAPS)``.
+MAPS_PER_CASCADE = len(ANVIL_MAPS)
 
 #: The symmetric kernels' square tile side, which sets how many tiles of a Gram they execute.
 SYMMETRIC_BLOCK = 128
