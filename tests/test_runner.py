@@ -40,7 +40,14 @@ def test_workers_survive_a_raising_run_and_replace_a_dead_worker():
     errs = dict(failed)
     assert set(errs) == {"s2", "s3"} and "ValueError: spec s2 asked to fail" in errs["s2"]
     assert "exited with code 3" in errs["s3"]
-    assert len({r["pid"] for r in done}) >= 2 and all(r["arg"] == "x" for r in done)
+    assert all(r["arg"] == "x" for r in done)
+    assert not out.not_started and not out.stopped
+    # the first two runs go to the two workers at once and kill both: the rest can only finish in
+    # their replacements
+    specs = [_spec(1, die=True), _spec(2, die=True), _spec(3), _spec(4), _spec(5)]
+    out, done, failed = _run(specs, jobs=2)
+    assert sorted(r["id"] for r in done) == ["s3", "s4", "s5"]
+    assert sorted(e for e, _ in failed) == ["s1", "s2"] and all("exited with code 3" in m for _, m in failed)
     assert not out.not_started and not out.stopped
 
 
