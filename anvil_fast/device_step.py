@@ -404,14 +404,38 @@ class DeviceStep:
             ev.record()
 
     # ------------------------------------------------------------------ the device part
-    def device_part(self) -> None:
-        inner = self.inner
+    def check(self) -> None:
+        """Step 1: one flag per parameter whose gradient holds a NaN or an infinity."""
         self.flags.zero_()
         if self.grad_read == "in_place":
             for chk, sl in self.addr_checks:
                 check_addresses(chk, self.addr[sl], self.flags)
         else:
             check_buffers(self.buffer_check, self.flags, mask=self.has.index_select(0, self.param_first))
+
+    def update_banks(self, *, on_lanes: bool = True, then=None) -> None:
+        """Step 3: every bank, each lane's on its side stream (``on_lanes=False``: all on the current
+        stream, in lane order); ``then`` runs on the main stream before it waits for the lanes."""
+        update = self.inner.bank_update
+        main = torch.cuda.current_stream(self.device) if self.cuda else None
+        for lane in self.lanes:
+            if lane.stream is None or not on_lanes:
+                for bank in lane.banks:
+                    update(bank)
+                continue
+            lane.stream.wait_stream(main)
+            with torch.cuda.stream(lane.stream):
+                for bank in lane.banks:
+                    update(bank)
+        if then is not None:
+            then()
+        for lane in self.lanes:
+            if lane.stream is not None and on_lanes:
+                main.wait_stream(lane.stream)
+
+    def device_part(self) -> None:
+        inner = self.inner
+        self.check()
         fn = derive_scalars
         if self.cuda:
             from ._compile import maybe_compiled
@@ -420,21 +444,7 @@ class DeviceStep:
         fn(self.hyper, self.has, self.flags, self.counters, self.last_bad, self.adam_steps, inner.rail_step,
            self.bank_active, inner.staging.buffer, self.lr_coef, self.wd_coef, self.adam_lr_mul, self.adam_wd_mul,
            self.inactive_row, self.gather, self.record, len(self.banks), self.n_mat, self.lean)
-        main = torch.cuda.current_stream(self.device) if self.cuda else None
-        update = inner.bank_update
-        for lane in self.lanes:
-            if lane.stream is None:
-                for bank in lane.banks:
-                    update(bank)
-                continue
-            lane.stream.wait_stream(main)
-            with torch.cuda.stream(lane.stream):
-                for bank in lane.banks:
-                    update(bank)
-        self._adam()
-        for lane in self.lanes:
-            if lane.stream is not None:
-                main.wait_stream(lane.stream)
+        self.update_banks(then=self._adam)  # Adam on the main stream while the lanes run
 
     def _adam(self) -> None:
         inner = self.inner

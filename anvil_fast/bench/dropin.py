@@ -159,8 +159,6 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
         raise ValueError("the phase table is the one-process step's (anvil_fast.device_step)")
     eng._collect()
     eng._upload()
-    inner = opt.inner
-    update = inner.bank_update
     lanes = eng.lanes
 
     def host():
@@ -168,38 +166,15 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
         eng._collect()
         eng._upload()
 
-    def check():
-        eng.flags.zero_()
-        if eng.grad_read == "in_place":
-            from ..nonfinite import check_addresses
-
-            for chk, sl in eng.addr_checks:
-                check_addresses(chk, eng.addr[sl], eng.flags)
-        else:
-            from ..nonfinite import check_buffers
-
-            check_buffers(eng.buffer_check, eng.flags, mask=eng.has.index_select(0, eng.param_first))
-
     def one_stream():
-        for lane in lanes:
-            for bank in lane.banks:
-                update(bank)
+        eng.update_banks(on_lanes=False)
 
     def on_lanes():
-        if device.type != "cuda" or len(lanes) == 1:
-            return one_stream()
-        main = torch.cuda.current_stream()
-        for lane in lanes:
-            lane.stream.wait_stream(main)
-            with torch.cuda.stream(lane.stream):
-                for bank in lane.banks:
-                    update(bank)
-        for lane in lanes:
-            main.wait_stream(lane.stream)
+        eng.update_banks()
 
     state = {k: t.clone() for k, t in eng._mutated().items()}  # the phases below change the state
 
-    rows = [("host part (inbox)", host, False), ("non-finite check", check, True),
+    rows = [("host part (inbox)", host, False), ("non-finite check", eng.check, True),
             ("scalars", lambda: None, False), (f"banks, one stream", one_stream, True),
             (f"banks, {len(lanes)} stream(s)", on_lanes, True), ("Adam", eng._adam, True),
             ("whole device part", eng.device_part, True)]
