@@ -474,7 +474,7 @@ def check(component: str, *, fast: float, eager: float, floor: float, ulps: floa
 
 
 # ---------------------------------------------------------------------------------------------
-# drop-in: anvil_fast.ANVIL against the float64 reference tests/dropin_reference.py, over a run of
+# drop-in: anvil_fast.ANVIL against the float64 reference anvil_ref/dropin.py, over a run of
 # fixed, seeded gradients (tests/test_dropin_reference.py). The trajectories are independent, so the
 # bounds are per step, on what each step adds:
 #

@@ -23,6 +23,9 @@ Modules, in the order the update applies them:
 ``config``         the per-parameter table and the schedule orders (shared with anvil_fast)
 ``optimizer``      ``ReferenceAnvilAndAdam``: one whole step over a labelled parameter table
 ``maps``           map sets by name or from JSON (``python -m derive_maps`` writes them)
+``dropin``         ``DropinReference``: the drop-in optimizer's specification, routing from the
+                   model and the user's arguments alone, then the math above per matrix (reads an
+                   ``nn.Module``, so it needs torch)
 =================  =============================================================================
 
 Command-line plumbing, kept here because every package of the project (anvil_fast, derive_maps,

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from anvil_ref.cli_args import add_progress_flags
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
+from anvil_ref.progress import Progress
 
 from .intervals import DTYPE
 from .robust import RoundingModel, rounding_model, weyl_eps
@@ -123,14 +125,19 @@ def main(argv=None) -> int:
     p.add_argument("--cols", type=int, default=768, help="matrix columns")
     p.add_argument("--batch", type=int, default=8, help="matrices per bank")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_progress_flags(p)
     a = p.parse_args(argv)
     g = torch.Generator().manual_seed(0)
     banks = {"random": torch.randn(a.batch, a.rows, a.cols, generator=g),
              "near_rank1": near_rank1(a.batch, a.rows, a.cols, seed=1)}
-    print(f"{'bank':>11} | stage | measured   | model bound")
-    for name, x in banks.items():
-        for r in measure(x.to(a.device)):
-            print(f"{name:>11} | {r.stage:5d} | {r.measured:10.3g} | {r.bound:10.3g}")
+    lines = [f"{'bank':>11} | stage | measured   | model bound"]
+    with Progress(len(banks), "stage errors", enabled=a.progress) as bar:
+        for name, x in banks.items():
+            bar.update(label=f"stage errors: {name} bank")
+            for r in measure(x.to(a.device)):
+                lines.append(f"{name:>11} | {r.stage:5d} | {r.measured:10.3g} | {r.bound:10.3g}")
+            bar.update(advance=1)
+    print("\n".join(lines))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The drop-in ``anvil_fast.ANVIL`` against tests/dropin_reference.py, a float64 reference built from
+"""The drop-in ``anvil_fast.ANVIL`` against anvil_ref/dropin.py, a float64 reference built from
 the user's arguments alone (never from the optimizer under test).
 
 Every hyperparameter has a non-default value; every param-group value changes mid-run; the gradients
@@ -22,7 +22,7 @@ from anvil_fast.difftest import rel_err
 from anvil_fast.dropin import ANVIL
 from tests import optimizer_cases as C
 from anvil_fast import tolerances as TOL
-from tests.dropin_reference import SPEC_HEAD_NAMES, DropinReference, route_parameters
+from anvil_ref.dropin import SPEC_HEAD_NAMES, DropinReference, route_parameters
 
 
 #: Non-default values for every hyperparameter (defaults: lr 0.023, adam_lr 0.008, momentum 0.95,
