@@ -1,0 +1,85 @@
+"""anvil_fast.bench bank: the tables' arithmetic on made-up timings, the CPU refusal, and on a GPU one
+small shape measured end to end (timings themselves come only from H200 runs)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from anvil_fast.bench import bank as B
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops
+
+SHAPE = (8, 256, 768)
+
+
+def _row(**over) -> dict:
+    r = dict(shape=SHAPE, plain=1.0, plain_graph=0.8, fast=0.5, safe_graph=0.4, faithful_graph=0.45,
+             plain_casc_graph=0.6, fast_casc_graph=0.3)
+    r.update(over)
+    return r
+
+
+def _cells(table: str, shape=SHAPE) -> list[str]:
+    (line,) = [ln for ln in table.splitlines() if ln.startswith("x".join(map(str, shape)))]
+    return line.split()
+
+
+def test_the_bank_table_divides_the_roofline_by_the_graphed_safe_time():
+    tflops, gbs = 500.0, 4000.0
+    cells = _cells(B.format_bank([_row()], tflops, gbs))
+    c, m, n = SHAPE
+    plain_f, exec_f = flops(SHAPE)
+    floor = exec_f / (tflops * 1e9) + ELEMENTWISE_BYTES * c * m * n / (gbs * 1e6)
+    assert float(cells[6]) == pytest.approx(0.8 / 0.4, abs=0.006)      # xG = plain+G / safe+G
+    assert float(cells[9]) == pytest.approx(0.6 / 0.3, abs=0.006)      # xcasc
+    assert float(cells[12]) == pytest.approx(floor, abs=6e-4)
+    assert cells[13] == f"{100 * floor / 0.4:.0f}%"
+    assert float(cells[10]) == pytest.approx(plain_f / 0.4 / 1e9, abs=0.6)
+
+
+def test_a_slower_safe_update_lowers_its_share_of_the_floor():
+    tflops, gbs = 500.0, 4000.0
+    fast = float(_cells(B.format_bank([_row(safe_graph=0.2)], tflops, gbs))[13].rstrip("%"))
+    slow = float(_cells(B.format_bank([_row(safe_graph=0.4)], tflops, gbs))[13].rstrip("%"))
+    assert fast == pytest.approx(2 * slow, rel=0.02)
+
+
+def test_the_gram_side_table_states_both_ratios_and_the_dispatch():
+    r = dict(shape=(24, 3072, 768), dispatch=True, flop_ratio=1.7, safe_casc=0.9, gram_side_casc=0.6,
+             safe_update=1.2, gram_side_update=1.0)
+    cells = [c for c in _cells(B.format_gram_side([r]), r["shape"]) if c != "|"]
+    assert cells[1] == "4.00" and cells[2] == "yes" and cells[3] == "1.70"
+    assert float(cells[6]) == pytest.approx(0.9 / 0.6, abs=0.006)
+    assert float(cells[9]) == pytest.approx(1.2 / 1.0, abs=0.006)
+
+
+def test_the_phase_table_splits_the_update_into_six_maps_and_the_rest():
+    r = _row(ph_rails=0.05, ph_casc=0.3, ph_post=0.04, k_gram=10.0, k_gram_cublas=12.0, k_baa=8.0,
+             k_baa_cublas=9.0, k_axb=7.0, k_axb_cublas=8.0)
+    cells = [c for c in _cells(B.format_phases([r], 500.0, 4000.0)) if c != "|"]
+    maps_ms = 6 * (10.0 + 8.0 + 7.0) / 1000
+    assert float(cells[-2]) == pytest.approx(maps_ms, abs=6e-4)
+    assert float(cells[-1]) == pytest.approx(0.4 - maps_ms, abs=6e-4)
+    assert "k_gram" not in _row()  # rows without the breakdown are left out of the phase table
+    assert len(B.format_phases([_row()], 500.0, 4000.0).splitlines()) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_without_cuda_it_refuses_with_status_2(capsys):
+    ap = argparse.ArgumentParser()
+    B.add_args(ap)
+    assert B.run(ap.parse_args([])) == 2
+    assert "needs a CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_one_small_bank_is_measured_end_to_end():
+    (r,) = B.bank_rows([(2, 128, 256)], rep_ms=5)
+    keys = ("plain", "plain_graph", "fast", "safe_graph", "faithful_graph", "plain_casc_graph", "fast_casc_graph")
+    assert all(math.isfinite(r[k]) and r[k] > 0 for k in keys), r
+    (g,) = B.gram_side_rows([(2, 128, 512)], rep_ms=5)
+    assert all(math.isfinite(g[k]) and g[k] > 0 for k in ("safe_casc", "gram_side_casc", "safe_update",
+                                                          "gram_side_update"))
