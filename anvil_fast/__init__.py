@@ -69,6 +69,7 @@ module                  concept
 ``timing``              the package's timers (CUDA events / wall clock per call, medians, ``do_bench``)
 ``cost_model``          ``python -m anvil_fast.cost_model measure|predict``: the step at any world size from
                         pieces timed on one GPU, validated against measured runs
+``cost_measure``        the cost model's timings on this machine (the pieces of a step, the collectives)
 ``gpt``                 the package's GPT (benchmarks, training harness)
 ``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|peers|train_step|fsdp``: the
                         benchmarks; ``bench.common``: peaks, bytes and FLOPs per bank (the count is
@@ -105,7 +106,7 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
 _SUBMODULES = ("dropin", "roles", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side", "gram_side_study", "train_step", "banked_gpt", "overlap", "study_runs", "timing", "cost_model", "fsdp", "device_step", "nonfinite",
+               "gram_side", "gram_side_study", "train_step", "banked_gpt", "overlap", "study_runs", "timing", "cost_model", "cost_measure", "fsdp", "device_step", "nonfinite",
                "families", "harness", "adapters")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)

@@ -6,10 +6,13 @@
     nothing moved) and the time of every piece of its step -- each bank's update on its
     ``n / w`` matrices, each sharded Adam parameter's update on its rows, the replicated Adam pass --
     the whole step without communication, and the host's time to issue it. The same for the
-    training step of :mod:`anvil_fast.train_step` (its defaults, :data:`anvil_fast.banked_gpt.CUDA_DEFAULTS`), plus forward and backward at the
-    per-rank batch and the time each gradient is complete in the backward pass. With two or more GPUs
-    it also times the collectives (reduce-scatter, all-gather, all-reduce; 1 MiB to 256 MiB) on
-    ``w`` NCCL ranks for every ``w`` of ``--worlds`` the GPUs allow, and fits the alpha-beta model.
+    training step of :mod:`anvil_fast.train_step` (its defaults,
+    :data:`anvil_fast.banked_gpt.CUDA_DEFAULTS`), plus forward and backward at the per-rank batch
+    and the time each gradient is complete in the backward pass. With two or more GPUs it also
+    times the collectives (reduce-scatter, all-gather, all-reduce; 1 MiB to 256 MiB) on ``w`` NCCL
+    ranks for every ``w`` of ``--worlds`` the GPUs allow, and fits the alpha-beta model. The timing
+    is :mod:`anvil_fast.cost_measure`'s; this module holds the model (functions of numbers), the
+    data file and the tables.
 
 ``python -m anvil_fast.cost_model predict --data FILE [--validate RUN.md ...]``
     The step at every world size of ``--worlds`` for each layout, and the comparison with measured
@@ -54,7 +57,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .study_runs import SCALING, TRAIN_STEP, read_record
 
@@ -63,13 +65,6 @@ KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 #: message sizes of the collective sweep (bytes)
 SWEEP_BYTES = tuple(2 ** k for k in range(20, 29, 2))
 DEFAULT_WORLDS = (1, 2, 4, 8)
-
-
-def layouts() -> dict:
-    """name -> bench.optimizer layout: GPT-2 small (4x hidden) and the seed's (hidden 2816)."""
-    from .bench.optimizer import gpt2_small_layout
-
-    return {"gpt2small": gpt2_small_layout(), "seed": gpt2_small_layout(hidden=2816)}
 
 
 LAYOUTS = ("gpt2small", "seed")
@@ -239,6 +234,43 @@ def predict(data: dict, layout: str, world: int, *, fits: dict[str, AlphaBeta] |
     return schedule(pieces_of(data, layout, world, scale=scale), lay["scatter"], lay["work"], world, fits, host_ms=host)
 
 
+@dataclass(frozen=True)
+class TrainPrediction:
+    world: int
+    fwd_ms: float
+    bwd_ms: float
+    opt: Prediction  #: the optimizer part's timeline (its step_ms: the whole step's end)
+
+    @property
+    def step_ms(self) -> float:
+        return self.opt.step_ms
+
+    @property
+    def nocomm_ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms + self.opt.compute_ms
+
+    @property
+    def hidden(self) -> float:
+        c = self.opt.comm_ms
+        return (self.nocomm_ms + c - self.step_ms) / c if c > 0 else float("nan")
+
+
+def predict_training(data: dict, world: int, *, fits: dict[str, AlphaBeta] | None = None) -> TrainPrediction:
+    """The overlapped training step (gathers waited at the step's end) at ``world`` ranks."""
+    tr = data.get("training")
+    if not tr or str(world) not in tr["worlds"]:
+        raise ValueError(f"the data has no training-step pieces at {world} ranks; run `python -m anvil_fast.cost_model "
+                         "measure` with that world size")
+    e = tr["worlds"][str(world)]
+    pieces = {l: Piece(l, tr["labels"][l]["comms"], float(ms), int(tr["labels"][l]["nbytes"]))
+              for l, ms in e["update_ms"].items()}
+    fits = fits if fits is not None else fits_of(data, world)
+    fwd, bwd = float(e["fwd_ms"]), float(e["bwd_ms"])
+    opt = schedule(pieces, tr["scatter"], tr["work"], world, fits,
+                   ready={l: fwd + float(t) for l, t in e["ready_ms"].items()}, compute_start=fwd + bwd)
+    return TrainPrediction(world=world, fwd_ms=fwd, bwd_ms=bwd, opt=opt)
+
+
 def check_data(data: dict) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"not a cost-model data file (format {data.get('format') if isinstance(data, dict) else None!r}, "
@@ -277,24 +309,6 @@ def read_train_step_run(path: str | os.PathLike) -> dict:
     """The rows of a ``python -m anvil_fast.train_step`` run's JSON record: ranks -> per-rank batch
     and the steps' ms (pre-hook, end, not overlapped, comms skipped, collectives alone)."""
     return read_record(path, TRAIN_STEP)
-
-
-def training_validation_table(data: dict, runs: list[dict]) -> list[str]:
-    """Measured training steps against the model's (gathers waited at the step's end)."""
-    tr = data.get("training") or {}
-    lines = ["| run | ranks | predicted step ms | measured step ms (wait at end) | error | predicted comms skipped ms | "
-             "measured ms | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for run in runs:
-        for w, m in sorted(run["rows"].items()):
-            if str(w) not in tr.get("worlds", {}) or (w > 1 and fits_of(data, w) is None):
-                continue
-            if m["batch"] != tr["global_batch"] // w:
-                raise ValueError(f"{run['path']}: {w} ranks ran a per-rank batch of {m['batch']}, the pieces' is "
-                                 f"{tr['global_batch'] // w}")
-            p = predict_training(data, w)
-            lines.append(f"| {run['path']} | {w} | {p.step_ms:.2f} | {m['end_ms']:.2f} | {_pct(p.step_ms / m['end_ms'] - 1)} "
-                         f"| {p.nocomm_ms:.2f} | {m['nocomm_ms']:.2f} | {_pct(p.nocomm_ms / m['nocomm_ms'] - 1)} |")
-    return lines
 
 
 def calibrated_fits(comm_ms: float, ring: dict[str, float]) -> dict[str, AlphaBeta]:
@@ -351,207 +365,7 @@ def bracket(run: dict, world: int, *, from_world: int = 2) -> dict:
     return dict(world=world, compute_ms=compute, comm_ms=comm, low_ms=max(compute, comm), high_ms=compute + comm)
 
 
-# -------------------------------------------------------------------------------------- measuring
-def _host_ms(fn, n: int, device) -> float:
-    """Host time to issue ``fn`` with the device idle at the start (no sync inside)."""
-    from .timing import call_times
-
-    return statistics.median(call_times(fn, device, n=n, synchronize_each=True).host_ms)
-
-
-def _time_pieces(opt, grads: dict, n: int, device) -> dict[str, float]:
-    """Each label's update as rank ``opt.rank`` of ``opt.world_size`` runs it (after one step, so
-    the scalars are staged and the bank updates compiled): a bank's on its matrices, a sharded Adam
-    parameter's on its rows; the replicated labels share one fused pass, split by element count."""
-    from .timing import median_ms
-
-    upd = {}
-    for label in opt.labels:
-        cfg = opt.param_cfgs[label]
-        if cfg.comms == "replicated":
-            continue
-        if cfg.optim == "anvil":
-            upd[label] = median_ms(lambda l=label: opt.anvil_update(l, opt.banks[l].grad, opt.bank_update), n=n,
-                                   warmup=2, device=device)
-        else:
-            chunk = grads[label][: cfg.chunk_size].contiguous()
-            upd[label] = median_ms(lambda l=label, c=chunk: opt.adam_update(l, c), n=n, warmup=2, device=device)
-    rep = [l for l in opt.labels if opt.param_cfgs[l].comms == "replicated"]
-    if rep:
-        ms = median_ms(lambda: opt.replicated.update(opt.adam_table), n=n, warmup=2, device=device)
-        sizes = {l: opt.params[l].numel() for l in rep}
-        for l in rep:
-            upd[l] = ms * sizes[l] / sum(sizes.values())
-    return upd
-
-
-def measure_training(worlds: list[int], *, n: int, device, size: str, group_layers: int, global_batch: int,
-                     seq: int | None = None) -> dict:
-    """The training step's pieces for rank 0 of each world size, on one device: forward and
-    backward at the per-rank batch (``global_batch / w``), the time after the backward pass's start
-    at which each sharded gradient is complete (a post-accumulate-grad hook records an event), and
-    the updates (:func:`_time_pieces`) of :class:`anvil_fast.banked_gpt.BankedGPT`'s optimizer. The
-    marks are CUDA events recorded in the stream as the passes reach them (wall clock on CPU), not
-    :mod:`anvil_fast.timing`'s per-call timers: they split one call into its phases."""
-    import torch
-
-    from .comms import LocalComms, NullComms
-    from .gpt import SIZES
-    from .banked_gpt import BankedGPT, batch, check_batch
-    from .overlap import make_optimizer, sequential_step
-    from .timing import synchronize
-
-    cfg = SIZES[size]
-    seq = cfg.ctx if seq is None else seq
-    cuda = device.type == "cuda"
-    out = dict(size=size, group_layers=group_layers, global_batch=global_batch, seq=seq, worlds={})
-    for w in worlds:
-        check_batch(global_batch, w)
-        model = BankedGPT(cfg, group_layers=group_layers).to(device)
-        opt = make_optimizer(model, comms=LocalComms() if w == 1 else NullComms(w, 0), compile_banks=None if cuda else False)
-        if "labels" not in out:
-            out["labels"] = {l: dict(comms=opt.param_cfgs[l].comms, shape=list(p.shape),
-                                     nbytes=p.numel() * (2 if l in opt.banks else p.element_size()))
-                             for l, p in opt.params.items()}
-            out["scatter"], out["work"] = list(opt.scatter_order), list(opt.work_order)
-        x, y = batch(cfg, step=0, global_batch=global_batch, seq=seq, world=w, rank=0, device=device)
-        sharded = [l for l in opt.labels if opt.param_cfgs[l].comms == "sharded"]
-        marks: dict[str, Any] = {}
-
-        def mark(key):
-            if cuda:
-                marks[key] = torch.cuda.Event(enable_timing=True)
-                marks[key].record()
-            else:
-                marks[key] = time.perf_counter()
-
-        def since(a, b):
-            return marks[a].elapsed_time(marks[b]) if cuda else 1e3 * (marks[b] - marks[a])
-
-        hooks = [opt.params[l].register_post_accumulate_grad_hook(lambda p, l=l: mark(l)) for l in sharded]
-        runs = []
-        for i in range(n + 3):
-            for p in model.parameters():
-                p.grad = None
-            mark("start")
-            loss = model(x, y)
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            synchronize(device)
-            if i >= 3:
-                runs.append(dict(fwd=since("start", "fwd"), bwd=since("fwd", "bwd"),
-                                 ready={l: since("fwd", l) for l in sharded}))
-        for h in hooks:
-            h.remove()
-        grads = {l: p.grad.detach().clone() for l, p in opt.params.items()}
-        sequential_step(opt)
-        out["worlds"][str(w)] = dict(
-            fwd_ms=statistics.median(r["fwd"] for r in runs), bwd_ms=statistics.median(r["bwd"] for r in runs),
-            ready_ms={l: statistics.median(r["ready"][l] for r in runs) for l in sharded},
-            update_ms=_time_pieces(opt, grads, n, device))
-        e = out["worlds"][str(w)]
-        print(f"  training step at {w} rank(s), batch {global_batch // w}: forward {e['fwd_ms']:.2f} ms, backward "
-              f"{e['bwd_ms']:.2f} ms, updates {sum(e['update_ms'].values()):.2f} ms", flush=True)
-        del model, opt, grads
-        if cuda:
-            torch.cuda.empty_cache()
-    return out
-
-
-@dataclass(frozen=True)
-class TrainPrediction:
-    world: int
-    fwd_ms: float
-    bwd_ms: float
-    opt: Prediction  #: the optimizer part's timeline (its step_ms: the whole step's end)
-
-    @property
-    def step_ms(self) -> float:
-        return self.opt.step_ms
-
-    @property
-    def nocomm_ms(self) -> float:
-        return self.fwd_ms + self.bwd_ms + self.opt.compute_ms
-
-    @property
-    def hidden(self) -> float:
-        c = self.opt.comm_ms
-        return (self.nocomm_ms + c - self.step_ms) / c if c > 0 else float("nan")
-
-
-def predict_training(data: dict, world: int, *, fits: dict[str, AlphaBeta] | None = None) -> TrainPrediction:
-    """The overlapped training step (gathers waited at the step's end) at ``world`` ranks."""
-    tr = data.get("training")
-    if not tr or str(world) not in tr["worlds"]:
-        raise ValueError(f"the data has no training-step pieces at {world} ranks; run `python -m anvil_fast.cost_model "
-                         "measure` with that world size")
-    e = tr["worlds"][str(world)]
-    pieces = {l: Piece(l, tr["labels"][l]["comms"], float(ms), int(tr["labels"][l]["nbytes"]))
-              for l, ms in e["update_ms"].items()}
-    fits = fits if fits is not None else fits_of(data, world)
-    fwd, bwd = float(e["fwd_ms"]), float(e["bwd_ms"])
-    opt = schedule(pieces, tr["scatter"], tr["work"], world, fits,
-                   ready={l: fwd + float(t) for l, t in e["ready_ms"].items()}, compute_start=fwd + bwd)
-    return TrainPrediction(world=world, fwd_ms=fwd, bwd_ms=bwd, opt=opt)
-
-
-def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device) -> dict:
-    """Rank 0's pieces of ``layout`` at each world size, on one GPU (module docstring)."""
-    import torch
-
-    from .bench.optimizer import SCATTER, WORK, make_grads, make_params, step_fn, table_of
-    from .comms import LocalComms, NullComms
-    from .optimizer import AnvilAndAdam
-    from .timing import median_ms
-
-    labels = {}
-    for label, (shape, reshape, dtype, entry) in layout.items():
-        travels = 2 if reshape is not None else torch.finfo(dtype).bits // 8  # bank gradients travel in bf16
-        labels[label] = dict(comms=entry["comms"], nbytes=math.prod(shape) * travels, shape=list(shape))
-    out = dict(labels=labels, scatter=list(SCATTER), work=list(WORK), worlds={})
-    for w in worlds:
-        params = make_params(layout, device)
-        comms = LocalComms() if w == 1 else NullComms(w, 0)
-        opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms)
-        opt.copy_lm_state_to_embed()  # untied: every parameter updated, as anvil_fast.scaling times it
-        grads = make_grads(params)
-        step = step_fn(opt, params, grads, True)
-        step_ms = median_ms(step, n=n, warmup=3, device=device)  # also the warm-up: compiles the bank updates
-        host = _host_ms(step, n, device)
-        step()
-        upd = _time_pieces(opt, grads, n, device)
-        out["worlds"][str(w)] = dict(update_ms=upd, step_nocomm_ms=step_ms, host_ms=host)
-        print(f"  {name} at {w} rank(s): step without comms {step_ms:.3f} ms, pieces {sum(upd.values()):.3f} ms, "
-              f"host {host:.3f} ms", flush=True)
-        del opt, params, grads
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return out
-
-
-def _collective_rank(rank: int, world: int, sizes: list[int], n: int, device: str) -> dict:
-    import torch
-
-    from .comms import DistComms
-    from .timing import median_ms
-
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    comms = DistComms()
-    res = {}
-    for kind in KINDS:
-        pts = []
-        for nbytes in sizes:
-            full = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=dev)
-            part = torch.zeros(nbytes // 2 // world, dtype=torch.bfloat16, device=dev)
-            fn = {"reduce_scatter": lambda: comms.reduce_scatter_avg(part, full).wait(),
-                  "all_gather": lambda: comms.all_gather(full, part).wait(),
-                  "all_reduce": lambda: comms.all_reduce_avg(full).wait()}[kind]
-            pts.append((nbytes, median_ms(fn, n=n, warmup=3, device=dev)))
-        res[kind] = pts
-    return res
-
-
+# ------------------------------------------------------------------------------- the measure command
 #: ``--device cpu``: a smoke run of the whole command on a small layout (CPU timings mean nothing)
 SMOKE_LAYOUT = dict(n_layer=4, width=32, vocab=256, heads=2, head_dim=16, hidden=128)
 SMOKE_BYTES = (2 ** 16, 2 ** 18, 2 ** 20)
@@ -560,6 +374,7 @@ SMOKE_BYTES = (2 ** 16, 2 ** 18, 2 ** 20)
 def measure(a: argparse.Namespace) -> int:
     import torch
 
+    from . import cost_measure as M
     from .distributed import spawn
 
     cuda = a.device == "cuda"
@@ -574,7 +389,7 @@ def measure(a: argparse.Namespace) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
     worlds = _worlds(a.worlds)
     if cuda:
-        lays = layouts()
+        lays = M.layouts()
     else:
         from .bench.optimizer import gpt2_small_layout
 
@@ -597,19 +412,19 @@ def measure(a: argparse.Namespace) -> int:
                       f"{[(lays[name][l][1] or lays[name][l][0])[0] for l in bad]})", file=sys.stderr)
                 return 2
     for name in names:
-        data["layouts"][name] = measure_layout(name, lays[name], worlds, n=a.n,
+        data["layouts"][name] = M.measure_layout(name, lays[name], worlds, n=a.n,
                                                device=torch.device("cuda" if cuda else "cpu"))
         print(f"{name} measured at +{time.time() - t0:.0f} s", flush=True)
     if a.training:
         from .banked_gpt import CPU_DEFAULTS, CUDA_DEFAULTS
 
         d = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
-        data["training"] = measure_training(worlds, n=a.n, device=torch.device("cuda" if cuda else "cpu"), **d)
+        data["training"] = M.measure_training(worlds, n=a.n, device=torch.device("cuda" if cuda else "cpu"), **d)
         print(f"training step measured at +{time.time() - t0:.0f} s", flush=True)
     for w in worlds:
         if w == 1 or w > n_devices:
             continue
-        res = spawn(_collective_rank, w, list(sweep), a.n, a.device, backend="nccl" if cuda else "gloo",
+        res = spawn(M.collective_rank, w, list(KINDS), list(sweep), a.n, a.device, backend="nccl" if cuda else "gloo",
                     threads=0 if cuda else 1)
         pts = {k: [max(r[k][i][1] for r in res) for i in range(len(sweep))] for k in KINDS}
         entry = {}
@@ -667,6 +482,24 @@ def training_table(data: dict, worlds: list[int]) -> list[str]:
         lines.append(f"| {w} | {tr['global_batch'] // w} | {p.fwd_ms + p.bwd_ms:.2f} | {p.opt.compute_ms:.2f} | "
                      f"{p.opt.comm_ms:.2f} | {p.step_ms:.2f} | {p.nocomm_ms:.2f} | {hid} | "
                      f"{'' if base is None else f'{p.step_ms / base:.2f}x'} |")
+    return lines
+
+
+def training_validation_table(data: dict, runs: list[dict]) -> list[str]:
+    """Measured training steps against the model's (gathers waited at the step's end)."""
+    tr = data.get("training") or {}
+    lines = ["| run | ranks | predicted step ms | measured step ms (wait at end) | error | predicted comms skipped ms | "
+             "measured ms | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        for w, m in sorted(run["rows"].items()):
+            if str(w) not in tr.get("worlds", {}) or (w > 1 and fits_of(data, w) is None):
+                continue
+            if m["batch"] != tr["global_batch"] // w:
+                raise ValueError(f"{run['path']}: {w} ranks ran a per-rank batch of {m['batch']}, the pieces' is "
+                                 f"{tr['global_batch'] // w}")
+            p = predict_training(data, w)
+            lines.append(f"| {run['path']} | {w} | {p.step_ms:.2f} | {m['end_ms']:.2f} | {_pct(p.step_ms / m['end_ms'] - 1)} "
+                         f"| {p.nocomm_ms:.2f} | {m['nocomm_ms']:.2f} | {_pct(p.nocomm_ms / m['nocomm_ms'] - 1)} |")
     return lines
 
 
