@@ -467,7 +467,6 @@ class AnvilAndAdam:
         fields_, lrs = self._bank_fields()
         self.staging.upload(fields_, lrs, table)
 
-    # ------------------------------------------------------------------ checks before a step
     # ------------------------------------------------------------------ the step rule
     def reads_grad(self, label: str, do_adam: bool) -> bool:
         """The step rule: a step reads a bank's gradient always and an Adam parameter's only when
@@ -491,6 +490,7 @@ class AnvilAndAdam:
         for label in self.step_labels(do_adam):
             self.params[label].grad = None
 
+    # ------------------------------------------------------------------ checks before a step
     def _validate(self, grads: Mapping[str, Tensor], deferred: frozenset[str]) -> None:
         for label in deferred:
             if label not in self.params:
