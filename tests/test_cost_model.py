@@ -235,3 +235,20 @@ def test_training_validation_reads_a_train_step_record(tmp_path):
     run["rows"][2]["batch"] = 1
     with pytest.raises(ValueError, match="per-rank batch of 1"):
         C.training_validation_table(_training_data(), [run])
+
+
+def test_study_records_round_trip_and_refuse_a_short_row(tmp_path):
+    from anvil_fast import study_runs as R
+
+    rows = {2: dict(step_ms=9.0, nocomm_ms=8.0, comm_ms=2.0, anvil_only_ms=7.0, extra=1.0),
+            1: dict(step_ms=8.0, nocomm_ms=8.0, comm_ms=0.0, anvil_only_ms=7.5)}
+    path = R.write_record(tmp_path / "s.md", R.SCALING, "python -m anvil_fast.scaling gpu --worlds 1,2", rows)
+    assert path == tmp_path / "s.json"
+    run = C.read_scaling_run(path)
+    assert run["rows"] == {w: {k: v for k, v in r.items() if k != "extra"} for w, r in rows.items()}
+    assert list(json.loads(path.read_text())["rows"]) == ["1", "2"]
+    with pytest.raises(KeyError):
+        R.write_record(tmp_path / "t.md", R.TRAIN_STEP, "", {2: dict(batch=2)})
+    path.write_text(json.dumps({"format": R.SCALING, "rows": {"2": dict(step_ms=1.0)}}))
+    with pytest.raises(ValueError, match="row '2' lacks"):
+        C.read_scaling_run(path)
