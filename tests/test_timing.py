@@ -53,7 +53,7 @@ def _sources():
 
 def test_no_module_keeps_a_timer_of_its_own():
     # per-call CUDA events and perf_counter timing loops live in timing.py; the exceptions time
-    # something else: the marks splitting one training step into its phases (cost_model), the
+    # something else: the marks splitting one training step into its phases (cost_measure), the
     # lifetime of a whole benchmark process (wall seconds); a site built on these may keep a name of
     # its own (bench.fsdp._time_steps, bench.dropin.time_fn)
     for path, src in _sources().items():
@@ -62,7 +62,7 @@ def test_no_module_keeps_a_timer_of_its_own():
         for name in ("bench_ms", "do_bench_ms", "median_ms", "timer", "call_times"):
             assert not re.search(rf"^def {name}\(", src, re.M), (path, name)
         events = src.count("torch.cuda.Event(enable_timing=True)")
-        assert events == (1 if path.name == "cost_model.py" else 0), (path, events)
+        assert events == (1 if path.name == "cost_measure.py" else 0), (path, events)
     assert "from .bench" not in (ROOT / "timing.py").read_text()
 
 
