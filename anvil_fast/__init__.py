@@ -61,12 +61,19 @@ module                  concept
 ``plain``               the benchmark's baseline: the seed's update with library matmuls
 ``scaling``             ``python -m anvil_fast.scaling``: equivalence and step time at several ranks
 ``train_step``          ``python -m anvil_fast.train_step``: forward + backward + step at several ranks, each
-                        reduce-scatter launched from the backward pass (``OverlappedStep``)
+                        reduce-scatter launched from the backward pass (``overlap.OverlappedStep``)
+``banked_gpt``          the GPT with its matrices in banks of layer groups (``BankedGPT``), and its batches
+``overlap``             the overlapped step's driver (``OverlappedStep``), ``sequential_step`` and a step's
+                        collectives alone (``comm_only``), for the multi-rank studies and training loops
+``study_runs``          the JSON record a multi-rank study writes beside its table, which ``cost_model`` reads
+``timing``              the package's timers (CUDA events / wall clock per call, medians, ``do_bench``)
 ``cost_model``          ``python -m anvil_fast.cost_model measure|predict``: the step at any world size from
                         pieces timed on one GPU, validated against measured runs
+``cost_measure``        the cost model's timings on this machine (the pieces of a step, the collectives)
 ``gpt``                 the package's GPT (benchmarks, training harness)
 ``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|peers|train_step|fsdp``: the
-                        benchmarks; ``bench.common``: peaks, the one FLOP count, timers
+                        benchmarks; ``bench.common``: peaks, bytes and FLOPs per bank (the count is
+                        ``gram_side.map_flops``), the table writer
 ======================  ===================================================================================
 
 Where new work goes:
@@ -76,7 +83,8 @@ Where new work goes:
   to it; its reference in ``anvil_ref``; its test ``tests/test_<concept>.py`` with the ``triton_dev``
   fixture and bounds from ``tolerances`` (``tests/README.md``).
 * a benchmark: a module of ``bench/`` with ``add_args``, ``run`` and ``SUMMARY``, registered with
-  one line in ``anvil_fast.bench.COMMANDS``; peaks, FLOPs and timers from ``bench.common``. A table,
+  one line in ``anvil_fast.bench.COMMANDS``; peaks and FLOPs from ``bench.common``, timers from
+  ``timing``. A table,
   never a timed test.
 * a study (a CLI that measures a property, like ``difftest`` or ``near_rank1``): a module here with
   ``main(argv)`` and ``if __name__ == "__main__"``; its numbers reach the paper through
@@ -98,7 +106,7 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
 _SUBMODULES = ("dropin", "roles", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
                "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
                "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side", "gram_side_study", "train_step", "cost_model", "fsdp", "device_step", "nonfinite",
+               "gram_side", "gram_side_study", "train_step", "banked_gpt", "overlap", "study_runs", "timing", "cost_model", "cost_measure", "fsdp", "device_step", "nonfinite",
                "families", "harness", "adapters")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)

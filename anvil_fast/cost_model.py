@@ -6,14 +6,18 @@
     nothing moved) and the time of every piece of its step -- each bank's update on its
     ``n / w`` matrices, each sharded Adam parameter's update on its rows, the replicated Adam pass --
     the whole step without communication, and the host's time to issue it. The same for the
-    training step of :mod:`anvil_fast.train_step` (its defaults), plus forward and backward at the
-    per-rank batch and the time each gradient is complete in the backward pass. With two or more GPUs
-    it also times the collectives (reduce-scatter, all-gather, all-reduce; 1 MiB to 256 MiB) on
-    ``w`` NCCL ranks for every ``w`` of ``--worlds`` the GPUs allow, and fits the alpha-beta model.
+    training step of :mod:`anvil_fast.train_step` (its defaults,
+    :data:`anvil_fast.banked_gpt.CUDA_DEFAULTS`), plus forward and backward at the per-rank batch
+    and the time each gradient is complete in the backward pass. With two or more GPUs it also
+    times the collectives (reduce-scatter, all-gather, all-reduce; 1 MiB to 256 MiB) on ``w`` NCCL
+    ranks for every ``w`` of ``--worlds`` the GPUs allow, and fits the alpha-beta model. The timing
+    is :mod:`anvil_fast.cost_measure`'s; this module holds the model (functions of numbers), the
+    data file and the tables.
 
 ``python -m anvil_fast.cost_model predict --data FILE [--validate RUN.md ...]``
     The step at every world size of ``--worlds`` for each layout, and the comparison with measured
-    multi-rank runs (tables of ``python -m anvil_fast.scaling gpu``).
+    multi-rank runs (the JSON records of ``python -m anvil_fast.scaling gpu`` and
+    ``python -m anvil_fast.train_step``, written beside their tables: :mod:`anvil_fast.study_runs`).
 
 The model (one rank; every rank holds ``1 / w`` of every bank's matrices and of every sharded Adam
 parameter's rows, so all ranks do the same work and the slowest rank is any rank):
@@ -48,26 +52,19 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from .study_runs import SCALING, TRAIN_STEP, read_record
 
 FORMAT = "anvil_fast.cost_model/1"
 KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 #: message sizes of the collective sweep (bytes)
 SWEEP_BYTES = tuple(2 ** k for k in range(20, 29, 2))
 DEFAULT_WORLDS = (1, 2, 4, 8)
-
-
-def layouts() -> dict:
-    """name -> bench.optimizer layout: GPT-2 small (4x hidden) and the seed's (hidden 2816)."""
-    from .bench.optimizer import gpt2_small_layout
-
-    return {"gpt2small": gpt2_small_layout(), "seed": gpt2_small_layout(hidden=2816)}
 
 
 LAYOUTS = ("gpt2small", "seed")
@@ -157,7 +154,7 @@ def schedule(pieces: dict[str, Piece], scatter: list[str], work: list[str], worl
     gradient is there at 0, the replicated all-reduce goes first. Training step (``ready``: label
     -> the time its gradient is complete, ``compute_start``: the backward pass's end): each
     reduce-scatter is launched in ``scatter_order`` once it and every label before it is ready
-    (:class:`anvil_fast.train_step.OverlappedStep`), the all-reduce after the backward pass, and
+    (:class:`anvil_fast.overlap.OverlappedStep`), the all-reduce after the backward pass, and
     the updates start at ``compute_start``. ``compute_ms`` is the updates' sum either way."""
     for order_name, order in (("scatter_order", scatter), ("work_order", work)):
         if sorted(order) != sorted(pieces):
@@ -237,259 +234,6 @@ def predict(data: dict, layout: str, world: int, *, fits: dict[str, AlphaBeta] |
     return schedule(pieces_of(data, layout, world, scale=scale), lay["scatter"], lay["work"], world, fits, host_ms=host)
 
 
-def check_data(data: dict) -> dict:
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"not a cost-model data file (format {data.get('format') if isinstance(data, dict) else None!r}, "
-                         f"expected {FORMAT!r})")
-    for name, lay in data.get("layouts", {}).items():
-        for key in ("labels", "scatter", "work", "worlds"):
-            if key not in lay:
-                raise ValueError(f"layout {name!r}: missing {key!r}")
-    return data
-
-
-def save(data: dict, path: str | os.PathLike) -> None:
-    check_data(data)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-
-
-def load(path: str | os.PathLike) -> dict:
-    if not Path(path).is_file():
-        raise ValueError(f"{path}: no data file; `python -m anvil_fast.cost_model measure --out {path}` writes it")
-    return check_data(json.loads(Path(path).read_text()))
-
-
-# ---------------------------------------------------------------------------------- measured runs
-_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|")
-
-
-def read_scaling_run(path: str | os.PathLike) -> dict:
-    """The timing rows of a ``python -m anvil_fast.scaling gpu`` table: ranks -> (step, comms
-    skipped, collectives alone) ms, and the command line that produced it."""
-    text = Path(path).read_text()
-    m = re.search(r"generated by `([^`]*)`", text)
-    rows = {}
-    for line in text.splitlines():
-        r = _ROW.match(line)
-        if r and "step ms" not in line:
-            # the equivalence table's rows (yes/no columns) do not match
-            rows[int(r.group(1))] = dict(step_ms=float(r.group(2)), nocomm_ms=float(r.group(3)),
-                                         comm_ms=float(r.group(4)))
-    if 1 not in rows or len(rows) < 2:
-        raise ValueError(f"{path}: no timing table with a 1-rank row and a multi-rank row")
-    return dict(path=str(path), command=m.group(1) if m else "", rows=rows)
-
-
-_TRAIN_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 5)
-
-
-def read_train_step_run(path: str | os.PathLike) -> dict:
-    """The rows of a ``python -m anvil_fast.train_step`` table: ranks -> per-rank batch and the
-    steps' ms (pre-hook, end, not overlapped, comms skipped, collectives alone)."""
-    text = Path(path).read_text()
-    m = re.search(r"generated by `([^`]*)`", text)
-    rows = {}
-    for line in text.splitlines():
-        r = _TRAIN_ROW.match(line)
-        if r:
-            rows[int(r.group(1))] = dict(batch=int(r.group(2)), prehook_ms=float(r.group(3)), end_ms=float(r.group(4)),
-                                         sequential_ms=float(r.group(5)), nocomm_ms=float(r.group(6)),
-                                         comm_ms=float(r.group(7)))
-    if not rows:
-        raise ValueError(f"{path}: no timing rows of anvil_fast.train_step")
-    return dict(path=str(path), command=m.group(1) if m else "", rows=rows)
-
-
-def training_validation_table(data: dict, runs: list[dict]) -> list[str]:
-    """Measured training steps against the model's (gathers waited at the step's end)."""
-    tr = data.get("training") or {}
-    lines = ["| run | ranks | predicted step ms | measured step ms (wait at end) | error | predicted comms skipped ms | "
-             "measured ms | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for run in runs:
-        for w, m in sorted(run["rows"].items()):
-            if str(w) not in tr.get("worlds", {}) or (w > 1 and fits_of(data, w) is None):
-                continue
-            if m["batch"] != tr["global_batch"] // w:
-                raise ValueError(f"{run['path']}: {w} ranks ran a per-rank batch of {m['batch']}, the pieces' is "
-                                 f"{tr['global_batch'] // w}")
-            p = predict_training(data, w)
-            lines.append(f"| {run['path']} | {w} | {p.step_ms:.2f} | {m['end_ms']:.2f} | {_pct(p.step_ms / m['end_ms'] - 1)} "
-                         f"| {p.nocomm_ms:.2f} | {m['nocomm_ms']:.2f} | {_pct(p.nocomm_ms / m['nocomm_ms'] - 1)} |")
-    return lines
-
-
-def calibrated_fits(comm_ms: float, world: int, data_or_bytes) -> dict[str, AlphaBeta]:
-    """One bandwidth for every kind, zero latency, such that the step's collectives alone take
-    ``comm_ms`` at ``world`` ranks: the fallback when no collective was measured (one number
-    cannot separate latency from bandwidth). ``data_or_bytes``: per kind, the total ring bytes
-    ``sum steps / w * n`` of the step's collectives."""
-    ring = data_or_bytes
-    total = sum(ring.values())
-    if not comm_ms > 0:
-        raise ValueError(f"collectives alone must take > 0 ms to calibrate, got {comm_ms!r}")
-    bw = total / (comm_ms * 1e6)
-    return {k: AlphaBeta(0.0, bw) for k in KINDS}
-
-
-def ring_bytes(pieces: dict[str, Piece], world: int) -> dict[str, float]:
-    """Per kind, ``sum steps / w * n`` over the step's collectives (what one unit of 1/bw costs)."""
-    rep = sum(p.nbytes for p in pieces.values() if p.comms == "replicated")
-    sh = sum(p.nbytes for p in pieces.values() if p.comms == "sharded")
-    return {"reduce_scatter": ring_steps("reduce_scatter", world) / world * sh,
-            "all_gather": ring_steps("all_gather", world) / world * sh,
-            "all_reduce": ring_steps("all_reduce", world) / world * rep}
-
-
-def validate(data: dict, run: dict, *, layout: str = "gpt2small") -> list[dict]:
-    """Predict each multi-rank row of a measured run from the run's 1-rank row: the measured
-    pieces scaled so that their 1-rank sum is the run's 1-rank comms-skipped step (the run may
-    be of other code), the collectives from the data's fits or, without them, calibrated on the
-    run's own collectives-alone column (then only the compute and the overlap are predicted)."""
-    rows = run["rows"]
-    one = predict(data, layout, 1, with_host=False)
-    scale = rows[1]["nocomm_ms"] / one.compute_ms
-    out = []
-    for w, meas in sorted(rows.items()):
-        if w == 1:
-            continue
-        fits = fits_of(data, w)
-        calibrated = fits is None
-        if calibrated:
-            fits = calibrated_fits(meas["comm_ms"], w, ring_bytes(pieces_of(data, layout, w), w))
-        p = predict(data, layout, w, fits=fits, scale=scale, with_host=False)
-        out.append(dict(world=w, scale=scale, calibrated=calibrated, predicted=p, measured=meas,
-                        step_error=p.step_ms / meas["step_ms"] - 1, nocomm_error=p.compute_ms / meas["nocomm_ms"] - 1))
-    return out
-
-
-def bracket(run: dict, world: int, *, from_world: int = 2) -> dict:
-    """Without measured pieces: the compute of a run's 1-rank comms-skipped step split ``1 / w``
-    (every piece sharded; the replicated ones are ~0.1k elements), the collectives scaled from the
-    run's ``from_world`` collectives-alone by the ring's ``(w - 1) / w`` (zero latency), and the
-    step between full overlap ``max(compute, comms)`` and none ``compute + comms``."""
-    rows = run["rows"]
-    compute = rows[1]["nocomm_ms"] / world
-    comm = 0.0 if world == 1 else rows[from_world]["comm_ms"] * ((world - 1) / world) / ((from_world - 1) / from_world)
-    return dict(world=world, compute_ms=compute, comm_ms=comm, low_ms=max(compute, comm), high_ms=compute + comm)
-
-
-# -------------------------------------------------------------------------------------- measuring
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _host_ms(fn, n: int, device) -> float:
-    """Host time to issue ``fn`` with the device idle at the start (no sync inside)."""
-    times = []
-    for _ in range(n):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    _sync(device)
-    return statistics.median(times)
-
-
-def _time_pieces(opt, grads: dict, n: int, device) -> dict[str, float]:
-    """Each label's update as rank ``opt.rank`` of ``opt.world_size`` runs it (after one step, so
-    the scalars are staged and the bank updates compiled): a bank's on its matrices, a sharded Adam
-    parameter's on its rows; the replicated labels share one fused pass, split by element count."""
-    from .bench.common import median_ms
-
-    upd = {}
-    for label in opt.labels:
-        cfg = opt.param_cfgs[label]
-        if cfg.comms == "replicated":
-            continue
-        if cfg.optim == "anvil":
-            upd[label] = median_ms(lambda l=label: opt._anvil_update(l, opt.banks[l].grad, opt.bank_update), n=n,
-                                   warmup=2, device=device)
-        else:
-            chunk = grads[label][: cfg.chunk_size].contiguous()
-            upd[label] = median_ms(lambda l=label, c=chunk: opt._adam_update(l, c), n=n, warmup=2, device=device)
-    rep = [l for l in opt.labels if opt.param_cfgs[l].comms == "replicated"]
-    if rep:
-        ms = median_ms(lambda: opt.replicated.update(opt.adam_table), n=n, warmup=2, device=device)
-        sizes = {l: opt.params[l].numel() for l in rep}
-        for l in rep:
-            upd[l] = ms * sizes[l] / sum(sizes.values())
-    return upd
-
-
-def measure_training(worlds: list[int], *, n: int, device, size: str, group_layers: int, global_batch: int,
-                     seq: int | None = None) -> dict:
-    """The training step's pieces for rank 0 of each world size, on one device: forward and
-    backward at the per-rank batch (``global_batch / w``), the time after the backward pass's start
-    at which each sharded gradient is complete (a post-accumulate-grad hook records an event), and
-    the updates (:func:`_time_pieces`) of :class:`anvil_fast.train_step.BankedGPT`'s optimizer."""
-    import torch
-
-    from .comms import LocalComms, NullComms
-    from .gpt import SIZES
-    from .train_step import BankedGPT, batch, check_batch, make_optimizer, sequential_step
-
-    cfg = SIZES[size]
-    seq = cfg.ctx if seq is None else seq
-    cuda = device.type == "cuda"
-    out = dict(size=size, group_layers=group_layers, global_batch=global_batch, seq=seq, worlds={})
-    for w in worlds:
-        check_batch(global_batch, w)
-        model = BankedGPT(cfg, group_layers=group_layers).to(device)
-        opt = make_optimizer(model, comms=LocalComms() if w == 1 else NullComms(w, 0), compile_banks=None if cuda else False)
-        if "labels" not in out:
-            out["labels"] = {l: dict(comms=opt.param_cfgs[l].comms, shape=list(p.shape),
-                                     nbytes=p.numel() * (2 if l in opt.banks else p.element_size()))
-                             for l, p in opt.params.items()}
-            out["scatter"], out["work"] = list(opt.scatter_order), list(opt.work_order)
-        x, y = batch(cfg, step=0, global_batch=global_batch, seq=seq, world=w, rank=0, device=device)
-        sharded = [l for l in opt.labels if opt.param_cfgs[l].comms == "sharded"]
-        marks: dict[str, Any] = {}
-
-        def mark(key):
-            if cuda:
-                marks[key] = torch.cuda.Event(enable_timing=True)
-                marks[key].record()
-            else:
-                marks[key] = time.perf_counter()
-
-        def since(a, b):
-            return marks[a].elapsed_time(marks[b]) if cuda else 1e3 * (marks[b] - marks[a])
-
-        hooks = [opt.params[l].register_post_accumulate_grad_hook(lambda p, l=l: mark(l)) for l in sharded]
-        runs = []
-        for i in range(n + 3):
-            for p in model.parameters():
-                p.grad = None
-            mark("start")
-            loss = model(x, y)
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            _sync(device)
-            if i >= 3:
-                runs.append(dict(fwd=since("start", "fwd"), bwd=since("fwd", "bwd"),
-                                 ready={l: since("fwd", l) for l in sharded}))
-        for h in hooks:
-            h.remove()
-        grads = {l: p.grad.detach().clone() for l, p in opt.params.items()}
-        sequential_step(opt)
-        out["worlds"][str(w)] = dict(
-            fwd_ms=statistics.median(r["fwd"] for r in runs), bwd_ms=statistics.median(r["bwd"] for r in runs),
-            ready_ms={l: statistics.median(r["ready"][l] for r in runs) for l in sharded},
-            update_ms=_time_pieces(opt, grads, n, device))
-        e = out["worlds"][str(w)]
-        print(f"  training step at {w} rank(s), batch {global_batch // w}: forward {e['fwd_ms']:.2f} ms, backward "
-              f"{e['bwd_ms']:.2f} ms, updates {sum(e['update_ms'].values()):.2f} ms", flush=True)
-        del model, opt, grads
-        if cuda:
-            torch.cuda.empty_cache()
-    return out
-
-
 @dataclass(frozen=True)
 class TrainPrediction:
     world: int
@@ -527,62 +271,101 @@ def predict_training(data: dict, world: int, *, fits: dict[str, AlphaBeta] | Non
     return TrainPrediction(world=world, fwd_ms=fwd, bwd_ms=bwd, opt=opt)
 
 
-def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device) -> dict:
-    """Rank 0's pieces of ``layout`` at each world size, on one GPU (module docstring)."""
-    import torch
+def check_data(data: dict) -> dict:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"not a cost-model data file (format {data.get('format') if isinstance(data, dict) else None!r}, "
+                         f"expected {FORMAT!r})")
+    for name, lay in data.get("layouts", {}).items():
+        for key in ("labels", "scatter", "work", "worlds"):
+            if key not in lay:
+                raise ValueError(f"layout {name!r}: missing {key!r}")
+    return data
 
-    from .bench.common import median_ms
-    from .bench.optimizer import SCATTER, WORK, make_grads, make_params, step_fn, table_of
-    from .comms import LocalComms, NullComms
-    from .optimizer import AnvilAndAdam
 
-    labels = {}
-    for label, (shape, reshape, dtype, entry) in layout.items():
-        travels = 2 if reshape is not None else torch.finfo(dtype).bits // 8  # bank gradients travel in bf16
-        labels[label] = dict(comms=entry["comms"], nbytes=math.prod(shape) * travels, shape=list(shape))
-    out = dict(labels=labels, scatter=list(SCATTER), work=list(WORK), worlds={})
-    for w in worlds:
-        params = make_params(layout, device)
-        comms = LocalComms() if w == 1 else NullComms(w, 0)
-        opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms)
-        opt.copy_lm_state_to_embed()  # untied: every parameter updated, as anvil_fast.scaling times it
-        grads = make_grads(params)
-        step = step_fn(opt, params, grads, True)
-        step_ms = median_ms(step, n=n, warmup=3, device=device)  # also the warm-up: compiles the bank updates
-        host = _host_ms(step, n, device)
-        step()
-        upd = _time_pieces(opt, grads, n, device)
-        out["worlds"][str(w)] = dict(update_ms=upd, step_nocomm_ms=step_ms, host_ms=host)
-        print(f"  {name} at {w} rank(s): step without comms {step_ms:.3f} ms, pieces {sum(upd.values()):.3f} ms, "
-              f"host {host:.3f} ms", flush=True)
-        del opt, params, grads
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+def save(data: dict, path: str | os.PathLike) -> None:
+    check_data(data)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def load(path: str | os.PathLike) -> dict:
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no data file; `python -m anvil_fast.cost_model measure --out {path}` writes it")
+    return check_data(json.loads(Path(path).read_text()))
+
+
+# ---------------------------------------------------------------------------------- measured runs
+def read_scaling_run(path: str | os.PathLike) -> dict:
+    """The timing rows of a ``python -m anvil_fast.scaling gpu`` run's JSON record
+    (:mod:`anvil_fast.study_runs`): ranks -> (step, comms skipped, collectives alone, ANVIL-only)
+    ms, and the command line that produced it."""
+    run = read_record(path, SCALING)
+    if 1 not in run["rows"] or len(run["rows"]) < 2:
+        raise ValueError(f"{path}: no timing table with a 1-rank row and a multi-rank row")
+    return run
+
+
+def read_train_step_run(path: str | os.PathLike) -> dict:
+    """The rows of a ``python -m anvil_fast.train_step`` run's JSON record: ranks -> per-rank batch
+    and the steps' ms (pre-hook, end, not overlapped, comms skipped, collectives alone)."""
+    return read_record(path, TRAIN_STEP)
+
+
+def calibrated_fits(comm_ms: float, ring: dict[str, float]) -> dict[str, AlphaBeta]:
+    """One bandwidth for every kind, zero latency, such that the step's collectives alone take
+    ``comm_ms``: the fallback when no collective was measured (one number cannot separate latency
+    from bandwidth). ``ring``: per kind, the total ring bytes ``sum steps / w * n`` of the step's
+    collectives at the world size in question (:func:`ring_bytes`)."""
+    total = sum(ring.values())
+    if not comm_ms > 0:
+        raise ValueError(f"collectives alone must take > 0 ms to calibrate, got {comm_ms!r}")
+    bw = total / (comm_ms * 1e6)
+    return {k: AlphaBeta(0.0, bw) for k in KINDS}
+
+
+def ring_bytes(pieces: dict[str, Piece], world: int) -> dict[str, float]:
+    """Per kind, ``sum steps / w * n`` over the step's collectives (what one unit of 1/bw costs)."""
+    rep = sum(p.nbytes for p in pieces.values() if p.comms == "replicated")
+    sh = sum(p.nbytes for p in pieces.values() if p.comms == "sharded")
+    return {"reduce_scatter": ring_steps("reduce_scatter", world) / world * sh,
+            "all_gather": ring_steps("all_gather", world) / world * sh,
+            "all_reduce": ring_steps("all_reduce", world) / world * rep}
+
+
+def validate(data: dict, run: dict, *, layout: str = "gpt2small") -> list[dict]:
+    """Predict each multi-rank row of a measured run from the run's 1-rank row: the measured
+    pieces scaled so that their 1-rank sum is the run's 1-rank comms-skipped step (the run may
+    be of other code), the collectives from the data's fits or, without them, calibrated on the
+    run's own collectives-alone column (then only the compute and the overlap are predicted)."""
+    rows = run["rows"]
+    one = predict(data, layout, 1, with_host=False)
+    scale = rows[1]["nocomm_ms"] / one.compute_ms
+    out = []
+    for w, meas in sorted(rows.items()):
+        if w == 1:
+            continue
+        fits = fits_of(data, w)
+        calibrated = fits is None
+        if calibrated:
+            fits = calibrated_fits(meas["comm_ms"], ring_bytes(pieces_of(data, layout, w), w))
+        p = predict(data, layout, w, fits=fits, scale=scale, with_host=False)
+        out.append(dict(world=w, scale=scale, calibrated=calibrated, predicted=p, measured=meas,
+                        step_error=p.step_ms / meas["step_ms"] - 1, nocomm_error=p.compute_ms / meas["nocomm_ms"] - 1))
     return out
 
 
-def _collective_rank(rank: int, world: int, sizes: list[int], n: int, device: str) -> dict:
-    import torch
-
-    from .bench.common import median_ms
-    from .comms import DistComms
-
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    comms = DistComms()
-    res = {}
-    for kind in KINDS:
-        pts = []
-        for nbytes in sizes:
-            full = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=dev)
-            part = torch.zeros(nbytes // 2 // world, dtype=torch.bfloat16, device=dev)
-            fn = {"reduce_scatter": lambda: comms.reduce_scatter_avg(part, full).wait(),
-                  "all_gather": lambda: comms.all_gather(full, part).wait(),
-                  "all_reduce": lambda: comms.all_reduce_avg(full).wait()}[kind]
-            pts.append((nbytes, median_ms(fn, n=n, warmup=3, device=dev)))
-        res[kind] = pts
-    return res
+def bracket(run: dict, world: int, *, from_world: int = 2) -> dict:
+    """Without measured pieces: the compute of a run's 1-rank comms-skipped step split ``1 / w``
+    (every piece sharded; the replicated ones are ~0.1k elements), the collectives scaled from the
+    run's ``from_world`` collectives-alone by the ring's ``(w - 1) / w`` (zero latency), and the
+    step between full overlap ``max(compute, comms)`` and none ``compute + comms``."""
+    rows = run["rows"]
+    compute = rows[1]["nocomm_ms"] / world
+    comm = 0.0 if world == 1 else rows[from_world]["comm_ms"] * ((world - 1) / world) / ((from_world - 1) / from_world)
+    return dict(world=world, compute_ms=compute, comm_ms=comm, low_ms=max(compute, comm), high_ms=compute + comm)
 
 
+# ------------------------------------------------------------------------------- the measure command
 #: ``--device cpu``: a smoke run of the whole command on a small layout (CPU timings mean nothing)
 SMOKE_LAYOUT = dict(n_layer=4, width=32, vocab=256, heads=2, head_dim=16, hidden=128)
 SMOKE_BYTES = (2 ** 16, 2 ** 18, 2 ** 20)
@@ -591,6 +374,7 @@ SMOKE_BYTES = (2 ** 16, 2 ** 18, 2 ** 20)
 def measure(a: argparse.Namespace) -> int:
     import torch
 
+    from . import cost_measure as M
     from .distributed import spawn
 
     cuda = a.device == "cuda"
@@ -605,7 +389,7 @@ def measure(a: argparse.Namespace) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
     worlds = _worlds(a.worlds)
     if cuda:
-        lays = layouts()
+        lays = M.layouts()
     else:
         from .bench.optimizer import gpt2_small_layout
 
@@ -628,19 +412,19 @@ def measure(a: argparse.Namespace) -> int:
                       f"{[(lays[name][l][1] or lays[name][l][0])[0] for l in bad]})", file=sys.stderr)
                 return 2
     for name in names:
-        data["layouts"][name] = measure_layout(name, lays[name], worlds, n=a.n,
+        data["layouts"][name] = M.measure_layout(name, lays[name], worlds, n=a.n,
                                                device=torch.device("cuda" if cuda else "cpu"))
         print(f"{name} measured at +{time.time() - t0:.0f} s", flush=True)
     if a.training:
-        from .train_step import CPU_DEFAULTS, CUDA_DEFAULTS
+        from .banked_gpt import CPU_DEFAULTS, CUDA_DEFAULTS
 
         d = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
-        data["training"] = measure_training(worlds, n=a.n, device=torch.device("cuda" if cuda else "cpu"), **d)
+        data["training"] = M.measure_training(worlds, n=a.n, device=torch.device("cuda" if cuda else "cpu"), **d)
         print(f"training step measured at +{time.time() - t0:.0f} s", flush=True)
     for w in worlds:
         if w == 1 or w > n_devices:
             continue
-        res = spawn(_collective_rank, w, list(sweep), a.n, a.device, backend="nccl" if cuda else "gloo",
+        res = spawn(M.collective_rank, w, list(KINDS), list(sweep), a.n, a.device, backend="nccl" if cuda else "gloo",
                     threads=0 if cuda else 1)
         pts = {k: [max(r[k][i][1] for r in res) for i in range(len(sweep))] for k in KINDS}
         entry = {}
@@ -698,6 +482,24 @@ def training_table(data: dict, worlds: list[int]) -> list[str]:
         lines.append(f"| {w} | {tr['global_batch'] // w} | {p.fwd_ms + p.bwd_ms:.2f} | {p.opt.compute_ms:.2f} | "
                      f"{p.opt.comm_ms:.2f} | {p.step_ms:.2f} | {p.nocomm_ms:.2f} | {hid} | "
                      f"{'' if base is None else f'{p.step_ms / base:.2f}x'} |")
+    return lines
+
+
+def training_validation_table(data: dict, runs: list[dict]) -> list[str]:
+    """Measured training steps against the model's (gathers waited at the step's end)."""
+    tr = data.get("training") or {}
+    lines = ["| run | ranks | predicted step ms | measured step ms (wait at end) | error | predicted comms skipped ms | "
+             "measured ms | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        for w, m in sorted(run["rows"].items()):
+            if str(w) not in tr.get("worlds", {}) or (w > 1 and fits_of(data, w) is None):
+                continue
+            if m["batch"] != tr["global_batch"] // w:
+                raise ValueError(f"{run['path']}: {w} ranks ran a per-rank batch of {m['batch']}, the pieces' is "
+                                 f"{tr['global_batch'] // w}")
+            p = predict_training(data, w)
+            lines.append(f"| {run['path']} | {w} | {p.step_ms:.2f} | {m['end_ms']:.2f} | {_pct(p.step_ms / m['end_ms'] - 1)} "
+                         f"| {p.nocomm_ms:.2f} | {m['nocomm_ms']:.2f} | {_pct(p.nocomm_ms / m['nocomm_ms'] - 1)} |")
     return lines
 
 
@@ -766,8 +568,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("predict", help="predict the step from a data file")
     p.add_argument("--data", required=True, help="a file written by `measure`")
     p.add_argument("--worlds", default=",".join(map(str, DEFAULT_WORLDS)))
-    p.add_argument("--validate", nargs="*", default=[], help="`anvil_fast.scaling gpu` tables to check against")
-    p.add_argument("--validate-train", nargs="*", default=[], help="`anvil_fast.train_step` tables to check against")
+    p.add_argument("--validate", nargs="*", default=[], help="`anvil_fast.scaling gpu` runs' JSON records to check against")
+    p.add_argument("--validate-train", nargs="*", default=[], help="`anvil_fast.train_step` runs' JSON records to check against")
     p.add_argument("--out", default="", help="also write the tables (markdown) here")
     a = ap.parse_args(argv)
     a.command_line = "python -m anvil_fast.cost_model " + " ".join(argv)

@@ -456,7 +456,7 @@ class DeviceStep:
         bufs = self.grad_bufs
         for name, _ in self.adam:
             if inner.param_cfgs[name].comms != "replicated":
-                inner._adam_update(name, bufs[name])
+                inner.adam_update(name, bufs[name])
         if inner.replicated is not None:
             inner.replicated.launch_reduce(set(inner.replicated_labels), bufs)
             inner.replicated.update(table)

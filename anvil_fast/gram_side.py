@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -248,23 +249,63 @@ def eager_gram_side_cascade(x: Tensor, *, restarts=None, maps: MapsLike = ANVIL_
 
 
 # ------------------------------------------------------------------------------------------------
-# FLOPs
+# FLOPs: the package's one count (the benchmarks' rooflines take it from here)
 
-def cascade_flops(m: int, n: int, *, maps: int = len(ANVIL_MAPS), restarts=None, block: int = 128) -> dict[str, float]:
-    """FLOPs of one matrix's cascade, standard and Gram side (``restarts``: default GRAM_SIDE's),
-    with a symmetric product of T = ceil(k / block) tiles costing (T+1)/(2T) of a full one. Returns
-    {"standard", "gram_side", "ratio"} (ratio = standard / gram_side)."""
-    sched = GRAM_SIDE_RESTARTS if restarts is None else tuple(restarts)
-    big, k = max(m, n), min(m, n)
+#: The symmetric kernels' square tile side, which sets how many tiles of a Gram they execute.
+SYMMETRIC_BLOCK = 128
+
+
+class MapFlops(NamedTuple):
+    """FLOPs of one map's three products over a bank ``[c, m, n]`` (``k = min(m, n)``,
+    ``K = max(m, n)``): the full products of the math (``plain``) and what the symmetric kernels
+    execute (``executed``: lower tiles of the ``k x k`` outputs only)."""
+
+    gram: tuple[float, float]
+    baa: tuple[float, float]
+    axb: tuple[float, float]
+
+    @property
+    def plain(self) -> float:
+        return self.gram[0] + self.baa[0] + self.axb[0]
+
+    @property
+    def executed(self) -> float:
+        return self.gram[1] + self.baa[1] + self.axb[1]
+
+
+def symmetric_share(k: int, block: int = SYMMETRIC_BLOCK) -> float:
+    """The share of a ``k x k`` product's ``T^2`` tiles (``T = ceil(k / block)``) a symmetric kernel
+    executes: the ``T (T + 1) / 2`` lower ones, ``(T + 1) / (2 T)``."""
     t = math.ceil(k / block)
-    sym = (t + 1) / (2 * t)
-    gram = 2 * big * k * k * sym
-    sq = 2 * k ** 3
-    standard = maps * (gram + sq * sym + 2 * big * k * k)
+    return (t + 1) / (2 * t)
+
+
+def map_flops(shape, *, block: int = SYMMETRIC_BLOCK) -> MapFlops:
+    """Per map of a bank ``[c, m, n]``: Gram ``2 k^2 K``, ``A@A`` ``2 k^3`` (both symmetric:
+    :func:`symmetric_share` of them executed) and ``X@B`` ``2 k^2 K`` (a full product), times the
+    bank's ``c`` matrices."""
+    c, m, n = shape
+    k, K = min(m, n), max(m, n)
+    lower = symmetric_share(k, block)
+    gram, baa, axb = 2 * k * k * K * c, 2 * k ** 3 * c, 2 * k * k * K * c
+    return MapFlops((gram, lower * gram), (baa, lower * baa), (axb, axb))
+
+
+def cascade_flops(m: int, n: int, *, maps: int = len(ANVIL_MAPS), restarts=None,
+                  block: int = SYMMETRIC_BLOCK) -> dict[str, float]:
+    """FLOPs of one matrix's cascade, standard (``maps`` x :func:`map_flops`' executed count) and
+    Gram side (``restarts``: default GRAM_SIDE's), a symmetric product costing
+    :func:`symmetric_share` of a full one. Returns {"standard", "gram_side", "ratio"} (ratio =
+    standard / gram_side)."""
+    sched = GRAM_SIDE_RESTARTS if restarts is None else tuple(restarts)
+    f = map_flops((1, m, n), block=block)
+    sym = symmetric_share(min(m, n), block)
+    gram, sq, full = f.gram[1], f.baa[0], f.axb[0]
+    standard = maps * f.executed
     # per map: B (sym); R update (full) except after a (re)start; P (full) and A (sym) unless the
     # next map restarts or this is the last; per restart: X_0 R (full) and its Gram; final X_0 R.
     starts = 1 + len(sched)
     updates = maps - 1 - len(sched)
     gs = gram + maps * sq * sym + (maps - starts) * sq + updates * (sq + sq * sym) \
-        + len(sched) * (2 * big * k * k + gram) + 2 * big * k * k
+        + len(sched) * (full + gram) + full
     return {"standard": standard, "gram_side": gs, "ratio": standard / gs}

@@ -26,13 +26,13 @@ exactly symmetric.
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ._triton import num_sms
+from .timing import median_ms, timer
 
 
 class TileConfig(NamedTuple):
@@ -177,15 +177,11 @@ def candidates(kind: str, key: ProblemKey, sms: int) -> list[TileConfig]:
 
 def time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
     """GPU time of one ``fn()``: replays of a CUDA graph of back-to-back calls (event timing of
-    eager calls if capture fails), median of 5. The benchmarks time kernels with it too
+    eager calls if capture fails), median of 5 (:func:`anvil_fast.timing.median_ms`). The benchmarks time kernels with it too
     (:mod:`anvil_fast.bench.common`), so their tables show what the tuner compared."""
     torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    e1.record()
-    e1.synchronize()
-    reps = int(min(200, max(3, target_ms / max(e0.elapsed_time(e1), 1e-3))))
+    timed = timer("cuda")
+    reps = int(min(200, max(3, target_ms / max(timed(fn), 1e-3))))
     run: Callable[[], None]
     try:
         g = torch.cuda.CUDAGraph()
@@ -197,15 +193,8 @@ def time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
         def run():
             for _ in range(reps):
                 fn()
-    run()
-    samples = []
-    for _ in range(5):
-        e0.record()
-        run()
-        e1.record()
-        e1.synchronize()
-        samples.append(1000.0 * e0.elapsed_time(e1) / reps)
-    return statistics.median(samples)
+    # no barrier: a rank tunes alone, whatever the others do
+    return 1000.0 * median_ms(run, n=5, warmup=1, device="cuda", barrier=False) / reps
 
 
 def _agrees(y: Tensor, ref: Tensor) -> tuple[bool, str]:

@@ -508,7 +508,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
             row.roundings = cache.roundings(shape, family, m)
             row.bound = T.eager_bound("cascade", floor=row.floor, roundings=row.roundings)
     if time_reps and dev == "cuda" and family == DEFAULT_FAMILIES[0]:
-        from .bench.common import median_ms
+        from .timing import median_ms
 
         with torch.no_grad():
             row.ms = median_ms(lambda: impl(x), n=time_reps, warmup=2, device=x.device)

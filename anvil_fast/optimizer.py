@@ -467,13 +467,30 @@ class AnvilAndAdam:
         fields_, lrs = self._bank_fields()
         self.staging.upload(fields_, lrs, table)
 
-    # ------------------------------------------------------------------ checks before a step
-    def _grads_read(self, do_adam: bool) -> list[str]:
-        out = [l for l in self.bank_labels if self.params[l].grad is not None]
-        if do_adam:
-            out += [l for l in self.adam_labels if self.params[l].grad is not None]
-        return out
+    # ------------------------------------------------------------------ the step rule
+    def reads_grad(self, label: str, do_adam: bool) -> bool:
+        """The step rule: a step reads a bank's gradient always and an Adam parameter's only when
+        ``do_adam``; what it reads it consumes, what it does not read is kept for the next
+        backward pass to accumulate into. :meth:`step`, :meth:`step_from_buffers` and
+        :mod:`anvil_fast.overlap`'s drivers all decide by it."""
+        return do_adam or self.param_cfgs[label].optim == "anvil"
 
+    def step_labels(self, do_adam: bool, labels: Iterable[str] | None = None) -> list[str]:
+        """The labels of ``labels`` (None: every label, in ``self.labels`` order), in their order,
+        whose gradients a step with ``do_adam`` reads (:meth:`reads_grad`)."""
+        return [l for l in (self.labels if labels is None else labels) if self.reads_grad(l, do_adam)]
+
+    def step_grads(self, do_adam: bool) -> dict[str, Tensor]:
+        """label -> ``.grad`` for the labels a step with ``do_adam`` reads that have one."""
+        return {l: g for l in self.step_labels(do_adam) if (g := self.params[l].grad) is not None}
+
+    def release_grads(self, do_adam: bool) -> None:
+        """After a step with ``do_adam``: drop the ``.grad`` of every label it read; the others'
+        are kept (the next backward pass accumulates into them)."""
+        for label in self.step_labels(do_adam):
+            self.params[label].grad = None
+
+    # ------------------------------------------------------------------ checks before a step
     def _validate(self, grads: Mapping[str, Tensor], deferred: frozenset[str]) -> None:
         for label in deferred:
             if label not in self.params:
@@ -536,18 +553,26 @@ class AnvilAndAdam:
                               "(untie with copy_lm_state_to_embed, or let step() launch it)")
         return self._launch_reduce(label, grad)
 
-    def _launch_gather(self, label: str) -> Handle:
+    def launch_gather(self, label: str) -> Handle:
+        """Start the all-gather of a sharded parameter's updated shard into its full replica
+        (phase 2 launches one after each update; the studies time them alone)."""
         cfg, p = self.param_cfgs[label], self.params[label]
         full = p.data.view(cfg.reshape) if cfg.optim == "anvil" else p.data
         return self.comms.all_gather(full, self._param_shard(label))
 
     # ------------------------------------------------------------------ updates
-    def _adam_update(self, label: str, grad_chunk: Tensor) -> None:
+    def adam_update(self, label: str, grad_chunk: Tensor) -> None:
+        """Adam on ``label``'s shard (a replicated parameter: all of it) from its reduced gradient
+        chunk, with the scalars the step staged (:meth:`stage_bank_scalars`): one piece of phase
+        2, public so a caller can run or time it alone."""
         st = self.param_states[label]
         p_slice = self._param_shard(label) if self.param_cfgs[label].comms == "sharded" else self.params[label].data
         adam_update_(p_slice, grad_chunk, st["exp_avg"], st["exp_avg_sq"], self.adam_table, self.adam_row[label])
 
-    def _anvil_update(self, label: str, grad_chunk: Tensor, bank_update: Callable) -> None:
+    def anvil_update(self, label: str, grad_chunk: Tensor, bank_update: Callable) -> None:
+        """``bank_update`` on ``label``'s bank, whose gradient buffer ``grad_chunk`` must be (the
+        reduce-scatter lands there): one piece of phase 2, public so a caller can run or time it
+        alone."""
         bank = self.banks[label]
         assert grad_chunk is bank.grad
         bank_update(bank)
@@ -583,13 +608,10 @@ class AnvilAndAdam:
         for each deferred label that gathered; wait each before the first read of that parameter's
         full replica."""
         deferred = frozenset(deferred_labels)
-        grads = {l: self.params[l].grad for l in self._grads_read(do_adam)}
+        grads = self.step_grads(do_adam)
         plan = self.prepare(grads, do_adam, deferred=deferred)
         handles = self.body(plan, grads, sparse_update=sparse_update, deferred=deferred)
-        for label, cfg in self.param_cfgs.items():
-            if cfg.optim == "adam" and not do_adam:
-                continue  # kept: the next backward accumulates into it
-            self.params[label].grad = None
+        self.release_grads(do_adam)
         return handles
 
     def plan_of(self, grads: Mapping[str, Tensor], do_adam: bool) -> StepPlan:
@@ -618,7 +640,7 @@ class AnvilAndAdam:
         launch for ``plan``, reading gradients only from ``grads`` (labels ``plan.read``). Nothing
         here inspects ``.grad`` or branches on tensor values, so a CUDA graph of it replays the step.
         ``launched``: label -> :meth:`launch_reduce`'s result for reduces the caller already started
-        (from the backward pass, :mod:`.train_step`); phase 1 takes those instead of launching."""
+        (from the backward pass, :mod:`.overlap`); phase 1 takes those instead of launching."""
         bank_update = self.bank_update if bank_update is None else bank_update
         do_adam, tied_now = plan.do_adam, plan.tied_now
         lm, embed = grads.get(LM_HEAD_LABEL), grads.get(EMBED_LABEL)
@@ -667,10 +689,10 @@ class AnvilAndAdam:
             handle, grad_chunk = pending.pop(label)
             handle.wait()
             if cfg.optim == "adam":
-                self._adam_update(label, grad_chunk)
+                self.adam_update(label, grad_chunk)
             else:
-                self._anvil_update(label, grad_chunk, bank_update)
-            g = self._launch_gather(label)
+                self.anvil_update(label, grad_chunk, bank_update)
+            g = self.launch_gather(label)
             if label in deferred:
                 deferred_handles[label] = g
             elif label == LM_HEAD_LABEL:
@@ -737,7 +759,7 @@ class AnvilAndAdam:
         unknown = sorted(wanted - set(self.params))
         if unknown:
             raise ConfigError(f"step_from_buffers: unknown labels {unknown}")
-        grads = {l: bufs[l] for l in self.labels if l in wanted and (do_adam or self.param_cfgs[l].optim == "anvil")}
+        grads = {l: bufs[l] for l in self.step_labels(do_adam) if l in wanted}
         if self.step_graph is not None:
             plan, key = self.step_graph.prepare(grads, do_adam)
         else:

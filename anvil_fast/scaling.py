@@ -24,7 +24,8 @@
     * 20 steps with exact gradients: every rank's replica bitwise identical and equal to the one-GPU
       run's; 20 steps with each rank's own gradients: replicas bitwise identical.
 
-Each writes its table (markdown, with the command that produced it) to ``--out``.
+Each writes its table (markdown, with the command that produced it) to ``--out``; ``gpu`` also
+writes its timings beside it as JSON (:mod:`anvil_fast.study_runs`), which the cost model reads.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ import torch
 
 from anvil_ref.cli_args import add_progress_flags, positive_int, positive_int_list
 
-from .bench.common import emit_table, median_ms
+from .bench.common import emit_table
 from .bench.optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
 from .distributed import all_digests, replica_digest, spawn
+from .overlap import comm_only
+from .study_runs import SCALING, write_record
+from .timing import median_ms
 
 STEPS = 20
 #: Seconds a GPU rank may wait in a collective: a rank's first step compiles the banks and captures
@@ -202,36 +206,6 @@ def run_cpu(a: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------- GPU
-def _time_steps(fn, n: int, warmup: int) -> float:
-    """Median ms of ``fn`` over ``n`` runs (CUDA events), every rank running the same count."""
-    return median_ms(fn, n=n, warmup=warmup, device="cuda")
-
-
-def _comm_only(opt, grads):
-    """The collectives of one untied Adam step, same buffers and order, without the compute."""
-    comms = opt.comms
-    bufs = {l: g.contiguous() for l, g in grads.items()}
-    chunks = {l: torch.empty_like(bufs[l][:opt.param_cfgs[l].chunk_size]) for l in opt.labels
-              if opt.param_cfgs[l].optim == "adam" and opt.param_cfgs[l].comms == "sharded"}
-
-    def run():
-        hs = [comms.all_reduce_avg(g.grad) for g in opt.replicated.groups]
-        for label in opt.scatter_order:
-            cfg = opt.param_cfgs[label]
-            if cfg.comms != "sharded":
-                continue
-            if cfg.optim == "anvil":
-                hs.append(comms.reduce_scatter_avg(opt.banks[label].grad, bufs[label].view(cfg.reshape)))
-            else:
-                hs.append(comms.reduce_scatter_avg(chunks[label], bufs[label]))
-        for h in hs:
-            h.wait()
-        gs = [opt._launch_gather(l) for l in opt.work_order if opt.param_cfgs[l].comms == "sharded"]
-        for h in gs:
-            h.wait()
-    return run
-
-
 def _gpu_rank(rank: int, world: int, steps: int, n_time: int, graphs: bool = False) -> dict:
     from .bench.optimizer import make_grads, step_fn
     from .comms import LocalComms, NullComms
@@ -260,13 +234,13 @@ def _gpu_rank(rank: int, world: int, steps: int, n_time: int, graphs: bool = Fal
     opt, params = _opt(layout, dev, real, graphs=graphs, compile_banks=None)
     opt.copy_lm_state_to_embed()
     grads = make_grads(params)
-    res["step_ms"] = _time_steps(step_fn(opt, params, grads, True), n_time, 10)
-    res["anvil_only_ms"] = _time_steps(step_fn(opt, params, grads, False), n_time, 10)
-    res["comm_ms"] = _time_steps(_comm_only(opt, grads), n_time, 5) if world > 1 else 0.0
+    res["step_ms"] = median_ms(step_fn(opt, params, grads, True), n=n_time, warmup=10, device=dev)
+    res["anvil_only_ms"] = median_ms(step_fn(opt, params, grads, False), n=n_time, warmup=10, device=dev)
+    res["comm_ms"] = median_ms(comm_only(opt, replicated_first=True), n=n_time, warmup=5, device=dev) if world > 1 else 0.0
     del opt
     null, nparams = _opt(layout, dev, NullComms(world, rank), graphs=graphs, compile_banks=None)
     null.copy_lm_state_to_embed()
-    res["nocomm_ms"] = _time_steps(step_fn(null, nparams, grads_like(nparams, grads), True), n_time, 10)
+    res["nocomm_ms"] = median_ms(step_fn(null, nparams, grads_like(nparams, grads), True), n=n_time, warmup=10, device=dev)
     res["total_s"] = time.time() - t0
     return res
 
@@ -301,10 +275,12 @@ def run_gpu(a: argparse.Namespace) -> int:
              f"of {a.n_time} steps per rank, slowest rank reported.", "",
              "| ranks | step ms (with comms) | step ms (comms skipped) | collectives alone ms | hidden | "
              "ANVIL-only step ms |", "|---:|---:|---:|---:|---:|---:|"]
+    record = {}
     for w, res in results.items():
         step = max(r["step_ms"] for r in res)
         noc = max(r["nocomm_ms"] for r in res)
         com = max(r["comm_ms"] for r in res)
+        record[w] = dict(step_ms=step, nocomm_ms=noc, comm_ms=com, anvil_only_ms=max(r["anvil_only_ms"] for r in res))
         hidden = "" if w == 1 or com <= 0 else f"{max(0.0, min(1.0, (noc + com - step) / com)):.0%}"
         lines.append(f"| {w} | {step:.3f} | {noc:.3f} | {com:.3f} | {hidden} | {max(r['anvil_only_ms'] for r in res):.3f} |")
     lines += ["", f"Equivalence ({a.steps} steps; Adam on odd steps; untie at step {UNTIE_AT}). Exact gradients: "
@@ -328,6 +304,8 @@ def run_gpu(a: argparse.Namespace) -> int:
         lines.append(f"| {w} | {'yes' if same else 'NO'} | {'yes' if eq1 else 'no'} | {rel:.2e} | "
                      f"{'yes' if rnd else 'NO'} |")
     emit_table(lines, a.out)
+    if a.out and record:
+        write_record(a.out, SCALING, a.command_line, record)
     return 0 if ok else 1
 
 

@@ -5,11 +5,12 @@ Sources, in order of preference:
 
 * papers/data/cost_model_h200.json (``python -m anvil_fast.cost_model measure``): the model proper,
   pieces measured per rank on one GPU;
-* without it, the measured runs alone (results/anvil_optimizer_h200/run4, run5, tables of
-  ``python -m anvil_fast.scaling gpu``): the compute of the 1-rank comms-skipped step split ``1 / w``,
+* without it, the measured runs alone (results/anvil_optimizer_h200/run4, run5, the JSON records of
+  ``python -m anvil_fast.scaling gpu`` beside their tables): the compute of the 1-rank comms-skipped step split ``1 / w``,
   the collectives scaled from the 2-rank collectives-alone by the ring's ``(w - 1) / w``, the step
   bracketed between full overlap and none (:func:`anvil_fast.cost_model.bracket`);
-* papers/data/train_step_h200.md (``python -m anvil_fast.train_step``), included as written.
+* papers/data/train_step_h200.md (``python -m anvil_fast.train_step``), included as written, and its
+  record train_step_h200.json, which the model is checked against.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ DATA = ROOT / "papers" / "data"
 RESULTS = ROOT / "results"
 PIECES = "cost_model_h200.json"
 TRAIN_STEP = "train_step_h200.md"
+#: the run's JSON record, which the train step writes beside its table
+TRAIN_STEP_RECORD = "train_step_h200.json"
 RUNS = ("anvil_optimizer_h200/run4", "anvil_optimizer_h200/run5")
 PREDICT_WORLDS = (1, 2, 4, 8)
 MEASURE_CMD = f"python -m anvil_fast.cost_model measure --out papers/data/{PIECES}"
@@ -33,7 +36,7 @@ def _runs() -> list[dict]:
 
     out = []
     for r in RUNS:
-        run = C.read_scaling_run(RESULTS / r / "scaling_gpu_2ranks.md")
+        run = C.read_scaling_run(RESULTS / r / "scaling_gpu_2ranks.json")
         run["path"] = f"results/{r}"
         out.append(run)
     return out
@@ -68,8 +71,8 @@ def table_validation() -> str:
     if data is not None:
         text = "\n".join(C.validation_table(data, runs)) + f"\n\n*Pieces: `papers/data/{PIECES}`; runs: " + \
             ", ".join(f"`{r['path']}` (`{r['command']}`)" for r in runs) + ".*"
-        if (DATA / TRAIN_STEP).is_file() and data.get("training"):
-            run = C.read_train_step_run(DATA / TRAIN_STEP)
+        if (DATA / TRAIN_STEP_RECORD).is_file() and data.get("training"):
+            run = C.read_train_step_run(DATA / TRAIN_STEP_RECORD)
             run["path"] = f"papers/data/{TRAIN_STEP}"
             text += "\n\nThe training step, against `python -m anvil_fast.train_step`:\n\n" + \
                 "\n".join(C.training_validation_table(data, [run]))

@@ -36,6 +36,6 @@ if [ -n "$ORDERS" ]; then  # e.g. ORDERS="forward mixed": the other work orders,
 fi
 stamp predict
 python3 -m anvil_fast.cost_model predict --data "$OUT/cost_model_h200.json" \
-  --validate results/anvil_optimizer_h200/run4/scaling_gpu_2ranks.md results/anvil_optimizer_h200/run5/scaling_gpu_2ranks.md \
-  --validate-train "$OUT/train_step_h200.md" --out "$OUT/cost_model_predictions.md" 2>&1 | tee "$OUT/predict.log"
+  --validate results/anvil_optimizer_h200/run4/scaling_gpu_2ranks.json results/anvil_optimizer_h200/run5/scaling_gpu_2ranks.json \
+  --validate-train "$OUT/train_step_h200.json" --out "$OUT/cost_model_predictions.md" 2>&1 | tee "$OUT/predict.log"
 stamp done

@@ -29,7 +29,9 @@ import torch
 
 from anvil_ref.constants import ANVIL_DEFAULTS, RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
-from .common import ELEMENTWISE_BYTES, bench_ms, flops, graphed, kernel_us, map_flops, measure_peaks
+from ..gram_side import map_flops
+from ..timing import do_bench_ms
+from .common import ELEMENTWISE_BYTES, flops, graphed, kernel_us, measure_peaks
 
 SHAPES = ((8, 256, 768), (8, 768, 768), (8, 2816, 768), (64, 768, 768), (24, 2816, 768))
 #: do_bench's warm-up per measurement (ms).
@@ -40,7 +42,7 @@ SUMMARY = "one bank update vs the seed's compiled update, against the roofline (
 
 
 def _bench(fn: Callable[[], object], *, rep_ms: int) -> float:
-    return bench_ms(fn, rep_ms=rep_ms, warmup=WARMUP_MS)
+    return do_bench_ms(fn, rep_ms=rep_ms, warmup=WARMUP_MS)
 
 
 def _make_bank(shape, config, seed=0):

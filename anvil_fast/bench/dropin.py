@@ -33,6 +33,7 @@ import torch
 from anvil_ref.constants import ADAM_DEFAULTS
 
 from ..gpt import GPTConfig
+from ..timing import call_times
 from .common import ELEMENTWISE_BYTES, flops, graphed, measure_peaks
 
 VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "anvil_lean", "muon_adamw", "adamw")
@@ -104,29 +105,12 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
 
 def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min_calls: int = 5
             ) -> tuple[float, float, int]:
-    """(median device ms per call from CUDA events (CPU: wall ms), median host ms per call, calls)."""
+    """(median device ms per call from CUDA events (CPU: wall ms), median host ms per call, calls)
+    of back-to-back calls for ``rep_ms`` after ``warmup`` untimed ones
+    (:func:`anvil_fast.timing.call_times`)."""
     for _ in range(warmup):
         fn()
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    host, pairs = [], []
-    t_end = time.perf_counter() + rep_ms / 1e3
-    while len(host) < min_calls or (time.perf_counter() < t_end and len(host) < 10000):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            b.record()
-            pairs.append((a, b))
-    if cuda:
-        torch.cuda.synchronize()
-        dev = [a.elapsed_time(b) for a, b in pairs]
-    else:
-        dev = host
+    dev, host = call_times(fn, device, rep_ms=rep_ms, min_calls=min_calls)
     return statistics.median(dev), statistics.median(host), len(host)
 
 

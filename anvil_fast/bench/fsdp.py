@@ -16,10 +16,10 @@ import argparse
 import datetime
 import os
 import tempfile
-import time
 
 import torch
 
+from anvil_fast.timing import call_times
 
 WARMUP = 3
 
@@ -30,20 +30,15 @@ def _grads(model, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _time_steps(opt, set_grads, steps: int, device: torch.device) -> float:
+    """Mean seconds of ``steps`` calls of ``opt.step()``, each issued with the device idle and its
+    gradients set outside the timed part (:func:`anvil_fast.timing.call_times`: the step's span on
+    the device by CUDA events, the wall clock on CPU), after the warm-up steps."""
     for _ in range(WARMUP):  # first-step allocations, lazy initializations, CUDA graph captures
         set_grads()
         opt.step()
-    total = 0.0
-    for _ in range(steps):
-        set_grads()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        total += time.perf_counter() - t0
-    return total / steps
+    set_grads()
+    dev, _ = call_times(opt.step, device, n=steps, between=set_grads, synchronize_each=True)
+    return sum(dev) / steps / 1e3
 
 
 def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps: int, backend: str) -> None:

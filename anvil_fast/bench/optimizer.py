@@ -49,7 +49,8 @@ import torch
 
 from anvil_ref.constants import ADAM_DEFAULTS, EMBED_LABEL, LM_HEAD_LABEL, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
-from .common import ELEMENTWISE_BYTES, bench_ms, flops, measure_peaks
+from ..timing import do_bench_ms
+from .common import ELEMENTWISE_BYTES, flops, measure_peaks
 
 #: do_bench's warm-up per variant (ms).
 WARMUP_MS = 100
@@ -123,7 +124,7 @@ def n_params(layout: Layout, *, tied: bool = False) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def _bench(fn: Callable[[], object], rep_ms: int) -> float:
-    return bench_ms(fn, rep_ms=rep_ms, warmup=WARMUP_MS)
+    return do_bench_ms(fn, rep_ms=rep_ms, warmup=WARMUP_MS)
 
 
 def fast_optimizer(layout: Layout, device, *, comms=None, graphs: bool = True, untie: bool = True, seed: int = 0):

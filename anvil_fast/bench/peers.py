@@ -110,6 +110,8 @@ import torch
 
 from anvil_ref.cli_args import add_progress_flags, name_list, positive_int
 
+from ..timing import call_times
+
 #: One line for ``python -m anvil_fast.bench --help``.
 SUMMARY = ("the drop-in ANVIL's step next to every installed peer (dion, heavyball, emerging-optimizers, "
            "pytorch-optimizer, torch Muon, AdamW), each in its own time-boxed process")
@@ -428,26 +430,10 @@ def time_steps(opt, params, fixed, device, *, warmup: int, steps: int, phase=lam
         torch.cuda.synchronize()
         out["allocated"] = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-    host = []
-    for i in range(steps):
-        if i:
-            load_gradients(params, fixed)
-        if cuda:
-            starts[i].record()
-        t = time.perf_counter()
-        opt.step()
-        host.append(1e3 * (time.perf_counter() - t))
-        if cuda:
-            ends[i].record()
+    dev, host = call_times(opt.step, device, n=steps, between=lambda: load_gradients(params, fixed))
     if cuda:
-        torch.cuda.synchronize()
-        dev = [a.elapsed_time(b) for a, b in zip(starts, ends)]
         out["peak"] = torch.cuda.max_memory_allocated()
         out["reserved"] = torch.cuda.memory_reserved()
-    else:
-        dev = host
     out.update(ms=statistics.median(dev), ms_min=min(dev), host_ms=statistics.median(host))
     return out
 
