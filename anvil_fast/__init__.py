@@ -71,7 +71,7 @@ module                  concept
                         pieces timed on one GPU, validated against measured runs
 ``cost_measure``        the cost model's timings on this machine (the pieces of a step, the collectives)
 ``gpt``                 the package's GPT (benchmarks, training harness)
-``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|peers|train_step|fsdp``: the
+``bench/``              ``python -m anvil_fast.bench bank|optimizer|dropin|peers|fsdp``: the
                         benchmarks; ``bench.common``: peaks, bytes and FLOPs per bank (the count is
                         ``gram_side.map_flops``), the table writer
 ======================  ===================================================================================

@@ -58,6 +58,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from anvil_ref.cli_args import add_progress_flags
+from anvil_ref.progress import Progress, default_enabled
+
 from .study_runs import SCALING, TRAIN_STEP, read_record
 
 FORMAT = "anvil_fast.cost_model/1"
@@ -411,19 +414,24 @@ def measure(a: argparse.Namespace) -> int:
                 print(f"{name}: {w} ranks cannot shard {bad} (first dimensions "
                       f"{[(lays[name][l][1] or lays[name][l][0])[0] for l in bad]})", file=sys.stderr)
                 return 2
+    coll_worlds = [w for w in worlds if 1 < w <= n_devices]
+    bar = Progress(len(names) + bool(a.training) + len(coll_worlds), "cost_model measure")
     for name in names:
+        bar.update(label=f"cost_model measure: layout {name}")
         data["layouts"][name] = M.measure_layout(name, lays[name], worlds, n=a.n,
                                                device=torch.device("cuda" if cuda else "cpu"))
         print(f"{name} measured at +{time.time() - t0:.0f} s", flush=True)
+        bar.update(advance=1)
     if a.training:
+        bar.update(label="cost_model measure: training step")
         from .banked_gpt import CPU_DEFAULTS, CUDA_DEFAULTS
 
         d = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
         data["training"] = M.measure_training(worlds, n=a.n, device=torch.device("cuda" if cuda else "cpu"), **d)
         print(f"training step measured at +{time.time() - t0:.0f} s", flush=True)
-    for w in worlds:
-        if w == 1 or w > n_devices:
-            continue
+        bar.update(advance=1)
+    for w in coll_worlds:
+        bar.update(label=f"cost_model measure: collectives at {w} ranks")
         res = spawn(M.collective_rank, w, list(KINDS), list(sweep), a.n, a.device, backend="nccl" if cuda else "gloo",
                     threads=0 if cuda else 1)
         pts = {k: [max(r[k][i][1] for r in res) for i in range(len(sweep))] for k in KINDS}
@@ -437,6 +445,8 @@ def measure(a: argparse.Namespace) -> int:
                 print(f"  no fit: {e}", flush=True)
         data["collectives"][str(w)] = entry
         print(f"collectives at {w} ranks measured at +{time.time() - t0:.0f} s", flush=True)
+        bar.update(advance=1)
+    bar.close()
     save(data, a.out)
     print(f"wrote {a.out}")
     return 0
@@ -571,10 +581,13 @@ def main(argv=None) -> int:
     p.add_argument("--validate", nargs="*", default=[], help="`anvil_fast.scaling gpu` runs' JSON records to check against")
     p.add_argument("--validate-train", nargs="*", default=[], help="`anvil_fast.train_step` runs' JSON records to check against")
     p.add_argument("--out", default="", help="also write the tables (markdown) here")
+    for s in (m, p):
+        add_progress_flags(s)
     a = ap.parse_args(argv)
     a.command_line = "python -m anvil_fast.cost_model " + " ".join(argv)
     try:
-        return measure(a) if a.mode == "measure" else predict_cmd(a)
+        with default_enabled(a.progress):
+            return measure(a) if a.mode == "measure" else predict_cmd(a)
     except ValueError as e:
         print(f"anvil_fast.cost_model: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ import sys
 import torch
 from torch import Tensor
 
+from anvil_ref.cli_args import add_progress_flags
 from anvil_ref.constants import ANVIL_MAPS
+from anvil_ref.progress import Progress
 
 from .cascade import GRAM_SIDE, SAFE, fast_cascade, fast_gram_side
 from .difftest import rel_err
@@ -171,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-json", default=None,
                     help="re-render the table from a stored study (the .json that --out writes) instead of running it")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
     if a.from_json:
         import json
@@ -179,7 +182,9 @@ def main(argv=None) -> int:
         res = json.loads(Path(a.from_json).read_text())
         cmd = res.pop("generated_by")
     else:
-        res = study(seed=a.seed, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        with Progress(len(study_schedules()) + 3, "gram_side_study", enabled=a.progress) as bar:
+            # one line per measured schedule in a pipe: its label and its errors
+            res = study(seed=a.seed, progress=lambda s: bar.update(advance=1, label=s))
         cmd = "python -m anvil_fast.gram_side_study" + (f" --out {a.out}" if a.out else "") + \
             (f" --seed {a.seed}" if a.seed else "")
     md = study_markdown(res, cmd)

@@ -249,3 +249,51 @@ def test_chunk_independence_runs_on_cpu(capsys):
     assert _chunk_independence().main(["--device", "cpu", "--shapes", "2x16x8,2x8x24", "--eager-post"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith(("2x16x8", "2x8x24"))]
     assert len(rows) == 14 and all("yes" in r for r in rows), rows
+
+
+#: Every command line of the package, as (module, arguments before --help): each takes
+#: --progress / --no-progress (README). Quick ones are listed apart with the reason.
+PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "derive", "compare", "regenerate")] + [
+    ("derive_maps.frontier", []), ("derive_maps.stage_errors", []),
+    ("anvil_fast.difftest", []), ("anvil_fast.near_rank1", []), ("anvil_fast.gram_side_study", []),
+    ("anvil_fast.scaling", ["cpu"]), ("anvil_fast.scaling", ["gpu"]), ("anvil_fast.train_step", []),
+    ("anvil_fast.cost_model", ["measure"]), ("anvil_fast.cost_model", ["predict"]),
+] + [("anvil_fast.bench", [c]) for c in ("bank", "optimizer", "dropin", "peers", "fsdp")]
+QUICK_COMMANDS = {
+    "anvil_ref": "the demo applies the reference cascade to a few small matrices",
+    "papers.build": "renders stored results into the paper's files",
+    "papers.train": "prints a line per finished run itself",
+}
+
+
+def _main_of(module: str):
+    import importlib
+
+    mod = importlib.import_module(module)
+    if hasattr(mod, "main"):
+        return mod.main
+    return importlib.import_module(f"{module}.cli").main  # derive_maps: __main__ runs it on import
+
+
+@pytest.mark.parametrize("module,argv", PROGRESS_COMMANDS, ids=[f"{m} {' '.join(a)}" for m, a in PROGRESS_COMMANDS])
+def test_every_command_line_takes_the_progress_flags(module, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _main_of(module)(argv + ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--progress" in out and "--no-progress" in out, f"{module} {' '.join(argv)}"
+
+
+def test_the_progress_list_covers_every_command_line_of_the_package():
+    """A new command line must be listed above, in one of the two lists."""
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for pkg in ("anvil_fast", "derive_maps", "anvil_ref", "papers"):
+        for p in (root / pkg).rglob("*.py"):
+            src = p.read_text()
+            if p.name == "__main__.py" or ('\nif __name__ == "__main__":' in src):
+                parts = p.relative_to(root).with_suffix("").parts
+                found.add(".".join(parts[:-1] if parts[-1] == "__main__" else parts))
+    listed = {m for m, _ in PROGRESS_COMMANDS} | set(QUICK_COMMANDS)
+    peers = "anvil_fast.bench.peers"  # run as `python -m anvil_fast.bench peers` (its children too)
+    assert found - {peers} == listed, (sorted(found - listed), sorted(listed - found))

@@ -16,12 +16,11 @@ command      what it times (module)
              (:mod:`anvil_fast.bench.peers`; ``--device cpu`` is a smoke run)
 ``fsdp``     ANVIL on an FSDP2 (``fully_shard``) GPT: step time, phases, bytes per step at several rank
              counts (:mod:`anvil_fast.bench.fsdp`; gloo on a CPU is an indication only)
-``train_step`` forward + backward + step of GPT-2 small at several ranks, each reduce-scatter launched
-             from the backward pass (:mod:`anvil_fast.train_step`, also ``python -m anvil_fast.train_step``)
 ===========  =============================================================================================
 
-What the commands share -- the measured peaks, the one FLOP count of the cascade, the element-wise
-bytes, the timers -- is :mod:`anvil_fast.bench.common`.
+What the commands share -- the measured peaks, the element-wise bytes, a table writer -- is
+:mod:`anvil_fast.bench.common`; timers come from :mod:`anvil_fast.timing`, the FLOP count from
+:func:`anvil_fast.gram_side.map_flops`.
 
 A new benchmark is a module of this package with ``add_args(parser)``, ``run(namespace) -> exit
 code`` (exit code 2 where the device it needs is missing) and a one-line ``SUMMARY`` for ``--help``,
@@ -35,12 +34,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from anvil_ref.cli_args import add_progress_flags
+from anvil_ref.progress import default_enabled
+
 #: command name -> module of this package defining ``add_args(parser)`` and ``run(namespace) -> int``.
 COMMANDS: dict[str, str] = {
     "bank": ".bank",
     "optimizer": ".optimizer",
     "dropin": ".dropin",
-    "train_step": "anvil_fast.train_step",
     "fsdp": ".fsdp",
     "peers": ".peers",
 }
@@ -57,10 +58,13 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         mod = command_module(name)
-        mod.add_args(sub.add_parser(name, help=getattr(mod, "SUMMARY", None), description=mod.__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter))
+        p = sub.add_parser(name, help=getattr(mod, "SUMMARY", None), description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_args(p)
+        add_progress_flags(p)
     a = ap.parse_args(argv)
-    return command_module(a.command).run(a)
+    with default_enabled(a.progress):
+        return command_module(a.command).run(a)
 
 
 __all__ = ["COMMANDS", "command_module", "main"]

@@ -63,8 +63,12 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
     from ..plain import plain_bank_update, plain_cascade
     from ..rails import twin_rail
 
+    from anvil_ref.progress import Progress
+
     rows = []
+    bar = Progress(len(shapes), "bench bank")
     for shape in shapes:
+        bar.update(label=f"bench bank: {'x'.join(map(str, shape))}")
         t0 = time.time()
         r = {"shape": shape}
         plain_bank = _make_bank(shape, FAITHFUL)
@@ -95,6 +99,8 @@ def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
         r["wall_s"] = time.time() - t0
         rows.append(r)
         print(f"  measured {shape} in {r['wall_s']:.1f} s", flush=True)
+        bar.update(advance=1)
+    bar.close()
     return rows
 
 

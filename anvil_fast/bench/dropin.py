@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from anvil_ref.constants import ADAM_DEFAULTS
+from anvil_ref.progress import Progress
 
 from ..gpt import GPTConfig
 from ..timing import call_times
@@ -230,15 +231,18 @@ def run(a: argparse.Namespace) -> int:
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 8192^3 matmul "
               f"{tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s (read + write)", flush=True)
     table = []
+    bar = Progress(len(sizes) * len(variants), "bench dropin")
     for size in sizes:
         results, floor = {}, None
         for v in variants:
+            bar.update(label=f"bench dropin: {size} {v}")
             model = _model(size, device)
             _set_grads(model, device)
             try:
                 opt = make_variant(v, model, device)
             except Exception as e:  # a variant that cannot exist here says why and the run goes on
                 print(f"  {size} {v}: not run: {type(e).__name__}: {e}", flush=True)
+                bar.update(advance=1)
                 continue
             t0 = time.time()
             results[v] = time_fn(opt.step, device, rep_ms=rep_ms, warmup=warmup, min_calls=min_calls)
@@ -258,9 +262,11 @@ def run(a: argparse.Namespace) -> int:
                     except Exception as e:  # pragma: no cover - reported in the log
                         print(f"  phases of {size} failed: {type(e).__name__}: {e}", flush=True)
             del opt, model
+            bar.update(advance=1)
             if not cpu:
                 torch.cuda.empty_cache()
         table.append((size, results, floor))
+    bar.close()
     print(format_table(table))
     return 0
 

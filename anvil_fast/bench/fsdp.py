@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from anvil_fast.timing import call_times
+from anvil_ref.progress import Progress
 
 WARMUP = 3
 
@@ -142,9 +143,13 @@ def run(args: argparse.Namespace) -> int:
           f"mean of {args.steps} steps; single-process drop-in step {single:.2f} ms")
     print(f"{'ranks':>5} {'step ms':>9} {'exchange ms':>12} {'update ms':>10} {'prepare ms':>11} "
           f"{'MB/step':>8} {'formula MB':>11}")
+    bar = Progress(len(worlds), "bench fsdp")
     for w in worlds:
+        bar.update(label=f"bench fsdp: {w} rank(s)")
         r = measure(w, args.size, args.dtype, args.steps, backend)
+        bar.update(advance=1)
         ph = r["phases"]
         print(f"{w:>5} {r['step'] * 1e3:>9.2f} {ph.get('exchange', 0) * 1e3:>12.2f} {ph.get('update', 0) * 1e3:>10.2f} "
               f"{ph.get('prepare', 0) * 1e3:>11.2f} {r['sent'] / 1e6:>8.3f} {r['formula'] / 1e6:>11.3f}")
+    bar.close()
     return 0

@@ -108,7 +108,7 @@ from typing import Any, Callable
 
 import torch
 
-from anvil_ref.cli_args import add_progress_flags, name_list, positive_int
+from anvil_ref.cli_args import name_list, positive_int
 
 from ..timing import call_times
 
@@ -776,7 +776,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--readme", default=None,
                     help="with --from: rewrite this README's speed sentence from the JSON and run nothing")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    add_progress_flags(ap)
 
 
 def _positive_float(text: str) -> float:
