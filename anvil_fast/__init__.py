@@ -11,7 +11,10 @@ rules both share -- orientation, lane reduction, fp32 split/join, constants -- a
 module                  concept
 ======================  ===================================================================================
 **optimizers**
-``dropin``              ``ANVIL``: the drop-in ``torch.optim.Optimizer`` (classify -> plan -> build banks)
+``entry``               ``ANVIL``: the factory, the drop-in or the FSDP2 front-end by the parameters
+``frontend``            ``AnvilFrontend``: both front-ends' base (param groups and their checks, the hand-over
+                        of their values, ``describe``'s table, step counters, state-dict hooks)
+``dropin``              ``DropInAnvil``: the drop-in ``torch.optim.Optimizer`` (classify -> plan -> build banks)
 ``roles``               what each parameter does in a traced forward (matrix operand, table, input or
                         output layer, orientation): the facts the drop-in routes by
 ``optimizer``           ``AnvilAndAdam``: the seed's optimizer over a labelled table (classify -> plan ->
@@ -21,11 +24,12 @@ module                  concept
 ``bank_scalars``        every per-step scalar in one device buffer, one host-to-device copy per step
 ``replicated_adam``     the replicated Adam parameters on flat buffers
 ``comms``               the collectives (NCCL, gloo, one process); ``distributed``: a launcher
-``fsdp``                ``ANVIL`` on FSDP2 (``fully_shard``) models: owner ranks, all-to-all exchange,
+``fsdp``                ``FSDPAnvil``: ANVIL on FSDP2 (``fully_shard``) models: owner ranks, all-to-all exchange,
                         resharding checkpoints (``torch.distributed.checkpoint``)
 ``device_step``         the drop-in's one-process step decided on the device: gradients read in place,
                         the non-finite verdict, the scalars, banks on side streams, Adam, one graph launch
 ``graphs``              the bank updates and the whole step as CUDA graphs, and their staleness check
+``capture``             the one warm-up-then-capture sequence of every CUDA graph (side stream, pool, error mode)
 **the update's parts**
 ``rails``               twin-rail momentum + Nesterov lookahead (Triton element-wise kernel)
 ``cascade``             the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE, FAITHFUL,
@@ -94,8 +98,8 @@ Where new work goes:
 import importlib
 
 # Imported on first use, so ``import anvil_fast`` stays light (no Triton, no compile).
-_LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is dropin.ANVIL
-          "HEAD_NAMES": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".dropin",
+_LAZY = {"ANVIL": ".entry", "AnvilFrontend": ".frontend",
+          "HEAD_NAMES": ".dropin", "StaleParameterError": ".dropin", "NonFiniteGradientWarning": ".frontend",
          "NonFiniteGradientError": ".optimizer", "AnvilAndAdam": ".optimizer",
          "NonFiniteUpdateWarning": ".device_step", "NonFiniteUpdateError": ".device_step",
          # the bank update and its parts (anvil_fast.bank, .cascade, .gram)
@@ -103,11 +107,12 @@ _LAZY = {"ANVIL": ".fsdp",  # importing fsdp registers the FSDP2 path; ANVIL is 
          "fast_cascade": ".cascade", "CascadeConfig": ".cascade", "SAFE": ".cascade", "FAITHFUL": ".cascade",
          "GRAM_SIDE": ".cascade",
          "XXT": ".gram", "XTX": ".gram", "ba_plus_cAA": ".gram", "aX_plus_mm": ".gram"}
-_SUBMODULES = ("dropin", "roles", "optimizer", "bank", "bank_scalars", "replicated_adam", "comms", "distributed", "graphs",
-               "rails", "cascade", "normalize", "gram", "gram_tune", "equalizer", "update", "adam", "transpose",
-               "tolerances", "difftest", "near_rank1", "eager", "plain", "scaling", "gpt", "bench",
-               "gram_side", "gram_side_study", "train_step", "banked_gpt", "overlap", "study_runs", "timing", "cost_model", "cost_measure", "fsdp", "device_step", "nonfinite",
-               "families", "harness", "adapters")
+_SUBMODULES = ("entry", "frontend", "dropin", "roles", "optimizer", "bank", "bank_scalars", "replicated_adam",
+               "comms", "distributed", "graphs", "capture", "rails", "cascade", "normalize", "gram", "gram_tune",
+               "equalizer", "update", "adam", "transpose", "tolerances", "difftest", "near_rank1", "eager", "plain",
+               "scaling", "gpt", "bench", "gram_side", "gram_side_study", "train_step", "banked_gpt", "overlap",
+               "study_runs", "timing", "cost_model", "cost_measure", "fsdp", "device_step", "nonfinite", "families",
+               "harness", "adapters")
 
 __all__ = list(_LAZY) + list(_SUBMODULES)
 

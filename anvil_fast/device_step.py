@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .adam import adam_block_table, adam_table_
 from .bank_scalars import ADAM_COLUMNS, ALIGN, BANK_FIELDS
+from .capture import capture
 from .nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
 
 #: How the step reads the gradients (:class:`DeviceStep`).
@@ -127,7 +128,7 @@ def derive_scalars(hyper: Tensor, has: Tensor, flags: Tensor, counters: Tensor, 
 
 
 class DeviceStep:
-    """The device-decided step of a one-process :class:`~anvil_fast.dropin.ANVIL` (module docstring).
+    """The device-decided step of a one-process :class:`~anvil_fast.dropin.DropInAnvil` (module docstring).
 
     Args:
         opt: the drop-in (its ``inner`` :class:`~anvil_fast.optimizer.AnvilAndAdam`, banks, Adam
@@ -386,8 +387,10 @@ class DeviceStep:
         for d, s in pairs.values():
             torch._foreach_copy_(d, s)
 
-    def set_hyper(self, values: Sequence[float]) -> None:
-        """This step's hyper-parameters (:data:`HYPER`), as the host computed them."""
+    def load_hyper(self) -> None:
+        """The inbox's hyper-parameters (:data:`HYPER`) from the values the inner optimizer holds
+        (:meth:`~anvil_fast.optimizer.AnvilAndAdam.hyperparameters`), for the following steps."""
+        values = self.inner.hyperparameters()
         self._hyper_np[:] = values
 
     def _upload(self) -> None:
@@ -474,18 +477,10 @@ class DeviceStep:
 
     def _capture(self, key) -> torch.cuda.CUDAGraph:
         saved = {k: t.clone() for k, t in self._mutated().items()}
-        main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(device=self.device)
         try:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.device_part()
-            main.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             # thread_local: see anvil_fast.graphs
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.device_part()
+            graph = capture(self.device_part, warmup=self.warmup, pool=self.pool, capture_error_mode="thread_local",
+                            device=self.device)
         finally:
             for k, t in self._mutated().items():
                 if k in saved:

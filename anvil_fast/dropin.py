@@ -1,4 +1,5 @@
-"""``anvil_fast.ANVIL``: ANVIL for the hidden matrices + Adam for the rest, as a ``torch.optim.Optimizer``.
+"""The drop-in :class:`DropInAnvil`: ANVIL for the hidden matrices + Adam for the rest, as a ``torch.optim.Optimizer``
+(what ``anvil_fast.ANVIL`` builds for a model of plain tensors).
 
 Building one runs three steps, each a function of this module that can be called and read alone:
 
@@ -7,17 +8,16 @@ Building one runs three steps, each a function of this module that can be called
   at construction, or the model's first forward, after which the plan is rebuilt if it changed);
 * :func:`plan_routes`: matrices of equal ``(rows, cols, dtype)`` are put into banks
   ``[n, rows, cols]``, Adam parameters are marked sharded or replicated; the result is the plan
-  :meth:`ANVIL.describe` prints;
+  :meth:`DropInAnvil.describe` prints;
 * :func:`build_banks`: each bank's storage is allocated and every member parameter becomes a view
   of it (zero-copy: the model reads the bank, and ``model.state_dict()`` still holds each parameter
   under its own name).
 
-The class docstring states the rules, the update and the torch.optim behaviour.
+:func:`anvil_fast.entry.ANVIL`'s docstring states the rules, the update and the torch.optim behaviour.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from collections import defaultdict
@@ -34,18 +34,17 @@ from torch.nn.modules.conv import _ConvNd
 from anvil_ref.config import ConfigError
 from anvil_ref.constants import ADAM_DEFAULTS, ANVIL_DEFAULTS
 from anvil_ref.rails import rail_scalars
-from anvil_ref.update import LR_SCALE_CONVENTIONS
 
+from .frontend import (AnvilFrontend, NonFiniteGradientWarning, check_hyperparameters, check_options,
+                       hyperparameter_groups)
 from .optimizer import AnvilAndAdam, NonFiniteGradientError
 
 #: Module names (last component) whose parameters of ndim >= 2 are output heads, hence Adam.
 HEAD_NAMES = ("lm_head", "head", "classifier", "fc_out", "output_layer")
 #: The dtypes a bank holds (bf16: the seed's storage; float32: the parameter is the fp32 master).
 MATRIX_DTYPES = (torch.bfloat16, torch.float32)
-RAILS = ("nesterov", "record")
-NONFINITE_POLICIES = ("skip", "raise")
 STATE_FORMAT = "anvil_fast.ANVIL/2"
-#: The format of the state dicts keyed by bank label (still loaded: :meth:`ANVIL.load_state_dict`).
+#: The format of the state dicts keyed by bank label (still loaded: :meth:`DropInAnvil.load_state_dict`).
 LEGACY_STATE_FORMAT = "anvil_fast.ANVIL/1"
 #: The key of the first saved param group that holds the optimizer-wide values (a state dict's
 #: top-level keys beyond "state" and "param_groups" do not survive torch.distributed.checkpoint).
@@ -56,10 +55,6 @@ _COMPILE_PREFIX = "_orig_mod"
 
 class StaleParameterError(RuntimeError):
     """A parameter's storage, dtype or device changed after the optimizer was built."""
-
-
-class NonFiniteGradientWarning(RuntimeWarning):
-    """A step was skipped because a gradient held NaN or infinity (``nonfinite="skip"``)."""
 
 
 # ====================================================================================== classify
@@ -240,9 +235,10 @@ def _module_fact(p: Tensor, mods: Sequence[tuple[str, nn.Module]]) -> tuple[str,
 def classify(named: Sequence[tuple[str, Tensor]], owners: Mapping[int, list[tuple[str, nn.Module]]], *,
              adam=None, anvil=None, head_names: Sequence[str] = HEAD_NAMES, observation=None,
              io_layers: str = "adam", forced: Mapping[str, Mapping[str, Any]] | None = None) -> list[Route]:
-    """Each parameter's route, by the first rule that matches (class docstring, "Routing").
+    """Each parameter's route, by the first rule that matches (:func:`anvil_fast.entry.ANVIL`'s
+    docstring, "Routing").
     ``observation``: an :class:`anvil_fast.roles.Observation` of a forward (None: nothing observed);
-    ``forced``: name -> a route recorded by :meth:`ANVIL.state_dict` (kind, transposed, reason),
+    ``forced``: name -> a route recorded by :meth:`DropInAnvil.state_dict` (kind, transposed, reason),
     taken as it is (a state dict or a pickled optimizer carries its plan)."""
     from .roles import describe_use
 
@@ -444,7 +440,7 @@ def plan_routes(routes: Sequence[Route], *, split_rows: Mapping[str, int] | None
 class Bank:
     """A built bank: its parameter ``[n_pad * rows, cols]`` (what AnvilAndAdam updates; the members
     are views of it). The members' gradients go into the inner optimizer's persistent gradient
-    buffer of the bank (:meth:`ANVIL._grad_slots`)."""
+    buffer of the bank (:meth:`DropInAnvil._grad_slots`)."""
 
     plan: BankPlan
     param: nn.Parameter
@@ -469,38 +465,6 @@ def build_banks(plan: Plan, device: torch.device) -> list[Bank]:
         bank.label = b.label
         out.append(Bank(b, bank))
     return out
-
-
-def _check_hyperparameters(kind: str, g: Mapping[str, Any]) -> None:
-    """torch's optimizers' rules: ValueError naming the value."""
-    def real(key):
-        v = g[key]
-        if isinstance(v, Tensor) and v.numel() != 1:
-            raise ValueError(f"Tensor {key} must be 1-element (the {kind} group's {key} is {tuple(v.shape)})")
-        try:
-            return float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"{kind} group: {key} must be a number, got {v!r}") from None
-
-    def check(key, v, ok, want):
-        if not (math.isfinite(v) and ok(v)):
-            raise ValueError(f"Invalid {key} in the {kind} group: {v} (expected {want})")
-
-    check("lr", real("lr"), lambda v: v >= 0, "a finite value >= 0")
-    check("weight_decay", real("weight_decay"), lambda v: v >= 0, "a finite value >= 0")
-    if kind == "anvil":
-        check("momentum", real("momentum"), lambda v: 0 <= v < 1, "a value in [0, 1)")
-        if g["fast_beta"] is not None:
-            check("fast_beta", real("fast_beta"), lambda v: 0 <= v <= 1, "None or a value in [0, 1]")
-        check("fast_weight", real("fast_weight"), lambda v: True, "a finite value")
-        check("beta2", real("beta2"), lambda v: 0 <= v <= 1, "a value in [0, 1]")
-    else:
-        betas = g["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas in the adam group: {betas!r} (expected two values)")
-        for i, b in enumerate(betas):
-            check(f"beta parameter at index {i}", float(b), lambda v: 0 <= v < 1, "a value in [0, 1)")
-        check("eps", real("eps"), lambda v: v >= 0, "a finite value >= 0")
 
 
 class _StateView(Mapping):
@@ -597,7 +561,7 @@ def check_parameters(named: Sequence[tuple[str, Tensor]]) -> None:
                           f"each its own copy")
 
 
-def _before_step(opt: "ANVIL", args, kwargs) -> None:
+def _before_step(opt: "DropInAnvil", args, kwargs) -> None:
     """Step pre-hook: a first forward that was never observed settles the plan as it is, and a
     parameter frozen at construction must not have a gradient (it would silently not train)."""
     if opt._watch is not None:
@@ -610,17 +574,6 @@ def _before_step(opt: "ANVIL", args, kwargs) -> None:
                               "in the plan, and it has a gradient now: it would not be trained. Build the optimizer "
                               "with frozen='include' (frozen parameters get their place and state, and train once "
                               "they have gradients) or a new ANVIL after unfreezing; nothing was updated")
-
-
-#: The class ``ANVIL(model)`` builds for a model with DTensor (FSDP2) parameters; registered by
-#: :mod:`anvil_fast.fsdp` when it is imported (``anvil_fast.ANVIL`` imports it), so this module does
-#: not depend on it.
-_DTENSOR_PATH: list[type] = []
-
-
-def register_dtensor_path(cls: type) -> None:
-    """Make ``ANVIL(params)`` build ``cls`` when ``params`` holds DTensors (:mod:`anvil_fast.fsdp`)."""
-    _DTENSOR_PATH[:] = [cls]
 
 
 def default_grad_read(device: torch.device, bank_config: Any, dtypes=()) -> str:
@@ -636,233 +589,10 @@ def default_grad_read(device: torch.device, bank_config: Any, dtypes=()) -> str:
         else "buffers"
 
 
-class ANVIL(torch.optim.Optimizer):
-    """ANVIL for the hidden matrices + Adam for everything else, for any model.
-
-    Example (a complete training loop)::
-
-        import torch, anvil_fast
-        model = anvil_fast.gpt.build("tiny")                 # any nn.Module
-        opt = anvil_fast.ANVIL(model, lr=0.02, adam_lr=0.008)
-        print(opt.describe())                                 # the plan: each parameter's route, and why
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 1000)
-        for step in range(1000):
-            x = torch.randint(0, 256, (8, 65))
-            loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-
-    **Routing**: by what a parameter does in the model. The facts come from the owning module's
-    type (``nn.Linear``, convolutions, ``nn.Embedding``, transformers' ``Conv1D``, found by identity)
-    and, for everything else, from a traced forward (:mod:`anvil_fast.roles`): ``example_input=``
-    (a tensor, a tuple of positional arguments or a dict of keyword arguments) traces one forward at
-    construction (eval mode, no gradients, the random state untouched); without it the model's first
-    forward is traced, and if it shows other roles than the provisional plan assumed, the plan is
-    rebuilt right after that forward (before any step; ``describe()`` says which). A torch.compile'd
-    model is not traced (its compiled forward is left alone): pass ``example_input=`` (the
-    uncompiled module is traced once) or rely on the fallbacks; ``describe()`` says so. The first
-    matching rule wins:
-
-    1. ``anvil=`` (names, or a predicate on names) -> a matrix (refused for ndim < 2; ndim >= 4
-       is flattened as a convolution weight is).
-    2. ``adam=`` (names or predicate) -> Adam.
-    3. ndim < 2 (scalars, norms, biases) -> Adam.
-    4. a lookup table: the weight of an ``nn.Embedding``/``nn.EmbeddingBag`` (by identity, so an
-       output head tied to an embedding is caught here too), or a parameter the trace saw indexed
-       by an activation -> Adam.
-    5. a parameter (ndim >= 2) of a module whose name's last component is in ``head_names``
-       (default ``HEAD_NAMES``: lm_head, head, classifier, fc_out, output_layer) -> Adam.
-    6. ``io_layers="adam"`` (default): the traced **output layers** (a product whose result is a model
-       output up to casts, reshapes, scaling or a loss: ``lm_head``, resnet's ``fc``, a ``score`` or
-       ``qa_outputs`` head under any name) and the **input layer** (the product applied to the
-       model's input: a stem convolution, a patch embedding, an MLP's first layer) -> Adam. This is
-       the Muon family's convention (Muon's authors keep the embedding and the head on AdamW, and
-       torch.optim.Muon documents the same): an orthogonalized update suits a map between hidden
-       spaces, whose every direction matters alike, not one whose input coordinates are pixels or
-       features of unequal scale, nor logits. ``io_layers="anvil"`` banks them like the others.
-    7. module types: a convolution weight (any ``_ConvNd``) ``[d0, d1, d2, ...]`` -> the matrix
-       ``[d0, d1*d2*...]`` (a transposed convolution's ``[in, out*k]``, transposed); an
-       ``nn.Linear`` (or ``nn.MultiheadAttention`` projection) weight -> a matrix; a ``Conv1D``
-       weight ``[in, out]`` -> a matrix stored transposed.
-    8. the trace (plain Parameters of custom modules): a matrix operand of products only -> a matrix
-       (2-D) or a stack (3-D: each ``[i]`` a matrix ``[d1, d2]``, e.g. per-expert weights), its
-       orientation read off the product (``F.linear(x, W)``: ``[out, in]``; ``x @ W``: ``[in, out]``,
-       transposed); combined with activations otherwise (a class token, a position table, a gain)
-       -> Adam.
-    9. not traced (or not used in the traced forward): a parameter whose first dimension is 1 (a
-       broadcast table: ``[1, N, D]``, a ``[1, D]`` token) -> Adam; else ndim == 2 -> a matrix,
-       ndim == 3 -> a stack; anything else -> ConfigError naming the parameter.
-
-    ``describe()`` gives each parameter's rule and what the trace saw. A matrix stored transposed
-    (``[in, out]``) is updated as the ``[out, in]`` matrix it acts as: the learning-rate shape
-    scale and the equalizer's lanes are those of ``nn.Linear``'s layout (:mod:`anvil_ref.config`,
-    ``transposed``); ``split_rows=`` refuses it (its rows are input features).
-
-    Parameters with ``requires_grad=False`` at construction are left out (``frozen="leave"``: no
-    memory for their state; a step at which one of them has a gradient raises ConfigError, since it
-    would not train); ``frozen="include"`` plans them too, so gradual unfreezing trains them. Given
-    parameters without their model (``model.parameters()``, ``model.named_parameters()``), the
-    modules holding them are found among the live ``nn.Module`` objects, so module types and the
-    first forward's trace count as for the model itself; parameters of no module are routed by
-    shape (rule 9) with a UserWarning. Plain parameters are named ``param0, param1, ...``.
-    Two Parameters over one memory (a tie by shared storage) and parameters on the meta device are
-    refused at construction (each parameter is moved into a bank or buffer there). A matrix needs
-    dtype float32 or bfloat16. ``split_rows={name: k}`` splits that parameter's
-    matrices into k equal row blocks, each its own matrix (e.g. a fused qkv projection ``[3d, d]``
-    with k=3, or per-head splitting). Matrices of equal ``(rows, cols, dtype, transposed)`` share one
-    bank ``[n, rows, cols]``; each member parameter is a view of its bank. Under torch.distributed a
-    bank is padded with frozen zero matrices to a multiple of the world size and sharded by
-    matrix; Adam parameters with ``numel >= shard_min_numel`` (and a first dimension the world size
-    divides) are sharded, the others replicated. A model with parameters of ndim >= 2 but no bank
-    gets a UserWarning. bf16 matrices keep the seed's exact fp32 master (bf16 parameter + uint16
-    mantissa); float32 matrices are their own master.
-
-    **The update.** For a matrix ``P`` of ``rows x cols`` (as banked) with gradient ``G``, the
-    rails and lane-energy equalizer of :mod:`anvil_ref` give the update ``U`` and the slow rail
-    ``S``; then (:func:`anvil_ref.update.sign_aligned_update`)::
-
-        eff_lr = lr * scale(rows, cols)
-        eff_wd = weight_decay * lr
-        P'     = P - P * [S * P >= 0] * eff_wd * eff_lr - U * eff_lr
-
-    with ``lr_scale`` choosing ``scale`` (:func:`anvil_ref.update.shape_lr_multiplier`)::
-
-        "seed" (default):  scale = max(1, rows / cols) ** 0.5      (the record's)
-        "match_rms_adamw": scale = 0.2 * max(rows, cols) ** 0.5    (torch.optim.Muon's rule, so an
-                                                                     AdamW learning rate transfers)
-
-    Adam is :mod:`anvil_ref.adam`'s (the seed's) with ``adam_betas``, ``adam_eps``,
-    ``adam_weight_decay`` and ``lr = adam_lr``.
-
-    **Rails.** ``rails="nesterov"`` (default): every step uses the anvil group's ``momentum``,
-    ``fast_beta`` (None: = momentum) and ``fast_weight`` (1.0: plain Nesterov momentum). It is the
-    default because the record's schedule is tied to a run length and to an engage step tuned for the
-    record's run. ``rails="record"`` (needs ``total_steps``, an int >= 1): before the t-th taken step
-    (t = 0, 1, ...; skipped steps do not count) the anvil group's momentum, fast_beta and fast_weight
-    are set to :func:`anvil_ref.rails.rail_scalars` ``(t, total_steps)`` (visible in
-    ``param_groups``); a step after ``total_steps`` taken steps raises ValueError.
-
-    **param_groups**: ``[anvil, adam]`` (a group without parameters is left out): anvil has
-    ``kind="anvil", lr, momentum, fast_beta, fast_weight, beta2, weight_decay``; adam has
-    ``kind="adam", lr, betas, eps, weight_decay``. Every value may change between steps (LR
-    schedulers, you) and takes effect at the next step; values are validated at construction and
-    at every step as torch's optimizers do (ValueError naming the value). ``defaults`` holds lr and
-    momentum, so momentum-cycling schedulers (OneCycleLR, CyclicLR) work: they cycle the anvil
-    group's momentum, and a ``momentum`` they write into the adam group is Adam's beta1. Groups are
-    planned once: ``add_param_group`` raises.
-
-    **step(closure=None)** returns the closure's loss. Per step:
-
-    * a parameter whose ``.grad`` is None is not touched (its weights and all its state, also inside
-      a bank whose other members have gradients; Adam's step count does not advance for it);
-    * non-finite gradients never reach the state: with ``nonfinite="skip"`` (default) a step whose
-      gradients hold NaN/inf (on any rank) is skipped for every parameter (nothing written, no step
-      counted), a :class:`NonFiniteGradientWarning` names the parameters and ``skipped_steps``
-      counts; ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` instead. The check reads
-      the gradients as the step reads them (a bank's in bf16, so an fp32 gradient beyond bf16's
-      range counts as infinite). On one process the verdict is the device's
-      (:mod:`anvil_fast.device_step`): the step never waits for the device; every kernel that
-      writes state is masked by it, so a refused step leaves every weight and state tensor bit for
-      bit as it was. On CUDA the warning therefore comes at a later step, or when ``skipped_steps``
-      (or ``taken_steps``) is read, which waits for the device; ``nonfinite="raise"`` waits after
-      every step (one host sync per step) and raises there. On the CPU, and on several ranks (one
-      host sync), it comes from the step itself;
-    * a matrix whose update comes out non-finite (FAITHFUL: the seed's cascade can overflow on
-      rank-1-like input; SAFE's guard also refuses an exploded one) is not applied: that matrix
-      only takes its sign-aligned decay, and a :class:`anvil_fast.device_step.NonFiniteUpdateWarning`
-      names the bank and the configuration (``nonfinite="raise"``:
-      :class:`~anvil_fast.device_step.NonFiniteUpdateError`); no NaN or inf reaches a weight or
-      the lane energies;
-    * a step in which no parameter has a ``.grad`` does nothing and counts nothing;
-    * a parameter whose storage, dtype or device changed since construction (``model.to(dtype)``,
-      ``model.double()``, ``p.data = ...``) raises :class:`StaleParameterError`: build a new optimizer;
-    * ``.grad`` is left as the caller gave it.
-
-    Several ranks: initialize the process group first, start every rank from the same weights, do
-    not wrap the model in DDP (the optimizer averages gradients itself; refused), and let the ranks
-    agree on which parameters have gradients. A model sharded with FSDP2 (``fully_shard``: DTensor
-    parameters) is taken as it is and gets :class:`anvil_fast.fsdp.FSDPAnvil` (owner ranks update
-    whole matrices; see that module).
-
-    **torch.optim behaviour.** ``zero_grad``, LR schedulers, ``torch.amp.GradScaler``
-    (``scaler.step(opt)``) and ``torch.compile(model)`` (before or after building; the
-    ``_orig_mod.`` prefix is dropped from names) work. ``opt.state[p]`` is a live view of p's state:
-    matrices ``fast_rail, slow_rail, lane_energy, mantissa`` in the banked shape (``[count, rows,
-    cols]``, or ``[rows, cols]`` for one matrix; on several ranks only this rank's matrices), Adam
-    ``step, exp_avg, exp_avg_sq`` (this rank's shard when sharded).
-
-    **State dict**: torch's format. ``"state"`` maps each parameter's position over
-    ``param_groups`` (the anvil group's parameters in bank order, then the adam group's) to copies
-    of its state; ``"param_groups"`` holds each group's values with ``"params"`` (positions) and,
-    where names were known, ``"param_names"``; the first group's ``"anvil_fast"`` entry holds the
-    optimizer-wide values (format, world size and rank, the steps taken and skipped, and the plan:
-    each position's route, orientation and reason), where torch.distributed.checkpoint keeps them.
-    ``load_state_dict`` loads by position as torch does (a model wrapped in ``nn.Sequential`` or
-    renamed loads), checks every tensor's shape and dtype before it writes anything, and copies into
-    the live tensors. A state dict whose plan routes this optimizer's parameters (by name)
-    differently is loaded by rebuilding this plan as it records it first (so a checkpoint loads
-    before the first forward has been traced). torch's four state-dict hooks run;
-    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
-    ``set_optimizer_state_dict`` work. State dicts of the format ``anvil_fast.ANVIL/1`` (keyed by
-    bank label) load too. Only tensors and plain containers: ``torch.load(f)`` with
-    ``weights_only=True`` loads it; a reload continues bit for bit.
-
-    **Copies**: ``copy.deepcopy(opt)``, ``pickle`` and ``torch.save(opt)`` rebuild the optimizer
-    from its parameters, arguments, plan and state dict (``copy.deepcopy((model, opt))`` gives an
-    optimizer of the copied model); hooks are not copied, as torch's optimizers do not copy them.
-
-    Args:
-        params: an ``nn.Module`` (preferred: module types and names are known), its
-            ``named_parameters()``, or plain parameters. Param-group dicts are refused.
-        lr, adam_lr: ANVIL's and Adam's learning rates (0.023, 0.008: the record's).
-        momentum, fast_beta, fast_weight: the rails (above).
-        beta2: the lane-energy equalizer's decay (0.9).
-        weight_decay: ANVIL's sign-aligned decay (2.25; scaled by lr twice, above).
-        adam_betas, adam_eps, adam_weight_decay: Adam's ((0.9, 0.95), 1e-10, 0.005).
-        rails, total_steps: "nesterov" or "record" (above).
-        lr_scale: "seed" or "match_rms_adamw" (above).
-        adam, anvil: names (or a predicate on names) forced onto Adam / onto the matrix route.
-        head_names: module names whose parameters of ndim >= 2 are output heads.
-        example_input: a forward's input, traced at construction (Routing).
-        io_layers: "adam" (default) or "anvil": where the traced input and output layers go.
-        frozen: "leave" (default) or "include": parameters frozen at construction (Routing).
-        split_rows: ``{name: k}`` (above).
-        nonfinite: "skip" or "raise" (above).
-        shard_min_numel: Adam parameters at least this large are sharded (the others share flat
-            buffers and one fused launch; reading gradients in place, one launch serves every Adam
-            parameter where it lives, so none is put on the flat buffers).
-        comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group if
-            torch.distributed is initialized, else one process).
-        bank_config, maps: the bank update's cascade configuration and map set.
-        cuda_graphs: None (default): on CUDA, replay each step's device part (the check, the
-            scalars, every bank update, Adam) as one CUDA graph where capture is valid (off with a
-            warning giving the reason where it is not, e.g. gloo; off on the CPU); True: capture or
-            raise; False: off.
-        compile: run the bank update's element-wise phases through torch.compile (None: on CUDA).
-        rails_dtype: ``torch.float32`` (default: the seed's rails) or ``torch.bfloat16``, the lean
-            state: both rails stored in bf16 (2 x 2 B per banked weight instead of 2 x 4 B), each
-            update computed in fp32 and rounded stochastically
-            (:func:`anvil_ref.storage.stochastic_round_bf16`: unbiased, and the same bits on every
-            device and sharding).
-        grad_read: how a one-process step reads the gradients: ``"in_place"`` (the kernels read
-            each ``.grad`` where autograd wrote it, through device tables of addresses: no copy and
-            no gradient buffer; SAFE and GRAM_SIDE on CUDA, the default there) or ``"buffers"``
-            (every ``.grad`` copied into the banks' bf16 buffers first: FAITHFUL's compiled rails
-            read those; the default on the CPU); None picks. In place, a gradient must be
-            contiguous (autograd's always are; an assigned strided one is refused). On several
-            ranks the gradients are reduced into the buffers.
-    """
-
-    def __new__(cls, params=None, *args, **kwargs):
-        # a model sharded with FSDP2 (DTensor parameters) takes anvil_fast.fsdp's owner-rank path
-        if cls is ANVIL and params is not None and holds_dtensors(params):
-            if not _DTENSOR_PATH:
-                raise ConfigError("the parameters are DTensors (FSDP2): use anvil_fast.ANVIL, or import "
-                                  "anvil_fast.fsdp first, which registers ANVIL's FSDP2 path")
-            return super().__new__(_DTENSOR_PATH[0])
-        return super().__new__(cls)
+class DropInAnvil(AnvilFrontend):
+    """The one-process (or several-rank, sharded by matrix) drop-in: what ``anvil_fast.ANVIL(model)``
+    builds for a model of plain tensors. Its rules, update, torch.optim behaviour, state dict and
+    arguments are :func:`anvil_fast.entry.ANVIL`'s docstring."""
 
     def __init__(self, params, lr: float = ANVIL_DEFAULTS["lr"], adam_lr: float = ADAM_DEFAULTS["lr"], *,
                  momentum: float = ANVIL_DEFAULTS["momentum"], fast_beta: float | None = None,
@@ -887,21 +617,10 @@ class ANVIL(torch.optim.Optimizer):
                                  shard_min_numel=shard_min_numel, comms=comms, bank_config=bank_config, maps=maps,
                                  cuda_graphs=cuda_graphs, compile=compile, rails_dtype=rails_dtype,
                                  grad_read=grad_read, io_layers=io_layers, frozen=frozen)
-        anvil_group = dict(kind="anvil", lr=lr, momentum=momentum, fast_beta=fast_beta, fast_weight=fast_weight,
-                           beta2=beta2, weight_decay=weight_decay)
-        adam_group = dict(kind="adam", lr=adam_lr, betas=tuple(float(b) for b in adam_betas), eps=adam_eps,
-                          weight_decay=adam_weight_decay)
-        _check_hyperparameters("anvil", anvil_group)
-        _check_hyperparameters("adam", adam_group)
-        if rails not in RAILS:
-            raise ValueError(f"rails must be one of {RAILS}, got {rails!r}")
-        if rails == "record" and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                  or total_steps < 1):
-            raise ValueError(f"rails='record' needs total_steps, an int >= 1 (the run's length), got {total_steps!r}")
-        if lr_scale not in LR_SCALE_CONVENTIONS:
-            raise ValueError(f"lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {lr_scale!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        anvil_group, adam_group = hyperparameter_groups(
+            lr, adam_lr, momentum=momentum, fast_beta=fast_beta, fast_weight=fast_weight, beta2=beta2,
+            weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay)
+        check_options(rails, total_steps, lr_scale, nonfinite)
         if io_layers not in IO_LAYERS:
             raise ValueError(f"io_layers must be one of {IO_LAYERS}, got {io_layers!r}")
         if frozen not in FROZEN:
@@ -1032,11 +751,7 @@ class ANVIL(torch.optim.Optimizer):
             for g in groups:
                 g["param_names"] = names[g["kind"]]
         if first:
-            self._planned = False
-            super().__init__(groups, dict(lr=kw["lr"]))
-            # set after the groups exist: torch would otherwise copy momentum into the adam group
-            self.defaults["momentum"] = kw["momentum"]
-            self._planned = True
+            self._install_groups(groups, kw["lr"], kw["momentum"])
         else:
             live = {g["kind"]: g for g in self.param_groups}
             if set(live) != {g["kind"] for g in groups}:
@@ -1155,7 +870,7 @@ class ANVIL(torch.optim.Optimizer):
 
     def _build_engine(self, flag: bool | None, device: torch.device) -> None:
         """The one-process step (:class:`~anvil_fast.device_step.DeviceStep`): graphs where capture is
-        valid (``cuda_graphs`` as in the class docstring)."""
+        valid (``cuda_graphs`` as in :func:`anvil_fast.entry.ANVIL`'s docstring)."""
         from .device_step import DeviceStep
         from .graphs import capture_unsupported_reason
 
@@ -1190,18 +905,12 @@ class ANVIL(torch.optim.Optimizer):
         else:
             warnings.warn(f"ANVIL: CUDA graphs are off ({reason}); the step runs eagerly", UserWarning, stacklevel=3)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_planned", True):
-            raise ValueError("ANVIL plans its parameter groups once, at construction (banks are views of the "
-                             "parameters); build a new ANVIL over every parameter instead of add_param_group")
-        super().add_param_group(param_group)
-
     # ------------------------------------------------------------------ counters
     @property
     def taken_steps(self) -> int:
         """Steps taken (the record rails' t). On CUDA reading it waits for the device."""
         eng = getattr(self, "_engine", None)
-        return eng.counts()[0] if eng is not None else getattr(self, "_taken", 0)
+        return eng.counts()[0] if eng is not None else self._taken
 
     @taken_steps.setter
     def taken_steps(self, v: int) -> None:
@@ -1217,7 +926,7 @@ class ANVIL(torch.optim.Optimizer):
         reports (warns about) the skips not reported yet."""
         eng = getattr(self, "_engine", None)
         if eng is None:
-            return getattr(self, "_skipped", 0)
+            return self._skipped
         self._report(wait=True, stacklevel=3)
         return eng.counts()[1]
 
@@ -1240,24 +949,18 @@ class ANVIL(torch.optim.Optimizer):
         """Adam parameter name -> "sharded" or "replicated"."""
         return {n: self.inner.param_cfgs[n].comms for n, _ in self._adam_named}
 
-    def describe(self) -> str:
-        """The plan as text: one line per parameter (name, shape, route, reason)."""
-        rows = [("parameter", "shape", "route", "reason")]
-        for e in self.plan:
-            if e.route == "adam":
-                route = f"adam ({e.comms})"
-            else:
-                first, end = e.slots
-                where = f"matrix {first}" if end - first == 1 else f"matrices {first}-{end - 1}"
-                route = f"{e.route} [{', '.join(map(str, e.bank_shape))}] {where}"
-            rows.append((e.name, str(list(e.shape)), route, e.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
+    def _route_text(self, e: PlanEntry) -> str:
+        if e.route == "adam":
+            return f"adam ({e.comms})"
+        first, end = e.slots
+        where = f"matrix {first}" if end - first == 1 else f"matrices {first}-{end - 1}"
+        return f"{e.route} [{', '.join(map(str, e.bank_shape))}] {where}"
+
+    def _plan_summary(self) -> list[str]:
         n_bank = sum(e.route != "adam" for e in self.plan)
-        lines.append(f"{len(self._banks)} bank(s) holding {n_bank} parameter(s); "
-                     f"{len(self.plan) - n_bank} parameter(s) on Adam; world size {self.comms.world_size}")
-        lines.append(self._routing_note())
-        return "\n".join(lines)
+        return [f"{len(self._banks)} bank(s) holding {n_bank} parameter(s); "
+                f"{len(self.plan) - n_bank} parameter(s) on Adam; world size {self.comms.world_size}",
+                self._routing_note()]
 
     def _routing_note(self) -> str:
         if getattr(self, "_watch", None) is not None:
@@ -1271,11 +974,32 @@ class ANVIL(torch.optim.Optimizer):
                     "layers are not recognised; output heads by head_names)")
         return "routes: recorded in a loaded state dict or a pickled optimizer"
 
+    def banked_state(self, name: str) -> dict[str, Tensor]:
+        """A banked parameter's live state in its banked form ``[count, rows, cols]`` (one process:
+        every matrix is this rank's): ``fast_rail``, ``slow_rail``, ``lane_energy``, ``mantissa``
+        (a float32 matrix, its own master: its low halves, as a bf16 one's mantissa, a copy) and
+        ``own_master`` (whether the parameter is its own fp32 master)."""
+        for b in self._banks:
+            for n, _, first, count in b.plan.members:
+                if n == name:
+                    st = self.inner.param_states[b.label]
+                    if "mantissa" in st:
+                        mantissa = st["mantissa"][first:first + count]
+                    else:  # a float32 matrix is its own master: its low halves, as a bf16 one's mantissa
+                        w = b.param.data.view(b.plan.n_pad, b.plan.rows, b.plan.cols)[first:first + count]
+                        mantissa = w.contiguous().view(torch.int16).view(*w.shape, 2)[..., 0].contiguous() \
+                            .view(torch.uint16)
+                    return dict(fast_rail=st["velocity"][0, first:first + count],
+                                slow_rail=st["velocity"][1, first:first + count],
+                                lane_energy=st["lane_energy"][first:first + count], mantissa=mantissa,
+                                own_master="mantissa" not in st)
+        raise KeyError(name)
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One ANVIL + Adam step from the parameters' ``.grad`` (class docstring); returns the
-        closure's loss."""
+        """One ANVIL + Adam step from the parameters' ``.grad`` (:func:`anvil_fast.entry.ANVIL`'s
+        docstring); returns the closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1309,11 +1033,7 @@ class ANVIL(torch.optim.Optimizer):
             if eng.counts()[0] >= self.total_steps:
                 raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and all "
                                  f"were taken; build the optimizer with a larger total_steps")
-        key = tuple(v for g in self.param_groups for k, v in g.items() if k != "params")
-        if self.rails == "record" or key != self._hyper_key:
-            self._apply_hyperparameters()
-            eng.set_hyper(self._hyper_values())
-            self._hyper_key = tuple(v for g in self.param_groups for k, v in g.items() if k != "params")
+        self._apply_groups(self._host_taken, every_step=self.rails == "record")
         if not eng.step():
             return  # no parameter has a gradient: nothing ran, nothing counted
         if self.nonfinite == "raise" or not eng.cuda:
@@ -1324,18 +1044,6 @@ class ANVIL(torch.optim.Optimizer):
         (always on the CPU); on CUDA a skip not reported yet counts as taken here."""
         eng = self._engine
         return int(eng.seen[0]) + (eng.attempted - int(eng.seen[0] + eng.seen[1]))
-
-    def _hyper_values(self) -> list[float]:
-        """The inbox's hyper-parameters (:data:`anvil_fast.device_step.HYPER`): what
-        :meth:`_apply_hyperparameters` handed the inner optimizer (one rule for both steps)."""
-        inner, vals = self.inner, [0.0] * 10
-        if self._banks:
-            cfg = inner.param_cfgs[self._banks[0].label]
-            vals[0:5] = [cfg.lr, cfg.momentum, inner.fast_beta, inner.fast_weight, cfg.weight_decay]
-        if self._adam_named:
-            cfg = inner.param_cfgs[self._adam_named[0][0]]
-            vals[5:10] = [cfg.lr, cfg.adam_betas[0], cfg.adam_betas[1], cfg.eps, cfg.weight_decay]
-        return vals
 
     def _report(self, *, wait: bool, stacklevel: int) -> None:
         """Warn about (or, ``nonfinite="raise"``, raise for) what the device refused in steps not
@@ -1447,18 +1155,6 @@ class ANVIL(torch.optim.Optimizer):
         self._skip_or_raise(self._nonfinite_names(), world_size=self.comms.world_size, stacklevel=4)
         return False
 
-    def _skip_or_raise(self, names: list[str], *, world_size: int, stacklevel: int) -> None:
-        """The ``nonfinite`` policy for a step whose gradients hold NaN/inf in ``names``: raise, or
-        count the skipped step and warn (``stacklevel`` points the warning at the caller's step)."""
-        where = "" if world_size == 1 else " (on at least one rank)"
-        if self.nonfinite == "raise":
-            raise NonFiniteGradientError(f"non-finite gradient (NaN or inf) in {', '.join(names)}{where}; nothing "
-                                         "was updated")
-        self._skipped += 1
-        warnings.warn(f"ANVIL: step skipped for every parameter: non-finite gradient (NaN or inf) in "
-                      f"{', '.join(names)}{where} ({self._skipped} step(s) skipped so far)",
-                      NonFiniteGradientWarning, stacklevel=stacklevel)
-
     def _nonfinite_names(self) -> list[str]:
         """The parameters whose gradient slot holds NaN/inf on any rank (the rare path: one flag each)."""
         slots = self._grad_slots()
@@ -1470,35 +1166,16 @@ class ANVIL(torch.optim.Optimizer):
         return [slots[i][0] for i in flags.nonzero().flatten().tolist()]
 
     def _apply_hyperparameters(self) -> None:
-        """Validate the groups, set the record's rails if asked, and hand the values to the inner
-        optimizer (checked before anything is written)."""
-        for g in self.param_groups:
-            if g["kind"] == "anvil" and self.rails == "record":
-                t = self._host_taken() if self._engine is not None else self._taken
-                if t >= self.total_steps:
-                    raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and "
-                                     f"all were taken; build the optimizer with a larger total_steps")
-                s = rail_scalars(t, self.total_steps)
-                g.update(momentum=s.momentum, fast_beta=s.fast_beta, fast_weight=s.fast_weight)
-            if g["kind"] == "adam" and "momentum" in g:  # a momentum-cycling scheduler's beta1
-                g["betas"] = (float(g["momentum"]), float(g["betas"][1]))
-            _check_hyperparameters(g["kind"], g)
-        for g in self.param_groups:
-            if g["kind"] == "anvil":
-                fast_beta = g["momentum"] if g["fast_beta"] is None else g["fast_beta"]
-                for b in self._banks:
-                    cfg = self.inner.param_cfgs[b.label]
-                    cfg.lr, cfg.momentum = float(g["lr"]), float(g["momentum"])
-                    # beta2 is a Python float baked into the bank update: a step graph captured
-                    # with another value is not replayed (StepGraph keys its captures by it)
-                    cfg.weight_decay, cfg.beta2 = float(g["weight_decay"]), float(g["beta2"])
-                    self.inner.banks[b.label].beta2 = cfg.beta2
-                self.inner.set_rails(float(fast_beta), float(g["fast_weight"]))
-            else:
-                for name, _ in self._adam_named:
-                    cfg = self.inner.param_cfgs[name]
-                    cfg.lr, cfg.adam_betas = float(g["lr"]), tuple(float(b) for b in g["betas"])
-                    cfg.eps, cfg.weight_decay = float(g["eps"]), float(g["weight_decay"])
+        """The groups checked and handed to the inner optimizer at every step (several ranks)."""
+        self._apply_groups(self._host_taken if self._engine is not None else (lambda: self._taken), every_step=True)
+
+    def _hand_over(self, values: Mapping[str, Mapping[str, Any]]) -> None:
+        """The inner optimizer's one seam for the group values
+        (:meth:`~anvil_fast.optimizer.AnvilAndAdam.set_hyperparameters`), then, on one process, the
+        device step's inbox from the values the inner optimizer holds."""
+        self.inner.set_hyperparameters(anvil=values.get("anvil"), adam=values.get("adam"))
+        if self._engine is not None:
+            self._engine.load_hyper()
 
     def _save_members(self, without: list[tuple[Bank, int]]) -> list[tuple[Tensor, Tensor]]:
         """(live slice, copy) of every weight and state slice of the members without a gradient."""
@@ -1521,16 +1198,9 @@ class ANVIL(torch.optim.Optimizer):
             torch._foreach_copy_([t for t, _ in saved], [c for _, c in saved])
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format (class docstring, "State dict"), through torch's state-dict hooks."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        sd = self._torch_state()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
-        return sd
+    def _state_dict(self) -> dict[str, Any]:
+        """torch's format (:func:`anvil_fast.entry.ANVIL`'s docstring, "State dict")."""
+        return self._torch_state()
 
     def _torch_state(self) -> dict[str, Any]:
         index: dict[int, int] = {}
@@ -1587,19 +1257,15 @@ class ANVIL(torch.optim.Optimizer):
         self.skipped_steps = int(d["skipped_steps"])
         self.inner.rail_step.fill_(int(d.get("rail_step", 0)))
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a state dict (class docstring, "State dict"): torch's loading by position, through
-        torch's load hooks; everything is checked before anything is written."""
-        sd = dict(state_dict)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
+    @staticmethod
+    def _as_state_dict(state_dict):
+        return dict(state_dict)
+
+    def _load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """torch's loading by position (:func:`anvil_fast.entry.ANVIL`'s docstring, "State dict")."""
         if sd.get("format") == LEGACY_STATE_FORMAT:
             sd = self._from_legacy(sd)
         self._load_torch_state(sd)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def _saved_extras(self, sd: Mapping[str, Any]) -> tuple[list, dict]:
         groups = sd.get("param_groups")
@@ -1681,7 +1347,7 @@ class ANVIL(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["kind"] not in kinds:
                 raise ValueError(f"state dict has no {g['kind']!r} param group (it has {sorted(kinds)})")
-            _check_hyperparameters(g["kind"], {**g, **{k: v for k, v in kinds[g["kind"]].items()
+            check_hyperparameters(g["kind"], {**g, **{k: v for k, v in kinds[g["kind"]].items()
                                                        if k not in ("params", "param_names", EXTRAS_KEY)}})
         # ---- write
         with torch.no_grad():
@@ -1856,8 +1522,8 @@ class _Uint16:
     bits: Tensor
 
 
-def _rebuild(spec: Mapping[str, Any]) -> "ANVIL":
-    """The optimizer :meth:`ANVIL.__reduce_ex__` describes, over the (copied) parameters."""
+def _rebuild(spec: Mapping[str, Any]) -> "DropInAnvil":
+    """The optimizer :meth:`DropInAnvil.__reduce_ex__` describes, over the (copied) parameters."""
     if spec.get("model") is not None:
         params = spec["model"]
     elif spec["names_given"]:
@@ -1869,11 +1535,5 @@ def _rebuild(spec: Mapping[str, Any]) -> "ANVIL":
     return opt
 
 
-# ANVIL defines __new__ (the FSDP2 dispatch), which inspect.signature(ANVIL) would report instead
-# of the constructor's arguments
-ANVIL.__signature__ = inspect.Signature([p for p in list(inspect.signature(ANVIL.__init__).parameters.values())[1:]
-                                         if not p.name.startswith("_")])
-
-
-__all__ = ["ANVIL", "HEAD_NAMES", "StaleParameterError", "NonFiniteGradientWarning", "NonFiniteGradientError",
+__all__ = ["DropInAnvil", "HEAD_NAMES", "StaleParameterError", "NonFiniteGradientWarning", "NonFiniteGradientError",
            "PlanEntry", "classify", "plan_routes", "build_banks", "named_parameters_of"]

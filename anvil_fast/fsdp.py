@@ -16,7 +16,7 @@ energies), so ``ANVIL(model)`` on such a model builds an :class:`FSDPAnvil`:
 * **A step** (:meth:`FSDPAnvil.step`): one all-reduce of per-parameter flags (has a gradient, is
   non-finite) so that every rank takes the same decision; one all-to-all carrying every banked
   gradient's shards to its owner, cast to bf16 first (the dtype the bank update reads anyway); the
-  owners run an ordinary single-process :class:`~anvil_fast.dropin.ANVIL` over the matrices they own
+  owners run an ordinary single-process :class:`~anvil_fast.dropin.DropInAnvil` over the matrices they own
   and, element-wise, over every rank's own shards of the Adam parameters; one all-to-all carrying
   each updated matrix's rows back into every rank's shard. Adam needs no communication.
 * **Cost per step** (:meth:`FSDPAnvil.comm_bytes`): each banked matrix crosses the wire twice, minus
@@ -55,13 +55,11 @@ from torch import Tensor, nn
 
 from anvil_ref.config import ConfigError
 from anvil_ref.constants import ADAM_DEFAULTS, ANVIL_DEFAULTS
-from anvil_ref.rails import rail_scalars
-from anvil_ref.update import LR_SCALE_CONVENTIONS
 
 from .comms import LocalComms
-from .dropin import (ANVIL, HEAD_NAMES, NONFINITE_POLICIES, RAILS, BankPlan, _check_hyperparameters, classify,
-                     holds_dtensors, merged_state_keys, named_parameters_of, plan_routes,
-                     refuse_ddp_with_own_averaging, refuse_dtensors_in, register_dtensor_path)
+from .dropin import (HEAD_NAMES, BankPlan, DropInAnvil, classify, holds_dtensors, merged_state_keys,
+                     named_parameters_of, plan_routes, refuse_ddp_with_own_averaging, refuse_dtensors_in)
+from .frontend import AnvilFrontend, check_options, hyperparameter_groups
 
 #: The format of :meth:`FSDPAnvil.state_dict` (torch's layout; held in the first param group's
 #: ``"anvil_fast"`` entry), and the name-keyed one it still loads.
@@ -122,8 +120,9 @@ def _bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-class FSDPAnvil(ANVIL):
-    """:class:`~anvil_fast.dropin.ANVIL` on an FSDP2 model (module docstring). Built by
+class FSDPAnvil(AnvilFrontend):
+    """ANVIL on an FSDP2 model (module docstring), a sibling of the drop-in
+    :class:`~anvil_fast.dropin.DropInAnvil`. Built by
     ``anvil_fast.ANVIL(model, ...)`` when the model's parameters are DTensors; takes the same
     arguments (Adam runs on FSDP's shards, so ``shard_min_numel`` only picks which of the
     single-process Adam paths runs them; ``comms`` must be None: the mesh's group is used).
@@ -137,23 +136,13 @@ class FSDPAnvil(ANVIL):
         unknown = sorted(set(kw) - set(_PASSED))
         if unknown:
             raise TypeError(f"ANVIL got unexpected keyword arguments {unknown}")
-        d = {**ANVIL.__init__.__kwdefaults__, **kw}
-        anvil_group = dict(kind="anvil", lr=lr, momentum=d["momentum"], fast_beta=d["fast_beta"],
-                           fast_weight=d["fast_weight"], beta2=d["beta2"], weight_decay=d["weight_decay"])
-        adam_group = dict(kind="adam", lr=adam_lr, betas=tuple(float(b) for b in d["adam_betas"]), eps=d["adam_eps"],
-                          weight_decay=d["adam_weight_decay"])
-        _check_hyperparameters("anvil", anvil_group)
-        _check_hyperparameters("adam", adam_group)
-        # checked here as ANVIL checks them: a rank without a local optimizer must refuse them too
-        if d["rails"] not in RAILS:
-            raise ValueError(f"rails must be one of {RAILS}, got {d['rails']!r}")
-        steps = d["total_steps"]
-        if d["rails"] == "record" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"rails='record' needs total_steps, an int >= 1 (the run's length), got {steps!r}")
-        if d["lr_scale"] not in LR_SCALE_CONVENTIONS:
-            raise ValueError(f"lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {d['lr_scale']!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        d = {**DropInAnvil.__init__.__kwdefaults__, **kw}
+        anvil_group, adam_group = hyperparameter_groups(
+            lr, adam_lr, momentum=d["momentum"], fast_beta=d["fast_beta"], fast_weight=d["fast_weight"],
+            beta2=d["beta2"], weight_decay=d["weight_decay"], adam_betas=d["adam_betas"], adam_eps=d["adam_eps"],
+            adam_weight_decay=d["adam_weight_decay"])
+        # checked here as the drop-in checks them: a rank without a local optimizer must refuse them too
+        check_options(d["rails"], d["total_steps"], d["lr_scale"], nonfinite)
         if comms is not None:
             raise ConfigError("comms=: on an FSDP2 model ANVIL communicates on the parameters' device mesh; leave "
                               "comms=None")
@@ -215,25 +204,23 @@ class FSDPAnvil(ANVIL):
             if p.to_local().numel():
                 self._local_adam[n] = nn.Parameter(p.to_local().detach().clone())
                 local_named.append((n, self._local_adam[n]))
-        self.local: ANVIL | None = None
+        self.local: DropInAnvil | None = None
         if local_named:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="ANVIL: no parameter was banked")
                 warnings.filterwarnings("ignore", message="ANVIL: these parameters came without their model")
-                self.local = ANVIL(local_named, lr, adam_lr, anvil=list(self._local_mat), adam=list(self._local_adam),
-                                   head_names=(), nonfinite="raise", comms=LocalComms(),
-                                   split_rows={n: k for n, k in (split_rows or {}).items() if n in self._local_mat},
-                                   shard_min_numel=shard_min_numel, **kw)
+                self.local = DropInAnvil(local_named, lr, adam_lr, anvil=list(self._local_mat),
+                                         adam=list(self._local_adam), head_names=(), nonfinite="raise",
+                                         comms=LocalComms(), split_rows={n: k for n, k in (split_rows or {}).items()
+                                                                         if n in self._local_mat},
+                                         shard_min_numel=shard_min_numel, **kw)
 
         groups = []
         if self._mat:
             groups.append(dict(params=[p for _, p in self._mat], **anvil_group))
         if self._adam:
             groups.append(dict(params=[p for _, p in self._adam], **adam_group))
-        self._planned = False
-        torch.optim.Optimizer.__init__(self, groups, dict(lr=lr))
-        self.defaults["momentum"] = d["momentum"]  # set after the groups exist, as ANVIL does
-        self._planned = True
+        self._install_groups(groups, lr, d["momentum"])
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -245,20 +232,15 @@ class FSDPAnvil(ANVIL):
         """Adam parameter name -> "fsdp" (updated on FSDP's shards, no communication)."""
         return {n: "fsdp" for n, _ in self._adam}
 
-    def describe(self) -> str:
-        rows = [("parameter", "shape", "route", "reason")]
-        for e in self.plan:
-            if e.route == "adam":
-                route = "adam (FSDP shard)"
-            else:
-                route = f"{e.route} [{', '.join(map(str, e.bank_shape))}] owner rank {self.owner[e.name]}"
-            rows.append((e.name, str(list(e.shape)), route, e.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
-        lines.append(f"{len(self._plan.banks)} bank(s) holding {len(self._mat)} parameter(s), each updated whole on "
-                     f"its owner rank; {len(self._adam)} parameter(s) on Adam (FSDP shards); world size {self.world}; "
-                     f"{self.comm_bytes()} bytes exchanged per step")
-        return "\n".join(lines)
+    def _route_text(self, e) -> str:
+        if e.route == "adam":
+            return "adam (FSDP shard)"
+        return f"{e.route} [{', '.join(map(str, e.bank_shape))}] owner rank {self.owner[e.name]}"
+
+    def _plan_summary(self) -> list[str]:
+        return [f"{len(self._plan.banks)} bank(s) holding {len(self._mat)} parameter(s), each updated whole on "
+                f"its owner rank; {len(self._adam)} parameter(s) on Adam (FSDP shards); world size {self.world}; "
+                f"{self.comm_bytes()} bytes exchanged per step"]
 
     def comm_bytes(self) -> int:
         """Bytes all ranks together send per step for the banked parameters (module docstring): every
@@ -355,20 +337,9 @@ class FSDPAnvil(ANVIL):
         return {k: got[s][i] for s in range(self.world) for i, k in enumerate(order[s])}
 
     # ------------------------------------------------------------------ step
-    def _apply_groups(self) -> None:
-        """Validate the groups (the record's rails set first), then hand them to the local optimizer."""
-        for g in self.param_groups:
-            if g["kind"] == "anvil" and self.rails == "record":
-                if self.taken_steps >= self.total_steps:
-                    raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and "
-                                     "all were taken; build the optimizer with a larger total_steps")
-                s = rail_scalars(self.taken_steps, self.total_steps)
-                g.update(momentum=s.momentum, fast_beta=s.fast_beta, fast_weight=s.fast_weight)
-            if g["kind"] == "adam" and "momentum" in g:
-                g["betas"] = (float(g["momentum"]), float(g["betas"][1]))
-            _check_hyperparameters(g["kind"], g)
+    def _hand_over(self, values: Mapping[str, Mapping[str, Any]]) -> None:
+        """The checked group values to the owners' drop-in (which hands them on to its kernels)."""
         if self.local is not None:
-            values = {g["kind"]: {k: v for k, v in g.items() if k != "params"} for g in self.param_groups}
             for g in self.local.param_groups:
                 g.update(values[g["kind"]])
 
@@ -394,7 +365,7 @@ class FSDPAnvil(ANVIL):
                 loss = closure()
         t0 = self._tick("prepare", time.perf_counter())
         self._sent = 0
-        self._apply_groups()
+        self._apply_groups(lambda: self.taken_steps, every_step=True)
         DTensor = _dtensor_type()
         entries = [(n, p, True) for n, p in self._mat] + [(n, p, False) for n, p in self._adam]
         local: dict[str, Tensor] = {}
@@ -472,21 +443,7 @@ class FSDPAnvil(ANVIL):
     # ------------------------------------------------------------------ state
     def _bank_slices(self, name: str) -> dict[str, Tensor]:
         """The owner's live state of a banked parameter, in its banked form [count, rows, cols]."""
-        for b in self.local._banks:
-            for n, _, first, count in b.plan.members:
-                if n == name:
-                    st = self.local.inner.param_states[b.label]
-                    if "mantissa" in st:
-                        mantissa = st["mantissa"][first:first + count]
-                    else:  # a float32 matrix is its own master: its low halves, as a bf16 one's mantissa
-                        w = b.param.data.view(b.plan.n_pad, b.plan.rows, b.plan.cols)[first:first + count]
-                        mantissa = w.contiguous().view(torch.int16).view(*w.shape, 2)[..., 0].contiguous() \
-                            .view(torch.uint16)
-                    return dict(fast_rail=st["velocity"][0, first:first + count],
-                                slow_rail=st["velocity"][1, first:first + count],
-                                lane_energy=st["lane_energy"][first:first + count], mantissa=mantissa,
-                                own_master="mantissa" not in st)
-        raise KeyError(name)
+        return self.local.banked_state(name)
 
     def _lane_shape(self, name: str) -> tuple[int, int, int]:
         e = next(e for e in self.plan if e.name == name)
@@ -504,13 +461,11 @@ class FSDPAnvil(ANVIL):
         by_id = {id(p): n for n, p in self._mat + self._adam}
         return [by_id[id(p)] for g in self.param_groups for p in g["params"]]
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format (as :class:`~anvil_fast.dropin.ANVIL`'s: ``"state"`` by position over the
-        param groups, ``"params"`` and ``"param_names"`` in each group, the optimizer-wide values in
-        the first group's ``"anvil_fast"`` entry) over :meth:`_named_state`, through torch's
-        state-dict hooks. Collective (every rank calls it)."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+    def _state_dict(self) -> dict[str, Any]:
+        """torch's format (as the drop-in's: ``"state"`` by position over the param groups,
+        ``"params"`` and ``"param_names"`` in each group, the optimizer-wide values in the first
+        group's ``"anvil_fast"`` entry) over :meth:`_named_state` (the base runs torch's state-dict
+        hooks around it). Collective (every rank calls it)."""
         named = self._named_state()
         names = self._names_in_groups()
         groups, i = [], 0
@@ -521,27 +476,15 @@ class FSDPAnvil(ANVIL):
             i += n
         groups[0]["anvil_fast"] = {"format": FSDP_FORMAT, "taken_steps": named["taken_steps"],
                                    "skipped_steps": named["skipped_steps"]}
-        sd = {"state": {k: named["state"][n] for k, n in enumerate(names)}, "param_groups": groups}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
-        return sd
+        return {"state": {k: named["state"][n] for k, n in enumerate(names)}, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def _load_state_dict(self, sd) -> None:
         """Restore :meth:`state_dict`'s output (by position, as torch does; or a name-keyed state
-        dict of the format ``anvil_fast.ANVIL.fsdp/1``), through torch's load hooks; then as
-        :meth:`_load_named`. Collective."""
-        sd = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
+        dict of the format ``anvil_fast.ANVIL.fsdp/1``; the base runs torch's load hooks around
+        it); then as :meth:`_load_named`. Collective."""
         if not (isinstance(sd, Mapping) and sd.get("format") == FSDP_STATE_FORMAT):
             sd = self._named_from_torch_format(sd)
         self._load_named(sd)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def _named_from_torch_format(self, sd) -> dict[str, Any]:
         groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
@@ -596,7 +539,7 @@ class FSDPAnvil(ANVIL):
             state[n] = st
         for n, p in self._adam:
             if n in self._local_adam:
-                ps = self.local.inner.param_states[n]
+                ps = self.local.state[self._local_adam[n]]
                 m, v = ps["exp_avg"].clone(), ps["exp_avg_sq"].clone()
             else:
                 m = torch.zeros(p.to_local().shape, dtype=torch.float32, device=self._device)
@@ -675,13 +618,13 @@ class FSDPAnvil(ANVIL):
         for n, _ in self._adam:
             self._adam_steps[n] = int(state[n]["step"])
             if n in self._local_adam:
-                ps = self.local.inner.param_states[n]
+                ps = self.local.state[self._local_adam[n]]
                 ps["exp_avg"].copy_(state[n]["exp_avg"].to_local())
                 ps["exp_avg_sq"].copy_(state[n]["exp_avg_sq"].to_local())
                 if isinstance(ps["step"], Tensor):  # the one-process step's device count (a 0-D view)
                     ps["step"].fill_(self._adam_steps[n])
                 else:
-                    ps["step"] = self._adam_steps[n]
+                    ps.write("step", self._adam_steps[n])
         self.pull_weights()
         for g, saved in zip(self.param_groups, groups):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
@@ -703,7 +646,3 @@ class FSDPAnvil(ANVIL):
 __all__ = ["FSDPAnvil", "FSDP_FORMAT", "FSDP_STATE_FORMAT", "assign_owners", "shard_rows", "check_placement", "holds_dtensors",
            "refuse_ddp_with_own_averaging", "refuse_dtensors_in"]
 
-
-# ANVIL(model) on DTensor parameters builds an FSDPAnvil: the drop-in knows this path only through
-# the registration (it does not import this module; anvil_fast.ANVIL imports it first).
-register_dtensor_path(FSDPAnvil)

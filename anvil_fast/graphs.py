@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .capture import capture
+
 #: AnvilBank fields whose storage a captured update reads or writes.
 BANK_TENSORS = ("grad", "velocity", "lane_energy", "mantissa", "p_slice", "momentum", "eff_wd",
                 "fast_beta", "fast_weight", "eff_lr", "guard_trips")
@@ -109,20 +111,13 @@ class BankUpdateGraphs:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.baked: dict[str, dict[str, int]] = {}
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream()  # one side stream for every bank's warm-up
         for label, bank in opt.banks.items():
             saved = {k: v.clone() for k, v in bank.mutated().items()}
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                for _ in range(max(1, warmup)):
-                    update(bank)
-            main.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
             # the default global mode those queries invalidate the capture
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                update(bank)
+            graph = capture(lambda bank=bank: update(bank), warmup=max(1, warmup), pool=pool,
+                            capture_error_mode="thread_local", side=side)
             for k, v in bank.mutated().items():
                 v.copy_(saved[k])
             self.graphs[label] = graph
@@ -161,9 +156,9 @@ def step_tensors(opt) -> dict[str, torch.Tensor]:
             name = str(g.dtype).split(".")[-1]
             for k in ("param", "grad", "exp_avg", "exp_avg_sq"):
                 out[f"flat.{name}.{k}"] = getattr(g, k)
-    for label, t in (opt._grad_buffers or {}).items():
+    for label, t in (opt.built_grad_buffers or {}).items():
         out[f"grad_buffer.{label}"] = t
-    for label, t in opt._adam_chunks.items():
+    for label, t in opt.reduce_chunks.items():
         out[f"reduce_chunk.{label}"] = t
     return out
 
@@ -239,17 +234,10 @@ class StepGraph:
         saved = {k: t.clone() for k, t in step_tensors(opt).items()}
         main = torch.cuda.current_stream()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    opt.body(plan, grads, bank_update=self.update)
-            main.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
             # the default global mode those queries invalidate the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                opt.body(plan, grads, bank_update=self.update)
+            graph = capture(lambda: opt.body(plan, grads, bank_update=self.update), warmup=self.warmup,
+                            pool=self.pool, capture_error_mode="thread_local")
         except Exception as exc:
             main.synchronize()
             self.off_reason = f"capturing the step failed: {type(exc).__name__}: {exc}"
@@ -273,22 +261,12 @@ class StepGraph:
         Python float the kernels take as a constant, so a change needs its own capture)."""
         return plan, tuple(b.beta2 for b in self.opt.banks.values())
 
-    def step(self, grads, do_adam: bool) -> dict:
-        """One step from ``grads`` (persistent buffers: label -> tensor); returns ``{}``."""
-        plan, key = self.prepare(grads, do_adam)
-        return self.run(plan, key, grads)
-
-    def prepare(self, grads, do_adam: bool) -> tuple:
-        """The host part: the optimizer's checks with the baked addresses checked before anything
-        is written, the Adam step counts, the scalar upload. Returns ``(plan, key)`` for :meth:`run`."""
-        opt = self.opt
-        bufs = opt._grad_buffers or {}
-        foreign = [l for l, t in grads.items() if bufs.get(l) is not t]
-        if foreign:
-            raise ValueError(f"StepGraph.step reads gradients only from opt.grad_buffers(); {foreign} are other tensors")
-        check = (lambda plan: self.check_plan(self.key(plan))) if self.check else None
-        plan = opt.prepare(grads, do_adam, before_write=check)
-        return plan, self.key(plan)
+    def before_write(self, plan) -> None:
+        """The optimizer's host part calls this after its checks and before its first write
+        (:meth:`AnvilAndAdam.prepare_from_buffers`): with ``check``, the addresses baked for the
+        plan's graph against the live ones (:meth:`check_plan`)."""
+        if self.check:
+            self.check_plan(self.key(plan))
 
     def run(self, plan, key, grads) -> dict:
         """The device part of a prepared step: the replay of its plan's graph (captured on the

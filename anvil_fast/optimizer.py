@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import numpy as np
@@ -366,8 +367,10 @@ class AnvilAndAdam:
                                                active=False), dtype=np.float64)
         self._adam_host_table = np.zeros((len(self.adam_labels), len(ADAM_COLUMNS)), dtype=np.float64)
         self._replicated_set = frozenset(self.replicated_labels)
-        self._adam_chunks: dict[str, Tensor] = {}
-        self._grad_buffers: dict[str, Tensor] | None = None
+        #: label -> the reduce chunk a sharded Adam label's gradient is reduced into (allocated on first use)
+        self.reduce_chunks: dict[str, Tensor] = {}
+        #: label -> its persistent gradient buffer once :meth:`grad_buffers` built them (None before)
+        self.built_grad_buffers: dict[str, Tensor] | None = None
         self.step_graph = None  #: a :class:`~anvil_fast.graphs.StepGraph` once :meth:`capture_step` ran
         self._positions: dict[tuple[str, ...], Tensor] = {}
 
@@ -404,6 +407,41 @@ class AnvilAndAdam:
         self.set_rails(scalars.fast_beta, scalars.fast_weight)
         for label in self.bank_labels:
             self.param_cfgs[label].momentum = float(scalars.momentum)
+
+    def set_hyperparameters(self, anvil: Mapping[str, Any] | None = None, adam: Mapping[str, Any] | None = None
+                            ) -> None:
+        """A front-end's per-step values, the one way they reach this optimizer: ``anvil`` (``lr``,
+        ``momentum``, ``fast_beta`` (None: = momentum), ``fast_weight``, ``weight_decay``, ``beta2``)
+        for every bank, ``adam`` (``lr``, ``betas``, ``eps``, ``weight_decay``) for every Adam label;
+        None leaves that kind as it is. The front-end checks them first."""
+        if anvil is not None:
+            fast_beta = anvil["momentum"] if anvil["fast_beta"] is None else anvil["fast_beta"]
+            for label, bank in self.banks.items():
+                cfg = self.param_cfgs[label]
+                cfg.lr, cfg.momentum = float(anvil["lr"]), float(anvil["momentum"])
+                # beta2 is a Python float baked into the bank update: a step graph captured with
+                # another value is not replayed (StepGraph keys its captures by it)
+                cfg.weight_decay, cfg.beta2 = float(anvil["weight_decay"]), float(anvil["beta2"])
+                bank.beta2 = cfg.beta2
+            self.set_rails(float(fast_beta), float(anvil["fast_weight"]))
+        if adam is not None:
+            for label in self.adam_labels:
+                cfg = self.param_cfgs[label]
+                cfg.lr, cfg.adam_betas = float(adam["lr"]), tuple(float(b) for b in adam["betas"])
+                cfg.eps, cfg.weight_decay = float(adam["eps"]), float(adam["weight_decay"])
+
+    def hyperparameters(self) -> list[float]:
+        """The values :meth:`set_hyperparameters` set, in the order of
+        :data:`anvil_fast.device_step.HYPER` (the first bank's and the first Adam label's: the
+        front-ends set every bank alike and every Adam label alike; zeros for a kind absent)."""
+        vals = [0.0] * 10
+        if self.bank_labels:
+            cfg = self.param_cfgs[self.bank_labels[0]]
+            vals[0:5] = [cfg.lr, cfg.momentum, self.fast_beta, self.fast_weight, cfg.weight_decay]
+        if self.adam_labels:
+            cfg = self.param_cfgs[self.adam_labels[0]]
+            vals[5:10] = [cfg.lr, cfg.adam_betas[0], cfg.adam_betas[1], cfg.eps, cfg.weight_decay]
+        return vals
 
     def use_cuda_graphs(self, **kwargs) -> Any:
         """Capture every bank's update in a CUDA graph and use the replays from now on (returns the
@@ -501,7 +539,7 @@ class AnvilAndAdam:
         check_graphs = getattr(self.bank_update, "check_all", None)
         if check_graphs is not None:  # CUDA graphs: every baked address still live, before any write
             check_graphs()
-        buffers = self._grad_buffers or {}
+        buffers = self.built_grad_buffers or {}
         for label, g in grads.items():
             if buffers.get(label) is g:
                 continue  # a persistent buffer: shape, dtype and device are right by construction
@@ -535,9 +573,9 @@ class AnvilAndAdam:
             return self.comms.reduce_scatter_avg(bank.grad, src), bank.grad
         if self.world_size == 1:
             return DONE, grad.contiguous()
-        chunk = self._adam_chunks.get(label)
+        chunk = self.reduce_chunks.get(label)
         if chunk is None:  # allocated once: a captured step bakes its address
-            chunk = self._adam_chunks[label] = torch.empty((cfg.chunk_size, *grad.shape[1:]), dtype=grad.dtype,
+            chunk = self.reduce_chunks[label] = torch.empty((cfg.chunk_size, *grad.shape[1:]), dtype=grad.dtype,
                                                            device=self.device)
         return self.comms.reduce_scatter_avg(chunk, grad.contiguous()), chunk
 
@@ -715,15 +753,16 @@ class AnvilAndAdam:
         return deferred_handles
 
     # ------------------------------------------------------------------ persistent gradient buffers
-    def grad_buffers(self) -> dict[str, Tensor]:
+    def grad_buffers(self) -> Mapping[str, Tensor]:
         """label -> the persistent buffer :meth:`step_from_buffers` reads that label's gradient
-        from (allocated on the first call, then the same tensors for the optimizer's life). Each has
+        from (allocated on the first call, then the same tensors for the optimizer's life; a
+        read-only view of :attr:`built_grad_buffers`, so a step asking for it copies nothing). Each has
         the parameter's shape; copy the gradient in with ``copy_`` (or one ``torch._foreach_copy_``
         per dtype pair). A bank's buffer is bf16 whatever the parameter's dtype (the gradient
         travels in bf16, as the seed's), so the copy is also the cast; on one process it *is* the
         bank's own gradient buffer, so that copy is the only pass over the gradient. A replicated
         Adam parameter's buffer is its slice of the flat all-reduce buffer."""
-        if self._grad_buffers is None:
+        if self.built_grad_buffers is None:
             out = {}
             flat = self.replicated.grad_views() if self.replicated is not None else {}
             for label in self.labels:
@@ -736,8 +775,8 @@ class AnvilAndAdam:
                     out[label] = flat[label]
                 else:
                     out[label] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            self._grad_buffers = out
-        return dict(self._grad_buffers)
+            self.built_grad_buffers = out
+        return MappingProxyType(self.built_grad_buffers)
 
     @torch.no_grad()
     def step_from_buffers(self, labels: Iterable[str] | None = None, do_adam: bool = True) -> dict[str, Handle]:
@@ -750,21 +789,26 @@ class AnvilAndAdam:
         return self.run_prepared(self.prepare_from_buffers(wanted, do_adam))
 
     def prepare_from_buffers(self, labels: Iterable[str], do_adam: bool = True) -> PreparedStep:
-        """The host part of :meth:`step_from_buffers` (checks, Adam step counts, the scalar upload),
-        apart, so a caller can do host work of its own between it and :meth:`run_prepared` while
-        the device catches up (the drop-in waits for its non-finite verdict there);
-        :meth:`cancel_prepared` undoes it when the step is then not taken."""
+        """The host part of :meth:`step_from_buffers`, apart, so a caller can do host work of its own
+        between it and :meth:`run_prepared` while the device catches up (the drop-in waits for its
+        non-finite verdict there); :meth:`cancel_prepared` undoes it when the step is then not taken.
+
+        A step from the buffers is these two calls and nothing between: this one runs
+        :meth:`prepare` (the checks; with a step graph, its baked addresses too
+        (:meth:`~anvil_fast.graphs.StepGraph.before_write`), before anything is written; the Adam
+        step counts; the scalar upload) and names the graph the plan replays
+        (:meth:`~anvil_fast.graphs.StepGraph.key`); :meth:`run_prepared` runs the device part: the
+        graph's replay (:meth:`~anvil_fast.graphs.StepGraph.run`, which captures a plan met for the
+        first time) or :meth:`body`."""
         bufs = self.grad_buffers()
         wanted = set(labels)
         unknown = sorted(wanted - set(self.params))
         if unknown:
             raise ConfigError(f"step_from_buffers: unknown labels {unknown}")
         grads = {l: bufs[l] for l in self.step_labels(do_adam) if l in wanted}
-        if self.step_graph is not None:
-            plan, key = self.step_graph.prepare(grads, do_adam)
-        else:
-            plan, key = self.prepare(grads, do_adam), None
-        return PreparedStep(plan, grads, key)
+        graph = self.step_graph
+        plan = self.prepare(grads, do_adam, before_write=None if graph is None else graph.before_write)
+        return PreparedStep(plan, grads, None if graph is None else graph.key(plan))
 
     def run_prepared(self, prepared: PreparedStep) -> dict[str, Handle]:
         """The device part of a step :meth:`prepare_from_buffers` prepared (one graph replay where

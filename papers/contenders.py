@@ -171,7 +171,7 @@ def build_dion(model: nn.Module, hp: dict, *, total_steps: int, device: torch.de
 def _anvil_accepts() -> set[str]:
     import anvil_fast
 
-    return set(inspect.signature(anvil_fast.ANVIL.__init__).parameters)
+    return set(inspect.signature(anvil_fast.dropin.DropInAnvil).parameters)
 
 
 def lean_unavailable() -> str | None:

@@ -21,7 +21,8 @@ import anvil_ref.storage as S
 from anvil_fast.adam import adam_block_table, adam_row, adam_table_, adam_update_
 from anvil_fast.bank_scalars import ADAM_COLUMNS, BankScalarStaging
 from anvil_fast.device_step import NonFiniteUpdateError, NonFiniteUpdateWarning
-from anvil_fast.dropin import ANVIL, NonFiniteGradientWarning
+from anvil_fast.dropin import NonFiniteGradientWarning
+from anvil_fast.entry import ANVIL
 from anvil_fast.nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
 from anvil_fast.optimizer import NonFiniteGradientError
 from anvil_ref.rails import rail_scalars
@@ -460,7 +461,7 @@ def _held_bytes(opt) -> tuple[int, int]:
     for g in (inner.replicated.groups if inner.replicated is not None else []):
         for k in ("param", "grad", "exp_avg", "exp_avg_sq", "segment"):
             add(getattr(g, k))
-    for t in (inner._grad_buffers or {}).values():
+    for t in (inner.built_grad_buffers or {}).values():
         add(t)
     return total, lanes
 

@@ -230,7 +230,7 @@ def _buffers_session(rank, device, compile_banks) -> dict[str, bool]:
 
 
 def _dropin(rank, device):
-    from anvil_fast.dropin import ANVIL
+    from anvil_fast.entry import ANVIL
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16), torch.nn.ReLU(),

@@ -16,7 +16,8 @@ from torch import nn
 
 import anvil_fast
 from anvil_fast import dropin as D
-from anvil_fast.dropin import ANVIL
+from anvil_fast.dropin import DropInAnvil
+from anvil_fast.entry import ANVIL
 from anvil_fast.optimizer import NonFiniteGradientError
 from anvil_ref.rails import rail_scalars
 from anvil_ref.config import ConfigError
@@ -849,7 +850,7 @@ def _examples():
     """The training loops of ANVIL's docstring and of the README's "Use it" section."""
     from pathlib import Path
 
-    doc = D.ANVIL.__doc__.split("Example (a complete training loop)::", 1)[1].split("**Routing**", 1)[0]
+    doc = ANVIL.__doc__.split("Example (a complete training loop)::", 1)[1].split("**Routing**", 1)[0]
     readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     use = readme.split("## Use it", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     import textwrap

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from anvil_fast.difftest import rel_err
-from anvil_fast.dropin import ANVIL
+from anvil_fast.dropin import DropInAnvil
+from anvil_fast.entry import ANVIL
 from tests import optimizer_cases as C
 from anvil_fast import tolerances as TOL
 from anvil_ref.dropin import SPEC_HEAD_NAMES, DropinReference, route_parameters
@@ -371,7 +372,7 @@ def test_drop_in_routes_like_the_reference():
 def test_default_head_names_are_the_specifications():
     import inspect
 
-    assert inspect.signature(ANVIL).parameters["head_names"].default == SPEC_HEAD_NAMES
+    assert inspect.signature(DropInAnvil).parameters["head_names"].default == SPEC_HEAD_NAMES
 
 
 # ------------------------------------------------------------------ tests: the step
@@ -551,7 +552,7 @@ def _finite_check_kw(mode: str) -> dict:
 
     if mode == "skip":
         return dict(nonfinite="skip")
-    params = inspect.signature(ANVIL).parameters
+    params = inspect.signature(DropInAnvil).parameters
     return dict(nonfinite="raise") if "nonfinite" in params else dict(check_finite=True)
 
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import anvil_fast
-from anvil_fast.dropin import ANVIL
+from anvil_fast.dropin import DropInAnvil
+from anvil_fast.entry import ANVIL
 from anvil_ref.config import ConfigError
 from anvil_ref.equalizer import lane_energy_shape, reduction_axis
 from anvil_ref.update import shape_lr_multiplier

@@ -20,7 +20,8 @@ import os
 import pytest
 import torch
 
-from anvil_fast.dropin import ANVIL, plan_routes, classify, named_parameters_of
+from anvil_fast.dropin import DropInAnvil, plan_routes, classify, named_parameters_of
+from anvil_fast.entry import ANVIL
 from anvil_fast import gpt
 from anvil_fast import tolerances as TOL
 from anvil_fast.fsdp import assign_owners, shard_rows
@@ -551,18 +552,25 @@ def test_fsdp_refusals_on_two_ranks(tmp_path):
         assert out["dropin_world"].startswith("ConfigError") and "of 1 cannot be loaded by rank" in out["dropin_world"]
 
 
-def test_the_fsdp_dispatch_keeps_the_drop_in_signature_and_class():
-    """ANVIL's __new__ sends DTensor models to FSDPAnvil; a plain model still gets ANVIL itself, and
-    introspection still sees the constructor's arguments."""
+def test_the_factory_builds_the_drop_in_for_plain_tensors_and_both_are_front_ends():
+    """anvil_fast.ANVIL is a plain function: a model of plain tensors gets the drop-in class (the
+    FSDP2 front-end is its sibling, not its subclass), introspection of the drop-in's class sees its
+    constructor's arguments, and nothing dispatches through __new__ or a registry."""
     import inspect
 
     import anvil_fast
+    from anvil_fast import dropin, entry
     from anvil_fast.fsdp import FSDPAnvil, holds_dtensors
+    from anvil_fast.frontend import AnvilFrontend
 
-    params = inspect.signature(anvil_fast.ANVIL).parameters
+    assert inspect.isfunction(anvil_fast.ANVIL) and anvil_fast.ANVIL is entry.ANVIL
+    params = inspect.signature(DropInAnvil).parameters
     assert list(params)[:3] == ["params", "lr", "adam_lr"] and "nonfinite" in params and "split_rows" in params
+    assert not issubclass(FSDPAnvil, DropInAnvil) and not issubclass(DropInAnvil, FSDPAnvil)
+    assert issubclass(FSDPAnvil, AnvilFrontend) and issubclass(DropInAnvil, AnvilFrontend)
+    assert "__new__" not in vars(DropInAnvil) and "__new__" not in vars(FSDPAnvil)
+    assert not hasattr(dropin, "register_dtensor_path")
     model = make_model()
     assert not holds_dtensors(model) and not holds_dtensors(list(model.named_parameters()))
     opt = anvil_fast.ANVIL(model, compile=False)
-    assert type(opt) is ANVIL and not isinstance(opt, FSDPAnvil)
-    assert anvil_fast.fsdp.FSDPAnvil is FSDPAnvil
+    assert type(opt) is DropInAnvil and not isinstance(opt, FSDPAnvil) and isinstance(opt, AnvilFrontend)

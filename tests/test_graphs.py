@@ -242,6 +242,39 @@ def test_step_graph_falls_back_to_eager_past_max_plans():
     assert sg.captures == 1 and sg.replays == 1 and sg.eager_steps == 4
 
 
+def test_a_step_from_buffers_is_prepare_then_run_over_one_set_of_buffers():
+    """grad_buffers() is one read-only mapping (no copy per call); prepare_from_buffers runs the
+    checks, then a step graph's address check before the first write (the scalar upload), then
+    names the graph's key; run_prepared hands that key to the graph's run, without a GPU."""
+    opt, _ = _twins("cpu", True)
+    a, b = opt.grad_buffers(), opt.grad_buffers()
+    assert all(a[l] is b[l] is opt.built_grad_buffers[l] for l in opt.labels)
+    with pytest.raises(TypeError):
+        a["gates"] = torch.zeros(1)
+    calls = []
+
+    class Graph:
+        def before_write(self, plan):
+            calls.append("before_write")
+
+        def key(self, plan):
+            calls.append("key")
+            return "K"
+
+        def run(self, plan, key, grads):
+            calls.append(("run", key, sorted(grads)))
+            return {}
+
+    stage = opt.stage_bank_scalars
+    opt.stage_bank_scalars = lambda *args, **kw: (calls.append("stage"), stage(*args, **kw))[1]
+    opt.step_graph = Graph()
+    prepared = opt.prepare_from_buffers(opt.labels)
+    assert calls == ["before_write", "stage", "key"] and prepared.key == "K"
+    assert all(prepared.grads[l] is a[l] for l in prepared.grads)
+    opt.run_prepared(prepared)
+    assert calls[-1] == ("run", "K", sorted(opt.labels))
+
+
 def test_step_graph_address_check_names_rebound_tensors():
     """The StepGraph's check before replay, without a GPU: bookkeeping of a captured plan."""
     from anvil_fast.graphs import StepGraph, step_addresses
@@ -326,7 +359,7 @@ def test_failed_capture_restores_state_and_steps_eagerly():
 def test_dropin_refuses_a_broadcastable_gradient_before_writing():
     """The drop-in copies gradients into the persistent buffers with copy_, which would broadcast a
     [1, n] gradient over an [m, n] parameter: it is refused, naming the parameter, nothing written."""
-    from anvil_fast.dropin import ANVIL
+    from anvil_fast.entry import ANVIL
     from anvil_fast.gpt import GPTConfig, build
 
     m = build(GPTConfig(n_layer=1, n_embd=16, n_head=2, ctx=8), seed=0)

@@ -396,11 +396,14 @@ class _FakeAnvilWithout:
 def test_lean_anvil_is_available_exactly_when_the_drop_in_takes_rails_dtype(monkeypatch):
     import anvil_fast
 
+    # the drop-in's class says which arguments it takes; anvil_fast.ANVIL builds it
+    monkeypatch.setattr(anvil_fast.dropin, "DropInAnvil", _FakeAnvilWithout)
     monkeypatch.setattr(anvil_fast, "ANVIL", _FakeAnvilWithout)
     why = K.get("anvil_lean").why_unavailable()
     assert why == "anvil_fast.ANVIL takes no rails_dtype argument in this checkout"
     with pytest.raises(K.Unavailable, match="takes no rails_dtype"):
         K.get("anvil_lean").make(torch.nn.Linear(2, 2), total_steps=5, device=torch.device("cpu"))
+    monkeypatch.setattr(anvil_fast.dropin, "DropInAnvil", _FakeAnvil)
     monkeypatch.setattr(anvil_fast, "ANVIL", _FakeAnvil)
     assert K.get("anvil_lean").why_unavailable() is None
     (opt,) = K.get("anvil_lean").make(torch.nn.Linear(2, 2), total_steps=5, device=torch.device("cpu"))

@@ -19,6 +19,7 @@ import torch
 from anvil_ref.constants import ANVIL_MAPS
 
 from ..gram_side import SYMMETRIC_BLOCK, map_flops
+from ..capture import capture
 from ..gram_tune import time_us as kernel_us
 from ..timing import do_bench_ms
 
@@ -43,16 +44,7 @@ def emit_table(lines: list[str], out: str | None) -> None:
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """The replay of a CUDA graph of one ``fn()`` (warmed up three times on a side stream first, as
     capture requires)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return capture(fn, warmup=3).replay
 
 
 def measure_peaks() -> tuple[float, float]:

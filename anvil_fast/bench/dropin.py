@@ -80,7 +80,7 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
     """The variant's optimizer over ``model``; returns its ``step``."""
     fused = dict(fused=True) if device.type == "cuda" else {}
     if name.startswith("anvil"):
-        from ..dropin import ANVIL
+        from ..entry import ANVIL
 
         kw = {"anvil_graphs": dict(cuda_graphs=True), "anvil_eager": dict(cuda_graphs=False),
               "anvil_lean": dict(rails_dtype=torch.bfloat16)}.get(name, {})

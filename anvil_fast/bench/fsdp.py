@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
     from torch.distributed.tensor import DTensor
 
     from anvil_fast import gpt
-    from anvil_fast.dropin import ANVIL
+    from anvil_fast.entry import ANVIL
     from anvil_fast.fsdp import shard_rows
 
     if backend == "nccl":
@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
 def single_process_step(size: str, dtype: torch.dtype, steps: int, device: torch.device) -> float:
     from anvil_fast import gpt
     from anvil_fast.comms import LocalComms
-    from anvil_fast.dropin import ANVIL
+    from anvil_fast.entry import ANVIL
 
     model = gpt.build(size, device=device).to(dtype)
     opt = ANVIL(model, comms=LocalComms())

@@ -225,7 +225,7 @@ def _lean_check() -> str | None:
 
     import anvil_fast
 
-    if "rails_dtype" not in inspect.signature(anvil_fast.ANVIL).parameters:
+    if "rails_dtype" not in inspect.signature(anvil_fast.dropin.DropInAnvil).parameters:
         return "anvil_fast.ANVIL has no rails_dtype keyword"
     return None
 

@@ -1,11 +1,13 @@
-"""Runs torch's generic optimizer tests against anvil_fast.ANVIL, with torch's AdamW and Muon as
-controls: optim_db is cut to those three before test_optim.py is imported.
+"""Runs torch's generic optimizer tests against anvil_fast.ANVIL's drop-in class
+(anvil_fast.dropin.DropInAnvil, what anvil_fast.ANVIL builds for these plain tensors: torch's tests
+take an optimizer class), with torch's AdamW and Muon as controls: optim_db is cut to those three
+before test_optim.py is imported.
 
 Put beside this file (never into the package) pytorch's test/test_optim.py and its test/optim/ folder
 of a torch-2.13-era commit (maggiemoss/pytorch@eb4247c60570b3bd9f6404efae673f748ea0a5ea was used:
 `fetch` it, then `git show <commit>:test/test_optim.py`), and run pytest on test_optim.py from this
-folder, with `-k ANVIL` for the drop-in and `-k "AdamW or Muon"` for the controls (ANVIL_ROOT: the
-repository, by default two folders up). The logs of such a run on the CPU are in results/torch_optim/.
+folder, with `-k ANVIL` (pytest's -k ignores case) for the drop-in and `-k "AdamW or Muon"` for the
+controls (ANVIL_ROOT: the repository, by default two folders up). The logs of such a run on the CPU are in results/torch_optim/.
 """
 import os
 import sys
@@ -17,7 +19,7 @@ sys.path.insert(0, os.environ.get("ANVIL_ROOT", os.path.join(os.path.dirname(__f
 
 from torch.testing._internal import common_optimizers as C  # noqa: E402
 
-import anvil_fast  # noqa: E402
+from anvil_fast.dropin import DropInAnvil  # noqa: E402
 from anvil_fast.optimizer import NonFiniteGradientError  # noqa: E402
 
 
@@ -61,6 +63,6 @@ def _keep(info):
     return info.optim_cls.__name__ in ("AdamW", "Muon")
 
 
-ANVIL_INFO = C.OptimizerInfo(anvil_fast.ANVIL, optim_inputs_func=anvil_inputs, optim_error_inputs_func=anvil_errors,
+ANVIL_INFO = C.OptimizerInfo(DropInAnvil, optim_inputs_func=anvil_inputs, optim_error_inputs_func=anvil_errors,
                              supported_impls=(), not_og_supported_flags=(), supports_complex=False)
 C.optim_db[:] = [i for i in C.optim_db if _keep(i)] + [ANVIL_INFO]

@@ -1,0 +1,38 @@
+"""The one warm-up-then-capture sequence of the package's CUDA graphs: :func:`capture`.
+
+A graph's capture needs its work warmed up first, on a side stream (lazy initializations, the
+allocator's first blocks, autotuning must not happen inside the capture, and torch requires a
+non-default stream for warm-up work that a capture follows); the side stream waits for the
+current stream before and the current stream for it after, so the warm-up sees what was queued
+before it and the capture sees the warm-up's writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def capture(fn: Callable[[], Any], *, warmup: int, pool: Any = None, capture_error_mode: str = "global",
+            side: Any = None, device: Any = None) -> "torch.cuda.CUDAGraph":
+    """``fn()`` run ``warmup`` times on a side stream (``side``, or a new stream on ``device``: None
+    is the current device), then captured once into a new CUDA graph (memory ``pool``: None, a
+    pool of its own; ``capture_error_mode`` as :class:`torch.cuda.graph`'s), which is returned,
+    not replayed."""
+    main = torch.cuda.current_stream(device)
+    if side is None:
+        side = torch.cuda.Stream(device=device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    main.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        fn()
+    return graph
+
+
+__all__ = ["capture"]

@@ -1,0 +1,93 @@
+"""anvil_fast.capture: the one warm-up-then-capture sequence (its order of stream waits, warm-ups
+and the capture, checked on the CPU against a recording stand-in for torch.cuda), and that the
+package's CUDA graphs are captured through it."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from anvil_fast import capture as CAP
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Recorder:
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.current = "main"
+
+    def stream_obj(self, name):
+        rec = self
+
+        class S:
+            def wait_stream(self, other):
+                rec.log.append(("wait", name, other.name))
+
+        s = S()
+        s.name = name
+        return s
+
+
+def _fake_cuda(monkeypatch, rec: _Recorder):
+    main = rec.stream_obj("main")
+    made = []
+
+    def Stream(device=None):
+        s = rec.stream_obj(f"side{len(made)}")
+        made.append(device)
+        return s
+
+    @contextlib.contextmanager
+    def stream(s):
+        prev, rec.current = rec.current, s.name
+        yield
+        rec.current = prev
+
+    class Graph:
+        def replay(self):
+            rec.log.append(("replay",))
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        rec.log.append(("capture", pool, capture_error_mode))
+        prev, rec.current = rec.current, "capturing"
+        yield
+        rec.current = prev
+        rec.log.append(("captured",))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    return made
+
+
+def test_warm_up_on_a_side_stream_then_one_capture(monkeypatch):
+    rec = _Recorder()
+    made = _fake_cuda(monkeypatch, rec)
+    g = CAP.capture(lambda: rec.log.append(("run", rec.current)), warmup=3, pool="P",
+                    capture_error_mode="thread_local", device="cuda:1")
+    assert rec.log == [("wait", "side0", "main"), ("run", "side0"), ("run", "side0"), ("run", "side0"),
+                       ("wait", "main", "side0"), ("capture", "P", "thread_local"), ("run", "capturing"),
+                       ("captured",)]
+    assert made == ["cuda:1"] and hasattr(g, "replay")
+    rec.log.clear()
+    shared = rec.stream_obj("shared")
+    CAP.capture(lambda: rec.log.append(("run", rec.current)), warmup=0, side=shared)
+    assert rec.log == [("wait", "shared", "main"), ("wait", "main", "shared"), ("capture", None, "global"),
+                       ("run", "capturing"), ("captured",)]
+    assert made == ["cuda:1"]  # a given side stream is used, none made
+
+
+def test_every_warm_up_then_capture_goes_through_the_helper():
+    """Only anvil_fast.capture makes a graph, apart from gram_tune.time_us, whose graph holds
+    back-to-back calls after one eager call on the current stream (no side-stream warm-up)."""
+    makers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "anvil_fast").rglob("*.py")
+                    if "torch.cuda.CUDAGraph()" in p.read_text())
+    assert makers == ["anvil_fast/capture.py", "anvil_fast/gram_tune.py"], makers
+    for name in ("graphs.py", "device_step.py", "bench/common.py"):
+        assert "capture(" in (ROOT / "anvil_fast" / name).read_text(), name
