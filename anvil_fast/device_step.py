@@ -152,7 +152,7 @@ class DeviceStep:
         # ---- who is who: bank matrices (grouped by gradient dtype), then Adam parameters (same)
         self.names: list[str] = []  # one flag per parameter, in this order
         self.params: list[Tensor] = []
-        bank_order = sorted(opt._banks, key=lambda b: b.plan.dtype != torch.float32)
+        bank_order = sorted(opt.matrix_banks, key=lambda b: b.plan.dtype != torch.float32)
         self.banks = bank_order
         self.mat_flag: list[int] = []  # per bank matrix (inbox order): its parameter's flag
         self.members: list[tuple[Tensor, int, int, int, int]] = []  # (param, flag, matrix offset, count, stride)
@@ -170,7 +170,7 @@ class DeviceStep:
                 self.mat_flag[off + first:off + first + count] = [f] * count
             off += b.plan.n_pad
         self.n_mat = off
-        adam = sorted(opt._adam_named, key=lambda np_: np_[1].dtype != torch.float32)
+        adam = sorted(opt.adam_params, key=lambda np_: np_[1].dtype != torch.float32)
         self.adam = adam
         self.adam_flag = []
         for name, p in adam:
@@ -325,13 +325,16 @@ class DeviceStep:
                         raise ValueError(f"{n}: the in-place gradient read needs contiguous parameters and moments")
         else:
             bufs = inner.grad_buffers()
-            slots = {id(p): dst for _, p, dst, *_ in self.opt._grad_slots()}
+            slots = {id(p): dst for _, p, dst, *_ in self.opt.grad_slots()}
             self.buffer_check = BufferCheck([slots[id(p)] for p in self.params], dev)
             self.grad_bufs = bufs
 
     # ------------------------------------------------------------------ the host part
-    def _collect(self) -> bool:
-        """Fill the inbox's gradient part; returns False when no parameter has a gradient."""
+    def collect(self, *, refill: bool = False) -> bool:
+        """Fill the inbox's gradient part (``refill``: its gradient state too, as when the addresses
+        change); returns False when no parameter has a gradient."""
+        if refill:
+            self._key = None
         grads = [p.grad for p in self.params]
         if self.grad_read == "in_place":
             key = tuple(0 if g is None else g.data_ptr() for g in grads)
@@ -393,7 +396,7 @@ class DeviceStep:
         values = self.inner.hyperparameters()
         self._hyper_np[:] = values
 
-    def _upload(self) -> None:
+    def upload(self) -> None:
         k = self._next_slot
         self._next_slot = (k + 1) % len(self._slots)
         ev = self._slot_events[k]
@@ -447,9 +450,9 @@ class DeviceStep:
         fn(self.hyper, self.has, self.flags, self.counters, self.last_bad, self.adam_steps, inner.rail_step,
            self.bank_active, inner.staging.buffer, self.lr_coef, self.wd_coef, self.adam_lr_mul, self.adam_wd_mul,
            self.inactive_row, self.gather, self.record, len(self.banks), self.n_mat, self.lean)
-        self.update_banks(then=self._adam)  # Adam on the main stream while the lanes run
+        self.update_banks(then=self.update_adam)  # Adam on the main stream while the lanes run
 
-    def _adam(self) -> None:
+    def update_adam(self) -> None:
         inner = self.inner
         table = inner.adam_table
         if self.grad_read == "in_place":
@@ -464,7 +467,7 @@ class DeviceStep:
             inner.replicated.launch_reduce(set(inner.replicated_labels), bufs)
             inner.replicated.update(table)
 
-    def _mutated(self) -> dict[str, Tensor]:
+    def mutated(self) -> dict[str, Tensor]:
         from .graphs import step_tensors
 
         out = dict(step_tensors(self.inner))
@@ -476,13 +479,13 @@ class DeviceStep:
         return tuple(b.beta2 for b in self.inner.banks.values())
 
     def _capture(self, key) -> torch.cuda.CUDAGraph:
-        saved = {k: t.clone() for k, t in self._mutated().items()}
+        saved = {k: t.clone() for k, t in self.mutated().items()}
         try:
             # thread_local: see anvil_fast.graphs
             graph = capture(self.device_part, warmup=self.warmup, pool=self.pool, capture_error_mode="thread_local",
                             device=self.device)
         finally:
-            for k, t in self._mutated().items():
+            for k, t in self.mutated().items():
                 if k in saved:
                     t.copy_(saved[k])
             del saved
@@ -494,9 +497,9 @@ class DeviceStep:
     def step(self) -> bool:
         """One step (the host part, then the device part as one replay where captured). Returns
         False when no parameter had a gradient (nothing launched, nothing counted)."""
-        if not self._collect():
+        if not self.collect():
             return False
-        self._upload()
+        self.upload()
         if self.use_graphs:
             key = self._graph_key()
             graph = self.graphs.get(key)

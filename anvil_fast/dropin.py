@@ -440,7 +440,7 @@ def plan_routes(routes: Sequence[Route], *, split_rows: Mapping[str, int] | None
 class Bank:
     """A built bank: its parameter ``[n_pad * rows, cols]`` (what AnvilAndAdam updates; the members
     are views of it). The members' gradients go into the inner optimizer's persistent gradient
-    buffer of the bank (:meth:`DropInAnvil._grad_slots`)."""
+    buffer of the bank (:meth:`DropInAnvil.grad_slots`)."""
 
     plan: BankPlan
     param: nn.Parameter
@@ -669,7 +669,7 @@ class DropInAnvil(AnvilFrontend):
                              "reduced into the banks' buffers")
         self.grad_read = grad_read if engine else "buffers"
         self.rails, self.total_steps, self.nonfinite = rails, total_steps, nonfinite
-        self._engine = None  #: the one-process, device-decided step (anvil_fast.device_step)
+        self.engine = None  #: the one-process, device-decided step (anvil_fast.device_step)
         self._taken = 0  #: steps taken (the rails' t) on several ranks; the engine counts on the device
         self._skipped = 0  #: steps skipped for non-finite gradients, likewise
         self._hyper_key = None
@@ -684,7 +684,7 @@ class DropInAnvil(AnvilFrontend):
             self._watch = FirstForward(model, [p for _, p in named], self._observed)
         if self._watch is not None or self._left_out:
             self.register_step_pre_hook(_before_step)
-        if model is None and self._banks and _routes is None:
+        if model is None and self.matrix_banks and _routes is None:
             warnings.warn("ANVIL: these parameters came without their model, so what each one does is unknown (no "
                           "embedding, input or output layer is recognised) and every 2-D or 3-D parameter is banked by "
                           "its shape; pass the model itself, ANVIL(model), and check opt.describe()", UserWarning,
@@ -731,8 +731,8 @@ class DropInAnvil(AnvilFrontend):
             for _, p in self._named:  # the inner optimizer's flat buffers and shards are views
                 if not p.is_contiguous():
                     p.data = p.data.contiguous()
-        self._banks = build_banks(plan, device)
-        self._adam_named = [(n, p) for n, p, _ in plan.adam]
+        self.matrix_banks = build_banks(plan, device)
+        self.adam_params = [(n, p) for n, p, _ in plan.adam]
         anvil_group, adam_group = self._groups_init
         self.inner = self._build_inner(plan, anvil_group, adam_group, lr_scale=kw["lr_scale"],
                                        bank_config=kw["bank_config"], maps=kw["maps"], compile=kw["compile"],
@@ -740,14 +740,14 @@ class DropInAnvil(AnvilFrontend):
         self.plan: list[PlanEntry] = plan.entries
         self._slots = None
         groups = []
-        bank_params = [p for b in self._banks for _, p, _, _ in b.plan.members]
-        bank_names = [n for b in self._banks for n, _, _, _ in b.plan.members]
+        bank_params = [p for b in self.matrix_banks for _, p, _, _ in b.plan.members]
+        bank_names = [n for b in self.matrix_banks for n, _, _, _ in b.plan.members]
         if bank_params:
             groups.append(dict(params=bank_params, **anvil_group))
-        if self._adam_named:
-            groups.append(dict(params=[p for _, p in self._adam_named], **adam_group))
+        if self.adam_params:
+            groups.append(dict(params=[p for _, p in self.adam_params], **adam_group))
         if self._names_given:
-            names = {"anvil": bank_names, "adam": [n for n, _ in self._adam_named]}
+            names = {"anvil": bank_names, "adam": [n for n, _ in self.adam_params]}
             for g in groups:
                 g["param_names"] = names[g["kind"]]
         if first:
@@ -770,7 +770,7 @@ class DropInAnvil(AnvilFrontend):
             self._build_engine(kw["cuda_graphs"], device)
         else:
             self._use_cuda_graphs(kw["cuda_graphs"], device)
-        if first and not self._banks and any(p.ndim >= 2 for _, p in self._named):
+        if first and not self.matrix_banks and any(p.ndim >= 2 for _, p in self._named):
             warnings.warn("ANVIL: no parameter was banked, so every parameter trains with Adam and lr= changes "
                           "nothing; see opt.describe() for each parameter's route and pass anvil=[names] to bank "
                           "matrices", UserWarning, stacklevel=3)
@@ -829,7 +829,7 @@ class DropInAnvil(AnvilFrontend):
             from .bank import anvil_bank_update
 
             bank_update = functools.partial(anvil_bank_update, compile=compile)
-        named = [(b.label, b.param) for b in self._banks] + [(n, p) for n, p, _ in plan.adam]
+        named = [(b.label, b.param) for b in self.matrix_banks] + [(n, p) for n, p, _ in plan.adam]
         anvil_defaults = {k: anvil_group[k] for k in ("lr", "momentum", "beta2", "weight_decay")}
         adam_defaults = {k: adam_group[k] for k in ("lr", "eps", "weight_decay")}
         return AnvilAndAdam(named, table, order, order, adam_defaults, anvil_defaults, bank_update,
@@ -845,7 +845,7 @@ class DropInAnvil(AnvilFrontend):
 
     def _make_state_views(self) -> None:
         self.state = defaultdict(dict)
-        for bank in self._banks:
+        for bank in self.matrix_banks:
             st = self.inner.param_states[bank.label]
             for _, p, first, count in bank.plan.members:
                 s = self._local_slots(bank, first, count)
@@ -856,15 +856,15 @@ class DropInAnvil(AnvilFrontend):
                 if count == 1:
                     views = {k: v.squeeze(0) if v.shape[0] == 1 else v for k, v in views.items()}
                 self.state[p] = _StateView(lambda views=views: dict(views))
-        for name, p in self._adam_named:
+        for name, p in self.adam_params:
             st = self.inner.param_states[name]
             self.state[p] = _StateView(lambda st=st: dict(step=st["step"], exp_avg=st["exp_avg"],
                                                           exp_avg_sq=st["exp_avg_sq"]),
                                        lambda k, v, st=st: st.__setitem__(k, v))
 
     def _record_storage(self) -> None:
-        self._storage = [(n, p, p.data_ptr(), p.dtype, p.device) for b in self._banks for n, p, _, _ in b.plan.members]
-        self._storage += [(n, p, p.data_ptr(), p.dtype, p.device) for n, p in self._adam_named]
+        self._storage = [(n, p, p.data_ptr(), p.dtype, p.device) for b in self.matrix_banks for n, p, _, _ in b.plan.members]
+        self._storage += [(n, p, p.data_ptr(), p.dtype, p.device) for n, p in self.adam_params]
         self._storage_params = [p for _, p, _, _, _ in self._storage]
         self._storage_ptrs = [ptr for _, _, ptr, _, _ in self._storage]
 
@@ -888,7 +888,7 @@ class DropInAnvil(AnvilFrontend):
         if self.rails == "record":
             record = np.array([tuple(rail_scalars(t, self.total_steps)) for t in range(self.total_steps)],
                               dtype=np.float64).astype(np.float32)
-        self._engine = DeviceStep(self, grad_read=self.grad_read, cuda_graphs=graphs, record=record)
+        self.engine = DeviceStep(self, grad_read=self.grad_read, cuda_graphs=graphs, record=record)
 
     def _use_cuda_graphs(self, flag: bool | None, device: torch.device) -> None:
         """Replay each step's device part as one CUDA graph (:class:`~anvil_fast.graphs.StepGraph`,
@@ -909,12 +909,12 @@ class DropInAnvil(AnvilFrontend):
     @property
     def taken_steps(self) -> int:
         """Steps taken (the record rails' t). On CUDA reading it waits for the device."""
-        eng = getattr(self, "_engine", None)
+        eng = getattr(self, "engine", None)
         return eng.counts()[0] if eng is not None else self._taken
 
     @taken_steps.setter
     def taken_steps(self, v: int) -> None:
-        eng = getattr(self, "_engine", None)
+        eng = getattr(self, "engine", None)
         if eng is not None:
             eng.set_counts(int(v), eng.counts()[1])
         else:
@@ -924,7 +924,7 @@ class DropInAnvil(AnvilFrontend):
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients. On CUDA reading it waits for the device and
         reports (warns about) the skips not reported yet."""
-        eng = getattr(self, "_engine", None)
+        eng = getattr(self, "engine", None)
         if eng is None:
             return self._skipped
         self._report(wait=True, stacklevel=3)
@@ -932,7 +932,7 @@ class DropInAnvil(AnvilFrontend):
 
     @skipped_steps.setter
     def skipped_steps(self, v: int) -> None:
-        eng = getattr(self, "_engine", None)
+        eng = getattr(self, "engine", None)
         if eng is not None:
             eng.set_counts(eng.counts()[0], int(v))
         else:
@@ -942,12 +942,12 @@ class DropInAnvil(AnvilFrontend):
     @property
     def banks(self) -> dict[str, list[str]]:
         """Bank label -> the names of its member parameters, in bank order."""
-        return {b.label: [n for n, _, _, _ in b.plan.members] for b in self._banks}
+        return {b.label: [n for n, _, _, _ in b.plan.members] for b in self.matrix_banks}
 
     @property
     def adam_names(self) -> dict[str, str]:
         """Adam parameter name -> "sharded" or "replicated"."""
-        return {n: self.inner.param_cfgs[n].comms for n, _ in self._adam_named}
+        return {n: self.inner.param_cfgs[n].comms for n, _ in self.adam_params}
 
     def _route_text(self, e: PlanEntry) -> str:
         if e.route == "adam":
@@ -958,7 +958,7 @@ class DropInAnvil(AnvilFrontend):
 
     def _plan_summary(self) -> list[str]:
         n_bank = sum(e.route != "adam" for e in self.plan)
-        return [f"{len(self._banks)} bank(s) holding {n_bank} parameter(s); "
+        return [f"{len(self.matrix_banks)} bank(s) holding {n_bank} parameter(s); "
                 f"{len(self.plan) - n_bank} parameter(s) on Adam; world size {self.comms.world_size}",
                 self._routing_note()]
 
@@ -979,7 +979,7 @@ class DropInAnvil(AnvilFrontend):
         every matrix is this rank's): ``fast_rail``, ``slow_rail``, ``lane_energy``, ``mantissa``
         (a float32 matrix, its own master: its low halves, as a bf16 one's mantissa, a copy) and
         ``own_master`` (whether the parameter is its own fp32 master)."""
-        for b in self._banks:
+        for b in self.matrix_banks:
             for n, _, first, count in b.plan.members:
                 if n == name:
                     st = self.inner.param_states[b.label]
@@ -1005,7 +1005,7 @@ class DropInAnvil(AnvilFrontend):
             with torch.enable_grad():
                 loss = closure()
         self._check_storage()
-        if self._engine is not None:
+        if self.engine is not None:
             self._engine_step()
             return loss
         read, without_grad = self._collect_gradients()
@@ -1025,7 +1025,7 @@ class DropInAnvil(AnvilFrontend):
     def _engine_step(self) -> None:
         """The one-process step: the host part (hyper-parameters when they changed, the record
         schedule's end) and the device part (:class:`~anvil_fast.device_step.DeviceStep`)."""
-        eng = self._engine
+        eng = self.engine
         if eng.cuda:
             self._report(wait=False, stacklevel=4)  # what earlier steps refused, if the device is done
         if self.rails == "record" and self._host_taken() >= self.total_steps:
@@ -1042,13 +1042,13 @@ class DropInAnvil(AnvilFrontend):
     def _host_taken(self) -> int:
         """The host's count of taken steps without waiting: exact once every step was reported
         (always on the CPU); on CUDA a skip not reported yet counts as taken here."""
-        eng = self._engine
+        eng = self.engine
         return int(eng.seen[0]) + (eng.attempted - int(eng.seen[0] + eng.seen[1]))
 
     def _report(self, *, wait: bool, stacklevel: int) -> None:
         """Warn about (or, ``nonfinite="raise"``, raise for) what the device refused in steps not
         reported yet: skipped steps (non-finite gradients) and refused matrix updates."""
-        eng = self._engine
+        eng = self.engine
         if eng is None:
             return
         news = eng.news(wait)
@@ -1092,18 +1092,18 @@ class DropInAnvil(AnvilFrontend):
                 "model.to(dtype), model.double(), p.data = ...): the optimizer would update memory the model no "
                 "longer reads. Build a new ANVIL after changing the model")
 
-    def _grad_slots(self) -> list[tuple[str, Tensor, Tensor, str, Bank | None, int]]:
+    def grad_slots(self) -> list[tuple[str, Tensor, Tensor, str, Bank | None, int]]:
         """Per parameter: (name, parameter, its slot in the inner optimizer's persistent gradient
         buffer shaped like the parameter, inner label, bank or None, member index); built once,
         since the buffers live as long as the optimizer."""
         if self._slots is None:
             bufs = self.inner.grad_buffers()
             slots = []
-            for b in self._banks:
+            for b in self.matrix_banks:
                 whole = bufs[b.label].view(b.plan.n_pad, b.plan.rows, b.plan.cols)
                 slots += [(name, p, whole[first:first + count].view(p.shape), b.label, b, i)
                           for i, (name, p, first, count) in enumerate(b.plan.members)]
-            slots += [(n, p, bufs[n], n, None, 0) for n, p in self._adam_named]
+            slots += [(n, p, bufs[n], n, None, 0) for n, p in self.adam_params]
             self._slots = slots
         return self._slots
 
@@ -1117,7 +1117,7 @@ class DropInAnvil(AnvilFrontend):
         pairs: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
         read: dict[str, None] = {}
         missing = []
-        for name, p, dst, label, bank, i in self._grad_slots():
+        for name, p, dst, label, bank, i in self.grad_slots():
             g = p.grad
             if g is None:
                 missing.append((dst, label, bank, i))
@@ -1157,7 +1157,7 @@ class DropInAnvil(AnvilFrontend):
 
     def _nonfinite_names(self) -> list[str]:
         """The parameters whose gradient slot holds NaN/inf on any rank (the rare path: one flag each)."""
-        slots = self._grad_slots()
+        slots = self.grad_slots()
         flags = torch.stack([(~torch.isfinite(dst)).any() if p.grad is not None and dst.numel()
                              else torch.zeros((), dtype=torch.bool, device=self.inner.device)
                              for _, p, dst, *_ in slots]).float()
@@ -1167,15 +1167,15 @@ class DropInAnvil(AnvilFrontend):
 
     def _apply_hyperparameters(self) -> None:
         """The groups checked and handed to the inner optimizer at every step (several ranks)."""
-        self._apply_groups(self._host_taken if self._engine is not None else (lambda: self._taken), every_step=True)
+        self._apply_groups(self._host_taken if self.engine is not None else (lambda: self._taken), every_step=True)
 
     def _hand_over(self, values: Mapping[str, Mapping[str, Any]]) -> None:
         """The inner optimizer's one seam for the group values
         (:meth:`~anvil_fast.optimizer.AnvilAndAdam.set_hyperparameters`), then, on one process, the
         device step's inbox from the values the inner optimizer holds."""
         self.inner.set_hyperparameters(anvil=values.get("anvil"), adam=values.get("adam"))
-        if self._engine is not None:
-            self._engine.load_hyper()
+        if self.engine is not None:
+            self.engine.load_hyper()
 
     def _save_members(self, without: list[tuple[Bank, int]]) -> list[tuple[Tensor, Tensor]]:
         """(live slice, copy) of every weight and state slice of the members without a gradient."""
@@ -1227,9 +1227,9 @@ class DropInAnvil(AnvilFrontend):
         given (``order``), kinds, transposed flags, matrix views ([count, rows, cols] before
         split_rows) and reasons. Names are torch's ``param_names``, where names were given."""
         entries = {e.name: e for e in self.plan}
-        names = [n for b in self._banks for n, _, _, _ in b.plan.members] + [n for n, _ in self._adam_named]
+        names = [n for b in self.matrix_banks for n, _, _, _ in b.plan.members] + [n for n, _ in self.adam_params]
         views = {}
-        for b in self._banks:
+        for b in self.matrix_banks:
             k = dict(self._init_kwargs["split_rows"])
             for n, p, first, count in b.plan.members:
                 split = k.get(n, 1)
@@ -1242,7 +1242,7 @@ class DropInAnvil(AnvilFrontend):
 
     def _names_in_order(self) -> list[str]:
         """This optimizer's parameter names in the state dict's parameter order."""
-        return [n for b in self._banks for n, _, _, _ in b.plan.members] + [n for n, _ in self._adam_named]
+        return [n for b in self.matrix_banks for n, _, _, _ in b.plan.members] + [n for n, _ in self.adam_params]
 
     def _state_extras(self) -> dict[str, Any]:
         """The optimizer-wide values a state dict carries (beside the per-parameter state): the step
@@ -1441,12 +1441,12 @@ class DropInAnvil(AnvilFrontend):
             else:
                 forced[n] = {"kind": "matrix", "transposed": False, "reason": "recorded (legacy state dict)"}
         self._adopt(forced)
-        mine = {b.label for b in self._banks}
+        mine = {b.label for b in self.matrix_banks}
         if mine != bank_labels:
             raise ValueError(f"legacy state dict: banks {sorted(bank_labels)} do not match this model's "
                              f"{sorted(mine)}")
         state: dict[str, dict[str, Any]] = {}
-        for b in self._banks:
+        for b in self.matrix_banks:
             st = inner["state"][b.label]
             if tuple(cfgs[b.label]["reshape"])[1:] != (b.plan.rows, b.plan.cols):
                 raise ValueError(f"legacy state dict: {b.label} holds {cfgs[b.label]['reshape']}")
@@ -1457,7 +1457,7 @@ class DropInAnvil(AnvilFrontend):
                 if count == 1:
                     views = {k: v.squeeze(0) if v.shape[0] == 1 else v for k, v in views.items()}
                 state[n] = views
-        for n, _ in self._adam_named:
+        for n, _ in self.adam_params:
             st = inner["state"][n]
             state[n] = dict(step=st["step"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
         new = self._torch_state()  # this optimizer's layout; its per-parameter values replaced below

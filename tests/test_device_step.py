@@ -169,7 +169,7 @@ def test_lean_rails_are_bf16_rounded_as_specified():
     g = w.grad.detach().clone()
     opt.step()
     label = next(l for l, names in opt.banks.items() if "blocks.1.fc1.weight" in names)
-    first = [f for n, _, f, _ in next(b for b in opt._banks if b.label == label).plan.members
+    first = [f for n, _, f, _ in next(b for b in opt.matrix_banks if b.label == label).plan.members
              if n == "blocks.1.fc1.weight"][0]
     gb = g.bfloat16().float()
     fast = torch.lerp(torch.zeros_like(gb), gb, torch.tensor(1 - 0.8))  # from zero rails
@@ -382,7 +382,7 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
     a = anvil_fast.gpt.build("tiny").cuda()
     b = copy.deepcopy(a)
     oa, ob = ANVIL(a), ANVIL(b, cuda_graphs=False)
-    assert oa.grad_read == "in_place" and oa._engine.use_graphs and len(oa._engine.lanes) > 1
+    assert oa.grad_read == "in_place" and oa.engine.use_graphs and len(oa.engine.lanes) > 1
     for opt in (oa, ob):
         opt._sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 20)
     with warnings.catch_warnings(record=True) as caught:
@@ -398,7 +398,7 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
                 opt._sched.step()
         assert oa.skipped_steps == ob.skipped_steps == 1
     assert sum(issubclass(w.category, NonFiniteGradientWarning) for w in caught) == 2
-    assert oa._engine.captures == 1 and oa._engine.replays == 8
+    assert oa.engine.captures == 1 and oa.engine.replays == 8
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(_bits(p), _bits(q))
 
@@ -455,7 +455,7 @@ def _held_bytes(opt) -> tuple[int, int]:
     for bank in inner.banks.values():
         for v in vars(bank).values():
             add(v)
-    for v in vars(opt._engine).values():
+    for v in vars(opt.engine).values():
         add(v)
     add(inner.staging.buffer)
     for g in (inner.replicated.groups if inner.replicated is not None else []):
@@ -478,10 +478,10 @@ def test_in_place_state_is_the_rails_and_moments_alone(triton_dev, lean):
     _fixed_grads(m, 0)
     opt.step()
     held, lanes = _held_bytes(opt)
-    banked = sum(p.numel() for b in opt._banks for _, p, _, _ in b.plan.members)
-    other = sum(p.numel() for _, p in opt._adam_named)
+    banked = sum(p.numel() for b in opt.matrix_banks for _, p, _, _ in b.plan.members)
+    other = sum(p.numel() for _, p in opt.adam_params)
     rails = (4 if lean else 8) * banked
-    small = 4096 + 64 * (len(opt._engine.names) + opt._engine.n_mat)  # inbox, status, tables, scalars
+    small = 4096 + 64 * (len(opt.engine.names) + opt.engine.n_mat)  # inbox, status, tables, scalars
     assert rails + 8 * other + lanes <= held <= rails + 8 * other + lanes + small, (held, rails + 8 * other + lanes)
     assert all(b.workspace is None and b.grad is None and b.mantissa is None for b in opt.inner.banks.values())
 
@@ -497,24 +497,24 @@ def test_compiled_scalars_equal_the_eager_ones(rails):
     torch.manual_seed(0)
     m = anvil_fast.gpt.build("tiny")
     opt = ANVIL(m, **({"rails": "record", "total_steps": 5} if rails == "record" else {}))
-    eng = opt._engine
+    eng = opt.engine
     _fixed_grads(m, 0)
     opt.step()
     m.lm_head.weight.grad = None
-    eng._collect()
-    eng._upload()
+    eng.collect()
+    eng.upload()
 
     def args():
         return (eng.hyper, eng.has, eng.flags, eng.counters, eng.last_bad, eng.adam_steps, opt.inner.rail_step,
                 eng.bank_active, opt.inner.staging.buffer, eng.lr_coef, eng.wd_coef, eng.adam_lr_mul, eng.adam_wd_mul,
                 eng.inactive_row, eng.gather, eng.record, len(eng.banks), eng.n_mat, eng.lean)
 
-    before = {k: v.clone() for k, v in eng._mutated().items()}
+    before = {k: v.clone() for k, v in eng.mutated().items()}
     DS.derive_scalars(*args())
-    eager = {k: v.clone() for k, v in eng._mutated().items()}
-    for k, v in eng._mutated().items():
+    eager = {k: v.clone() for k, v in eng.mutated().items()}
+    for k, v in eng.mutated().items():
         v.copy_(before[k])
     torch.compile(DS.derive_scalars, dynamic=False, fullgraph=True)(*args())
-    for k, v in eng._mutated().items():
+    for k, v in eng.mutated().items():
         assert torch.equal(v, eager[k]), k
     assert not torch.equal(eager["staging"], before["staging"])  # it did write something

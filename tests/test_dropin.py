@@ -127,8 +127,8 @@ def test_step_is_the_reference_step():
     inner = opt.inner
     opt._apply_hyperparameters()
     grads = {b.label: torch.cat([p.grad.reshape(-1, b.plan.cols) for _, p, _, _ in b.plan.members]).double()
-             for b in opt._banks}
-    ref = C.to_reference(inner, extra_pending={n: p.grad for n, p in opt._adam_named})
+             for b in opt.matrix_banks}
+    ref = C.to_reference(inner, extra_pending={n: p.grad for n, p in opt.adam_params})
     before = {l: C.master64(inner, l) for l in inner.labels}
     opt.step()
     opt_eager.step()
@@ -715,7 +715,7 @@ def test_cuda_graphs_default_is_off_on_cpu_and_true_is_refused():
     with W.catch_warnings():
         W.simplefilter("error")
         opt = ANVIL(TinyLM())
-    assert opt.inner.step_graph is None and not opt._engine.use_graphs
+    assert opt.inner.step_graph is None and not opt.engine.use_graphs
     with pytest.raises(ValueError, match="CUDA device"):
         ANVIL(TinyLM(), cuda_graphs=True)
 
@@ -793,10 +793,10 @@ def test_one_gpu_default_graphs_match_eager():
     m2.load_state_dict(m.state_dict())
     a = ANVIL(m, compile=False, cuda_graphs=False)  # the captured path is the point here, not Inductor
     b = ANVIL(m2, compile=False)  # cuda_graphs=None: captured on CUDA
-    assert not a._engine.use_graphs and b._engine.use_graphs
+    assert not a.engine.use_graphs and b.engine.use_graphs
     la, lb = _train(m, a, 5), _train(m2, b, 5)
     assert la == lb and la[-1] < la[0]
-    assert b._engine.replays == 5 and b._engine.captures == 1
+    assert b.engine.replays == 5 and b.engine.captures == 1
 
 
 @pytest.mark.gpu
@@ -813,7 +813,7 @@ def test_one_gpu_graphs_follow_a_beta2_change():
     la, lb = la + _train(m, a, 3), lb + _train(m2, b, 3)
     assert la == lb
     assert b.inner.banks["bank_16x16_float32"].beta2 == 0.5
-    assert b._engine.captures == 2  # one capture per beta2 value
+    assert b.engine.captures == 2  # one capture per beta2 value
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     m = anvil_fast.gpt.build(a.size, seed=0, device="cuda")
     m2 = copy.deepcopy(m)
     o1, o2 = ANVIL(m), ANVIL(m2, cuda_graphs=False)
-    e = o1._engine
+    e = o1.engine
     print(f"grad_read {o1.grad_read}, graphs {e.use_graphs}, lanes {len(e.lanes)}, banks {len(e.banks)}", flush=True)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 - s / (4 * a.steps)) for o in (o1, o2)]
     idle = "blocks.1.attn.qkv.weight"

@@ -117,7 +117,7 @@ def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min
 
 def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
     """(memory ms, matmul ms) of one default ANVIL step (module docstring)."""
-    inner, eng = opt.inner, opt._engine
+    inner, eng = opt.inner, opt.engine
     fl, nbytes = 0.0, 0.0
     lean = inner.rails_dtype == torch.bfloat16
     for label in inner.bank_labels:
@@ -139,17 +139,16 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
     """(phase, eager ms, graphed ms or None) for each phase of the default ANVIL step, each alone
     (:mod:`anvil_fast.device_step`: host part, check, scalars, banks on one stream and on the lanes,
     Adam, and the whole device part)."""
-    eng = opt._engine
+    eng = opt.engine
     if eng is None:
         raise ValueError("the phase table is the one-process step's (anvil_fast.device_step)")
-    eng._collect()
-    eng._upload()
+    eng.collect()
+    eng.upload()
     lanes = eng.lanes
 
     def host():
-        eng._key = None  # the gradient part refilled too, as when the addresses change
-        eng._collect()
-        eng._upload()
+        eng.collect(refill=True)
+        eng.upload()
 
     def one_stream():
         eng.update_banks(on_lanes=False)
@@ -157,11 +156,11 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
     def on_lanes():
         eng.update_banks()
 
-    state = {k: t.clone() for k, t in eng._mutated().items()}  # the phases below change the state
+    state = {k: t.clone() for k, t in eng.mutated().items()}  # the phases below change the state
 
     rows = [("host part (inbox)", host, False), ("non-finite check", eng.check, True),
             ("scalars", lambda: None, False), (f"banks, one stream", one_stream, True),
-            (f"banks, {len(lanes)} stream(s)", on_lanes, True), ("Adam", eng._adam, True),
+            (f"banks, {len(lanes)} stream(s)", on_lanes, True), ("Adam", eng.update_adam, True),
             ("whole device part", eng.device_part, True)]
     out = []
     for name, fn, graphable in rows:
@@ -172,7 +171,7 @@ def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> li
         if graphable and device.type == "cuda":
             graphed_ms = time_fn(graphed(fn), device, rep_ms=rep_ms, warmup=warmup)[0]
         out.append((name, eager, graphed_ms))
-    for k, t in eng._mutated().items():
+    for k, t in eng.mutated().items():
         t.copy_(state[k])
     return out
 
