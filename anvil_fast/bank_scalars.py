@@ -52,17 +52,18 @@ class BankScalarStaging:
         self.device = torch.device(device)
         self.chunk_sizes = [int(c) for c in chunk_sizes]
         self.adam_rows = int(adam_rows)
-        self._field_off: list[int] = []
-        self._lr_off: list[int] = []
+        # the buffer's layout, read by the device step's gather table (anvil_fast.device_step)
+        self.field_offsets: list[int] = []  #: per bank: where its four fields start
+        self.lr_offsets: list[int] = []  #: per bank: where its per-matrix learning rates start
         off = 0
         for c in self.chunk_sizes:
             if c < 1:
                 raise ValueError(f"every bank needs at least one matrix per rank, got chunk size {c}")
-            self._field_off.append(off)
+            self.field_offsets.append(off)
             off += len(BANK_FIELDS) * ALIGN
-            self._lr_off.append(off)
+            self.lr_offsets.append(off)
             off += _pad(c)
-        self._adam_off = off
+        self.adam_offset = off  #: where the Adam table starts
         off += self.adam_rows * len(ADAM_COLUMNS)  # 8 columns: rows stay 32-byte aligned
         self.numel = max(off, ALIGN)
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
@@ -75,17 +76,17 @@ class BankScalarStaging:
     # ------------------------------------------------------------------ views
     def scalars(self, i: int) -> dict[str, Tensor]:
         """Bank i's four 0-D device views (``AnvilBank`` fields)."""
-        o = self._field_off[i]
+        o = self.field_offsets[i]
         return {name: self.buffer[o + k * ALIGN] for k, name in enumerate(BANK_FIELDS)}
 
     def eff_lr(self, i: int) -> Tensor:
         """Bank i's ``[chunk, 1, 1]`` device view of per-matrix effective learning rates."""
-        o, c = self._lr_off[i], self.chunk_sizes[i]
+        o, c = self.lr_offsets[i], self.chunk_sizes[i]
         return self.buffer[o:o + c].view(c, 1, 1)
 
     def adam_table(self) -> Tensor:
         """The ``[adam_rows, 8]`` device view of the Adam table (columns :data:`ADAM_COLUMNS`)."""
-        o = self._adam_off
+        o = self.adam_offset
         return self.buffer[o:o + self.adam_rows * len(ADAM_COLUMNS)].view(self.adam_rows, len(ADAM_COLUMNS))
 
     # ------------------------------------------------------------------ upload
@@ -102,14 +103,14 @@ class BankScalarStaging:
                 raise ValueError(f"bank {i}: expected {len(BANK_FIELDS)} fields {BANK_FIELDS}, got {len(f)}")
             if len(lrs) != self.chunk_sizes[i]:
                 raise ValueError(f"bank {i}: expected {self.chunk_sizes[i]} eff_lr values, got {len(lrs)}")
-            o = self._field_off[i]
+            o = self.field_offsets[i]
             out[o:o + len(BANK_FIELDS) * ALIGN:ALIGN] = f
-            out[self._lr_off[i]:self._lr_off[i] + len(lrs)] = lrs
+            out[self.lr_offsets[i]:self.lr_offsets[i] + len(lrs)] = lrs
         if adam_table is not None:
             t = np.asarray(adam_table, dtype=np.float64)
             if t.shape != (self.adam_rows, len(ADAM_COLUMNS)):
                 raise ValueError(f"adam_table: expected shape {(self.adam_rows, len(ADAM_COLUMNS))}, got {t.shape}")
-            out[self._adam_off:self._adam_off + t.size] = t.ravel()
+            out[self.adam_offset:self.adam_offset + t.size] = t.ravel()
         return out.astype(np.float32)
 
     def upload(self, fields: Sequence[Sequence[float]], eff_lrs: Sequence[Sequence[float]],
@@ -123,7 +124,7 @@ class BankScalarStaging:
             event.synchronize()  # the copy that last read this slot has finished
         if adam_table is None and self.adam_rows:
             # keep the table's current device contents: copy only the bank part
-            n = self._adam_off
+            n = self.adam_offset
             host[:n].copy_(torch.from_numpy(values[:n]))
             self.buffer[:n].copy_(host[:n], non_blocking=event is not None)
         else:

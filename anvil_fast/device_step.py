@@ -274,13 +274,13 @@ class DeviceStep:
         off = 0
         for k, b in enumerate(self.banks):
             i = order[b.label]
-            fo, lo = staging._field_off[i], staging._lr_off[i]
+            fo, lo = staging.field_offsets[i], staging.lr_offsets[i]
             for f in range(len(BANK_FIELDS)):
                 idx[fo + f * ALIGN] = 4 * k + f
             n = b.plan.n_pad
             idx[lo:lo + n] = 4 * n_bank + off + np.arange(n)
             off += n
-        base = staging._adam_off
+        base = staging.adam_offset
         for j, (name, _) in enumerate(self.adam):
             row = self.inner.adam_row[name]
             idx[base + row * len(ADAM_COLUMNS):base + (row + 1) * len(ADAM_COLUMNS)] = \
