@@ -50,8 +50,8 @@ from anvil_ref.constants import LANE_ENERGY_FLOOR
 from anvil_ref.equalizer import reduction_axis
 
 from ._compile import maybe_compiled, want_compile
-from ._triton import round_fix, triton_available, use_triton, widen_fix
-from .normalize import NORM_BLOCK, NORM_WARPS, blocks_per_matrix, matrix_slices
+from ._triton import matrix_slices, round_fix, triton_available, use_triton, widen_fix
+from .normalize import NORM_BLOCK, NORM_WARPS, blocks_per_matrix
 
 if triton_available():
     import triton

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._triton import round_fix, triton_available, widen_fix
+from ._triton import matrix_slices, round_fix, triton_available, widen_fix
 
 #: Elements per block of one matrix: the grain of the partials, of the twin-rail kernel and of the
 #: scaling kernel (16 per thread at 8 warps).
@@ -48,8 +48,6 @@ NORM_BLOCK = 4096
 NORM_WARPS = 8
 #: Partials the finalizing program reduces per step.
 _REDUCE_BLOCK = 1024
-#: CUDA's limit on grid dimension 1 (the matrix axis of the element-wise launches).
-_MAX_GRID_Y = 65535
 
 if triton_available():
     import triton
@@ -62,13 +60,6 @@ else:  # pragma: no cover - exercised only where triton is absent
 
 def blocks_per_matrix(rows: int, cols: int) -> int:
     return -(-rows * cols // NORM_BLOCK)
-
-
-def matrix_slices(chunk: int):
-    """(start, stop) ranges of at most _MAX_GRID_Y matrices: the element-wise kernels put the matrix
-    index on grid axis 1, whose size CUDA limits."""
-    for s in range(0, chunk, _MAX_GRID_Y):
-        yield s, min(chunk, s + _MAX_GRID_Y)
 
 
 @dataclass

@@ -141,7 +141,7 @@ MUTANTS: list[Mutant] = [
     M("ref gram side: R not reset at a restart", "anvil_ref/gram_side.py",
       "            ak = gram(x0)\n            r = np.broadcast_to(np.eye(ak.shape[-1]), ak.shape).copy()\n",
       "            ak = gram(x0)\n", "tests/test_gram_side.py"),
-    M("fast gram side: a*P dropped from Q (Q A)", "anvil_fast/gram_side.py",
+    M("fast gram side: a*P dropped from Q (Q A)", "anvil_fast/gram_kernels.py",
       "val = acc + alpha * xij.to(tl.float32)", "val = acc", "tests/test_gram_side.py"),
     # ---- Adam
     M("fast adam kernel: gate > turned into >=", "anvil_fast/adam.py",
