@@ -40,14 +40,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from anvil_ref.constants import NORM_BLOCK, NORM_REDUCE_BLOCK
+
 from ._triton import matrix_slices, round_fix, triton_available, widen_fix
 
-#: Elements per block of one matrix: the grain of the partials, of the twin-rail kernel and of the
-#: scaling kernel (16 per thread at 8 warps).
-NORM_BLOCK = 4096
+#: Warps of the kernels that take one NORM_BLOCK of a matrix per program.
 NORM_WARPS = 8
-#: Partials the finalizing program reduces per step.
-_REDUCE_BLOCK = 1024
 
 if triton_available():
     import triton
@@ -183,7 +181,7 @@ def normalize_from_partials(X: Tensor, scale: Tensor, p: NormPartials, *, margin
     chunk, rows, cols = _check_x(X, p)
     mn, nb = rows * cols, p.amax.shape[1]
     _finalize_kernel[(chunk,)](p.amax, p.sumsq, scale, p.d, nb, float(margin), float(eps), LIMIT=limit,
-                               RBLOCK=_REDUCE_BLOCK, num_warps=4)
+                               RBLOCK=NORM_REDUCE_BLOCK, num_warps=4)
     for s, e in matrix_slices(chunk):
         _scale_kernel[(nb, e - s)](X[s:e], scale[s:e], p.d[s:e], mn, ROUND_FIX=round_fix(),
                                    WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)
