@@ -34,11 +34,11 @@ module                  concept
 ``rails``               twin-rail momentum + Nesterov lookahead (Triton element-wise kernel)
 ``cascade``             the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE, FAITHFUL,
                         GRAM_SIDE) and both drivers: the standard one and the Gram side's
-``gram_side``           the Gram-side cascade's own parts: ``sym_aX_plus_mm``, restart schedule, dispatch
-                        rule by bank shape, eager form, FLOP count
+``gram_side``           the Gram-side cascade's own parts: restart schedule, dispatch rule by bank shape,
+                        eager form, FLOP count
 ``normalize``           SAFE's Frobenius normalization from per-block partials (Triton)
 ``gram``                the symmetric Gram kernels' entry points (``XXT``, ``XTX``, ``ba_plus_cAA``,
-                        ``aX_plus_mm``); ``gram_kernels``: their Triton code; ``gram_tune``: the
+                        ``aX_plus_mm``, ``sym_aX_plus_mm``); ``gram_kernels``: their Triton code; ``gram_tune``: the
                         launch configurations (``TileConfig``, ``ProblemKey``) and the per-shape tuner
 ``equalizer``           ``equalize``: the lane-energy equalizer and SAFE's guard (Triton)
 ``update``              ``sign_aligned_update`` on the bf16 + mantissa master; the fp32 split/join

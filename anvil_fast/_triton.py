@@ -1,6 +1,7 @@
 """What every Triton kernel of the package shares: where Triton can run (:func:`use_triton`, the one
-dispatch rule), the bf16 conversions (:func:`to_bf16`, :func:`from_bf16`), the SM count, and three
-bugs of Triton's CPU interpreter that the kernels work around soundly.
+dispatch rule), the bf16 conversions (:func:`to_bf16`, :func:`from_bf16`), the SM count, the batch
+slices of grid axis 1 (:func:`matrix_slices`), and three bugs of Triton's CPU interpreter that the
+kernels work around soundly.
 
 Imported by the kernel modules only; ``import anvil_fast`` never imports Triton. A new kernel module
 takes its helpers from here (``from ._triton import from_bf16, round_fix, to_bf16, use_triton, ...``)
@@ -41,6 +42,9 @@ BACKENDS = ("auto", "triton", "torch")
 #: SM count assumed where no CUDA device can be asked (the interpreter, a CPU-only host): small, so
 #: persistent grids and size heuristics stay small and fast on the CPU interpreter.
 FALLBACK_SMS = 4
+#: CUDA's limit on grid dimension 1, where the element-wise kernels and the v1 Gram kernels put the
+#: matrix index: larger batches launch in slices of this many matrices (:func:`matrix_slices`).
+MAX_GRID_Y = 65535
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,6 +152,12 @@ def use_triton(t, backend: str, *, error: type[Exception] = ValueError) -> bool:
                         "(needs CUDA, or TRITON_INTERPRET=1 for CPU tensors)")
         return True
     return triton_available() and t.is_cuda
+
+
+def matrix_slices(chunk: int):
+    """(start, stop) ranges of at most MAX_GRID_Y matrices covering ``range(chunk)``: one launch each."""
+    for s in range(0, chunk, MAX_GRID_Y):
+        yield s, min(chunk, s + MAX_GRID_Y)
 
 
 @functools.lru_cache(maxsize=None)

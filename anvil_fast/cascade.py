@@ -71,20 +71,17 @@ import torch
 from torch import Tensor
 
 from anvil_ref.cascade import is_tall
-from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SAFE_MARGIN_SLACK, SPLIT_BADDBMM_MIN_ROWS
 from anvil_ref.gram_side import check_restarts
 from anvil_ref.maps import MapsLike, load_maps
 
 from ._compile import maybe_compiled, want_compile
 from ._triton import use_triton
 from .equalizer import EqualizerWork
-from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, _apply_r, sym_aX_plus_mm, uses_gram_side
+from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA, sym_aX_plus_mm
+from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, _apply_r, uses_gram_side
 from .normalize import NormPartials, block_partials, normalize_from_partials
 from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
-
-#: Relative widening of the Frobenius margin in the SAFE configuration (see the module docstring).
-SAFE_MARGIN_SLACK = 2.0 ** -7
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from anvil_ref.constants import LANE_ENERGY_FLOOR
+from anvil_ref.constants import LANE_ENERGY_FLOOR, NORM_BLOCK
 from anvil_ref.equalizer import reduction_axis
 
 from ._compile import maybe_compiled, want_compile
-from ._triton import round_fix, triton_available, use_triton, widen_fix
-from .normalize import NORM_BLOCK, NORM_WARPS, blocks_per_matrix, matrix_slices
+from ._triton import matrix_slices, round_fix, triton_available, use_triton, widen_fix
+from .normalize import NORM_WARPS, blocks_per_matrix
 
 if triton_available():
     import triton

@@ -1,4 +1,5 @@
-"""Symmetric Gram kernels of the cascade: ``XXT``, ``XTX``, ``ba_plus_cAA``, and the fused ``aX_plus_mm``.
+"""Symmetric Gram kernels of the cascade: ``XXT``, ``XTX``, ``ba_plus_cAA``, and the fused ``aX_plus_mm``
+and ``sym_aX_plus_mm``.
 
 All take bf16 tensors of shape ``[..., rows, cols]`` (the leading dimensions are a batch), accumulate
 in fp32 and round once to bf16 into an ``out=`` buffer::
@@ -7,11 +8,12 @@ in fp32 and round once to bf16 into an ``out=`` buffer::
     XTX(X, out=A)                        A = X^T X                   (N = cols, K = rows)
     ba_plus_cAA(A, alpha=c, beta=b, out=B)   B = b*A + c*(A @ A)     (A symmetric N x N)
     aX_plus_mm(X, L, R, a=a, out=C)      C = a*X + L @ R             (one rounding)
+    sym_aX_plus_mm(X, L, R, a=a, out=C)  C = a*X + L @ R             (exactly symmetric result, N x N)
 
 Why the kernels look the way they do (the kernels themselves, with the reasons for their form, are
 in :mod:`anvil_fast.gram_kernels`):
 
-* The three symmetric outputs are computed on the lower-triangular tiles only and each off-diagonal
+* The four symmetric outputs are computed on the lower-triangular tiles only and each off-diagonal
   tile is stored twice, as itself and transposed. That skips ``(T-1)/(2T)`` of the tiles' FLOPs (5/12
   for T = 6, i.e. a 768-wide Gram with 128-tiles) and makes the output *exactly* symmetric: every
   element is written once, from one fp32 accumulator.
@@ -50,7 +52,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._triton import dot_f32, interpreting, num_sms, round_fix, triton_available, use_triton
+from ._triton import dot_f32, interpreting, matrix_slices, num_sms, round_fix, triton_available, use_triton
 from .gram_tune import ProblemKey, TileConfig, choose
 
 
@@ -60,9 +62,8 @@ class GramInputError(ValueError):
 
 KERNELS = ("ptr", "tma", "v1", "cublas")
 
-# v1 kernels: largest grid dimension 1 (the batch axis) CUDA accepts; larger batches are launched in
-# slices. Current kernels: a 1-D grid over (matrix, tile) pairs, sliced so the index stays int32.
-_MAX_GRID_Y = 65535
+# Current kernels: a 1-D grid over (matrix, tile) pairs, sliced so the index stays int32 (v1 kernels:
+# a 2-D grid, the batch on axis 1, sliced by matrix_slices).
 _MAX_TILES_PER_LAUNCH = 2 ** 31 - 1
 
 if triton_available():
@@ -185,17 +186,22 @@ def _symmetrize_lower(g: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 # Launches: run one kernel call with one configuration (the tuner calls these with each candidate)
 
+def _launch_v1(kernel, grid0: int, tensors: tuple[Tensor, ...], args: tuple, cfg: TileConfig, **blocks) -> None:
+    """A v1 kernel on the [batch, ., .] ``tensors`` (its pointer arguments, in order; ``args``: the
+    rest, strides included, which a slice of the batch keeps) over the grid (grid0, matrices), the
+    batch in slices that grid axis 1 can hold."""
+    for s, e in matrix_slices(tensors[0].shape[0]):
+        kernel[(grid0, e - s)](*(t[s:e] for t in tensors), *args, **blocks, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _launch_gram(x3: Tensor, o3: Tensor, n: int, k: int, transpose: bool, cfg: TileConfig) -> None:
     rows, cols = x3.shape[1], x3.shape[2]
     sxn, sxk = (x3.stride(2), x3.stride(1)) if transpose else (x3.stride(1), x3.stride(2))
     if cfg.kernel == "v1" or not _int32_steps_ok(cfg, sxk):
         t = triton.cdiv(n, cfg.BLOCK_M)
-        for s in range(0, x3.shape[0], _MAX_GRID_Y):
-            xs, os_ = x3[s:s + _MAX_GRID_Y], o3[s:s + _MAX_GRID_Y]
-            K._gram_kernel_v1[(t * (t + 1) // 2, xs.shape[0])](
-                xs, os_, n, k, xs.stride(0), sxn, sxk, os_.stride(0), os_.stride(1), os_.stride(2),
-                BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch_v1(K._gram_kernel_v1, t * (t + 1) // 2, (x3, o3), (n, k, x3.stride(0), sxn, sxk, *o3.stride()), cfg,
+                   BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
         return
     bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
     t = triton.cdiv(n, bl)
@@ -218,13 +224,8 @@ def _launch_gram(x3: Tensor, o3: Tensor, n: int, k: int, transpose: bool, cfg: T
 def _launch_ba_plus_caa(a3: Tensor, o3: Tensor, n: int, alpha: float, beta: float, cfg: TileConfig) -> None:
     if cfg.kernel == "v1" or not _int32_steps_ok(cfg, a3.stride(1)):
         t = triton.cdiv(n, cfg.BLOCK_M)
-        for s in range(0, a3.shape[0], _MAX_GRID_Y):
-            as_, os_ = a3[s:s + _MAX_GRID_Y], o3[s:s + _MAX_GRID_Y]
-            K._ba_plus_caa_kernel_v1[(t * (t + 1) // 2, as_.shape[0])](
-                as_, os_, n, alpha, beta, as_.stride(0), as_.stride(1), as_.stride(2),
-                os_.stride(0), os_.stride(1), os_.stride(2),
-                BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch_v1(K._ba_plus_caa_kernel_v1, t * (t + 1) // 2, (a3, o3), (n, alpha, beta, *a3.stride(), *o3.stride()),
+                   cfg, BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
         return
     bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
     t = triton.cdiv(n, bl)
@@ -262,15 +263,9 @@ def _launch_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, m: int, n: in
         return
     if cfg.kernel == "v1" or not _int32_steps_ok(cfg, l3.stride(2), r3.stride(1)):
         grid0 = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-        for s in range(0, x3.shape[0], _MAX_GRID_Y):
-            e = s + _MAX_GRID_Y
-            xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
-            K._mm_add_kernel_v1[(grid0, xs.shape[0])](
-                ls, rs, xs, os_, m, n, k, a,
-                ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1), rs.stride(2),
-                xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2),
-                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                DOT_F32=dot_f32(), ROUND_FIX=round_fix(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch_v1(K._mm_add_kernel_v1, grid0, (l3, r3, x3, o3),
+                   (m, n, k, a, *l3.stride(), *r3.stride(), *x3.stride(), *o3.stride()), cfg,
+                   BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
         return
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     per_mat = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -400,6 +395,36 @@ def aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None 
     key = ProblemKey("mm_add", m, n, k, x3.shape[0], X.device.index)
     cfg = _choose("mm_add", key, config, launch, o3, max(m, n), k, x3.shape[0])
     launch(cfg)
+    return out
+
+
+def sym_aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None = None,
+                   backend: str = "auto") -> Tensor:
+    """``out = a*X + L @ R`` for square bf16 ``[..., n, n]`` operands whose exact result is symmetric
+    (the Gram side's ``Q (Q A)``, :mod:`anvil_fast.gram_side`): the lower triangle is computed (fp32
+    accumulation, one rounding) and mirrored, so ``out`` is exactly symmetric. For a non-symmetric
+    result it is the formula's lower triangle, mirrored. Always the v1-style kernel, with
+    ``ba_plus_cAA``'s untuned tiles."""
+    X = _check_tensor("sym_aX_plus_mm: X", X)
+    L = _check_tensor("sym_aX_plus_mm: L", L)
+    R = _check_tensor("sym_aX_plus_mm: R", R)
+    _same_device(X=X, L=L, R=R)
+    n = X.shape[-1]
+    if not (tuple(X.shape) == tuple(L.shape) == tuple(R.shape)) or X.shape[-2] != n:
+        raise GramInputError(f"sym_aX_plus_mm: expected three square [..., n, n] operands of one shape, got "
+                             f"X {tuple(X.shape)}, L {tuple(L.shape)}, R {tuple(R.shape)}")
+    a = _finite_float("a", a)
+    out = _check_out(out, tuple(X.shape), X, {"X": X, "L": L, "R": R})
+    if out.numel() == 0:
+        return out
+    if not use_triton(X, backend, error=GramInputError):
+        return out.copy_(_symmetrize_lower(a * X.float() + L.float() @ R.float()))
+    x3, l3, r3, o3 = (t.reshape(-1, n, n) for t in (X, L, R, out))
+    cfg = default_config("ba_plus_cAA", n, n, x3.shape[0], sms=num_sms(X.device.index if X.is_cuda else None))
+    t = triton.cdiv(n, cfg.BLOCK_M)
+    _launch_v1(K._sym_mm_add_kernel, t * (t + 1) // 2, (l3, r3, x3, o3),
+               (n, n, a, *l3.stride(), *r3.stride(), *x3.stride(), *o3.stride()), cfg,
+               BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
     return out
 
 

@@ -9,7 +9,9 @@ Two generations live here:
   Both are the same compiled kernel.
 * ``*_v1`` -- the first kernels (masked pointer loads, a 2-D (tile, matrix) grid), kept unchanged
   as the trusted reference of the launch-time tuner (:mod:`anvil_fast.gram_tune` cross-checks every
-  candidate against them) and as the fallback ``ANVIL_FAST_GRAM=v1``.
+  candidate against them) and as the fallback ``ANVIL_FAST_GRAM=v1``. The lower-tile ones share
+  one K loop, ``_lower_tile_product_v1``, which ``_sym_mm_add_kernel`` (the Gram side's symmetric
+  ``a X + L R``, :func:`anvil_fast.gram.sym_aX_plus_mm`) runs too.
 
 Why the current kernels look the way they do (each point is a measured or counted cost of v1):
 
@@ -256,15 +258,12 @@ def _store_symmetric_v1(C, val, rows, cols, N, scm, scn, BLOCK: tl.constexpr, RO
     tl.store(C + cols64[:, None] * scm + rows64[None, :] * scn, to_bf16(valT, ROUND_FIX), mask=mirror)
 
 @triton.jit
-def _gram_kernel_v1(X, C, N, K, sxb, sxn, sxk, scb, scm, scn,
-                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 ROUND_FIX: tl.constexpr):
-    # C[b] = Y Y^T with Y[n, k] = X[b + n*sxn + k*sxk]: XXT is (sxn, sxk) = (row, col) strides,
-    # XTX is (col, row) strides.
-    i, j = _lower_tile(tl.program_id(0))
-    bat = tl.program_id(1).to(tl.int64)
-    X += bat * sxb
-    C += bat * scb
+def _lower_tile_product_v1(L, R, i, j, N, K, slm, slk, srk, srn, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                           DOT_F32: tl.constexpr):
+    # The K loop of the v1 lower-tile kernels: the fp32 tile (i, j) of L @ R, with L[n, k] =
+    # L[n*slm + k*slk] (N x K) and R[k, n] = R[k*srk + n*srn] (K x N) for the matrix L and R point
+    # at. Masked loads (zero outside), addresses rebuilt in int64 per K step. Returns the tile's row
+    # and column indices and its sums.
     ar = tl.arange(0, BLOCK)
     ak = tl.arange(0, BLOCK_K)
     rows = i * BLOCK + ar
@@ -275,14 +274,28 @@ def _gram_kernel_v1(X, C, N, K, sxb, sxn, sxk, scb, scm, scn,
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ak
         kk64 = kk.to(tl.int64)
-        a = tl.load(X + rows64[:, None] * sxn + kk64[None, :] * sxk,
+        a = tl.load(L + rows64[:, None] * slm + kk64[None, :] * slk,
                     mask=(rows[:, None] < N) & (kk[None, :] < K), other=0.0)
-        b = tl.load(X + kk64[:, None] * sxk + cols64[None, :] * sxn,
+        b = tl.load(R + kk64[:, None] * srk + cols64[None, :] * srn,
                     mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
+    return rows, cols, acc
+
+
+@triton.jit
+def _gram_kernel_v1(X, C, N, K, sxb, sxn, sxk, scb, scm, scn,
+                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 ROUND_FIX: tl.constexpr):
+    # C[b] = Y Y^T with Y[n, k] = X[b + n*sxn + k*sxk]: XXT is (sxn, sxk) = (row, col) strides,
+    # XTX is (col, row) strides.
+    i, j = _lower_tile(tl.program_id(0))
+    bat = tl.program_id(1).to(tl.int64)
+    X += bat * sxb
+    C += bat * scb
+    rows, cols, acc = _lower_tile_product_v1(X, X, i, j, N, K, sxn, sxk, sxk, sxn, BLOCK, BLOCK_K, DOT_F32)
     _store_symmetric_v1(C, acc, rows, cols, N, scm, scn, BLOCK, ROUND_FIX)
 
 @triton.jit
@@ -294,26 +307,9 @@ def _ba_plus_caa_kernel_v1(A, C, N, alpha, beta, sab, sam, san, scb, scm, scn,
     bat = tl.program_id(1).to(tl.int64)
     A += bat * sab
     C += bat * scb
-    ar = tl.arange(0, BLOCK)
-    ak = tl.arange(0, BLOCK_K)
-    rows = i * BLOCK + ar
-    cols = j * BLOCK + ar
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k0 in range(0, N, BLOCK_K):
-        kk = k0 + ak
-        kk64 = kk.to(tl.int64)
-        a = tl.load(A + rows64[:, None] * sam + kk64[None, :] * san,
-                    mask=(rows[:, None] < N) & (kk[None, :] < N), other=0.0)
-        b = tl.load(A + kk64[:, None] * sam + cols64[None, :] * san,
-                    mask=(kk[:, None] < N) & (cols[None, :] < N), other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+    rows, cols, acc = _lower_tile_product_v1(A, A, i, j, N, N, sam, san, sam, san, BLOCK, BLOCK_K, DOT_F32)
     mask = (rows[:, None] < N) & (cols[None, :] < N)
-    aij = tl.load(A + rows64[:, None] * sam + cols64[None, :] * san, mask=mask, other=0.0)
+    aij = tl.load(A + rows.to(tl.int64)[:, None] * sam + cols.to(tl.int64)[None, :] * san, mask=mask, other=0.0)
     val = alpha * acc + beta * aij.to(tl.float32)
     _store_symmetric_v1(C, val, rows, cols, N, scm, scn, BLOCK, ROUND_FIX)
 
@@ -360,3 +356,23 @@ def _mm_add_kernel_v1(L, R, X, O, M, N, K, alpha,
     tl.store(O + rows64[:, None] * som + cols64[None, :] * son, to_bf16(val, ROUND_FIX), mask=mask)
 
 
+# ------------------------------------------------------------------------------------------------
+# The Gram side's symmetric-output fused product (:func:`anvil_fast.gram.sym_aX_plus_mm`), on the v1 loop
+
+
+@triton.jit
+def _sym_mm_add_kernel(L, R, X, C, N, K, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn,
+                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
+    # C[b] = alpha*X + L @ R on lower tiles only, each stored as itself and mirrored: the caller
+    # guarantees the exact result is symmetric (Q (Q A) with Q a polynomial in A).
+    i, j = _lower_tile(tl.program_id(0))
+    bat = tl.program_id(1).to(tl.int64)
+    L += bat * slb
+    R += bat * srb
+    X += bat * sxb
+    C += bat * scb
+    rows, cols, acc = _lower_tile_product_v1(L, R, i, j, N, K, slm, slk, srk, srn, BLOCK, BLOCK_K, DOT_F32)
+    mask = (rows[:, None] < N) & (cols[None, :] < N)
+    xij = tl.load(X + rows.to(tl.int64)[:, None] * sxm + cols.to(tl.int64)[None, :] * sxn, mask=mask, other=0.0)
+    val = acc + alpha * xij.to(tl.float32)
+    _store_symmetric_v1(C, val, rows, cols, N, scm, scn, BLOCK, ROUND_FIX)

@@ -21,7 +21,7 @@ Wide banks take the mirrored form (``XXT``, ``R <- a R + B R``, output ``R X_0``
 Why these forms. ``Q A Q`` is written ``Q (Q A)`` -- the same matrix in exact arithmetic, because Q is
 a polynomial in A and commutes with it -- so both products are ``a Y + B Y``: one fused kernel with
 one rounding each, and ``Q`` itself is never formed. The second product's result is symmetric, so
-it runs on lower tiles only and mirrors them (:func:`sym_aX_plus_mm`): ~(T-1)/(2T) of its FLOPs
+it runs on lower tiles only and mirrors them (:func:`anvil_fast.gram.sym_aX_plus_mm`): ~(T-1)/(2T) of its FLOPs
 saved and ``A`` stays exactly symmetric, which ``ba_plus_cAA`` assumes. ``R`` is a product of
 commuting polynomials in ``A_1``, also symmetric in exact arithmetic, but a rounded ``R`` carries
 the drift the restarts exist to remove; it is kept as computed (bf16, see the study's R column).
@@ -40,7 +40,8 @@ products of bf16 operands, one rounding per product), as SAFE does.
 
 The driver (:func:`anvil_fast.cascade.gram_side_workspace`, :func:`anvil_fast.cascade.fast_gram_side`)
 lives with the standard one in :mod:`anvil_fast.cascade`, which dispatches to it; this module holds
-what is the Gram side's own: its kernel, buffers, schedule, dispatch rule, eager form and FLOP count.
+what is the Gram side's own: its buffers, schedule, dispatch rule, eager form and FLOP count (its
+symmetric product is a Gram kernel: :mod:`anvil_fast.gram`, :mod:`anvil_fast.gram_kernels`).
 ``python -m anvil_fast.gram_side_study`` runs the error study that picks the default schedule.
 """
 
@@ -57,9 +58,7 @@ from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
 from anvil_ref.gram_side import check_restarts
 from anvil_ref.maps import MapsLike, load_maps
 
-from ._triton import dot_f32, num_sms, round_fix, triton_available, use_triton
-from .gram import GramInputError, _check_out, _check_tensor, _same_device, _symmetrize_lower, aX_plus_mm, \
-    default_config
+from .gram import aX_plus_mm
 
 #: The default restart schedule (map numbers, 1-based): one restart before map 4, the schedule that
 #: ``python -m anvil_fast.gram_side_study`` picks (papers/data/gram_side_study.md states the rule).
@@ -86,89 +85,6 @@ def uses_gram_side(shape, *, device=None, min_aspect: float = GRAM_SIDE_MIN_ASPE
         return False
     on_cuda = device is not None and torch.device(device).type == "cuda"
     return not on_cuda or min(m, n) >= min_short
-
-
-# ------------------------------------------------------------------------------------------------
-# The symmetric-output fused product
-
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    from .gram_kernels import _lower_tile, _store_symmetric_v1
-
-    @triton.jit
-    def _sym_mm_add_kernel(L, R, X, C, N, K, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn,
-                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                           ROUND_FIX: tl.constexpr):
-        # C[b] = alpha*X + L @ R on lower tiles only, each stored as itself and mirrored: the caller
-        # guarantees the exact result is symmetric (Q (Q A) with Q a polynomial in A).
-        i, j = _lower_tile(tl.program_id(0))
-        bat = tl.program_id(1).to(tl.int64)
-        L += bat * slb
-        R += bat * srb
-        X += bat * sxb
-        C += bat * scb
-        ar = tl.arange(0, BLOCK)
-        ak = tl.arange(0, BLOCK_K)
-        rows = i * BLOCK + ar
-        cols = j * BLOCK + ar
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ak
-            kk64 = kk.to(tl.int64)
-            a = tl.load(L + rows64[:, None] * slm + kk64[None, :] * slk,
-                        mask=(rows[:, None] < N) & (kk[None, :] < K), other=0.0)
-            b = tl.load(R + kk64[:, None] * srk + cols64[None, :] * srn,
-                        mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        mask = (rows[:, None] < N) & (cols[None, :] < N)
-        xij = tl.load(X + rows64[:, None] * sxm + cols64[None, :] * sxn, mask=mask, other=0.0)
-        val = acc + alpha * xij.to(tl.float32)
-        _store_symmetric_v1(C, val, rows, cols, N, scm, scn, BLOCK, ROUND_FIX)
-
-
-_MAX_GRID_Y = 65535
-
-
-def sym_aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None = None,
-                   backend: str = "auto") -> Tensor:
-    """``out = a*X + L @ R`` for square bf16 ``[..., n, n]`` operands whose exact result is symmetric:
-    the lower triangle is computed (fp32 accumulation, one rounding) and mirrored, so ``out`` is
-    exactly symmetric. For a non-symmetric result it is the formula's lower triangle, mirrored."""
-    X = _check_tensor("sym_aX_plus_mm: X", X)
-    L = _check_tensor("sym_aX_plus_mm: L", L)
-    R = _check_tensor("sym_aX_plus_mm: R", R)
-    _same_device(X=X, L=L, R=R)
-    n = X.shape[-1]
-    if not (tuple(X.shape) == tuple(L.shape) == tuple(R.shape)) or X.shape[-2] != n:
-        raise GramInputError(f"sym_aX_plus_mm: expected three square [..., n, n] operands of one shape, got "
-                             f"X {tuple(X.shape)}, L {tuple(L.shape)}, R {tuple(R.shape)}")
-    a = float(a)
-    if not math.isfinite(a):
-        raise GramInputError(f"a: expected a finite number, got {a}")
-    out = _check_out(out, tuple(X.shape), X, {"X": X, "L": L, "R": R})
-    if out.numel() == 0:
-        return out
-    if not use_triton(X, backend, error=GramInputError):
-        return out.copy_(_symmetrize_lower(a * X.float() + L.float() @ R.float()))
-    x3, l3, r3, o3 = (t.reshape(-1, n, n) for t in (X, L, R, out))
-    cfg = default_config("ba_plus_cAA", n, n, x3.shape[0], sms=num_sms(X.device.index if X.is_cuda else None))
-    t = triton.cdiv(n, cfg.BLOCK_M)
-    for s in range(0, x3.shape[0], _MAX_GRID_Y):
-        e = s + _MAX_GRID_Y
-        xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
-        _sym_mm_add_kernel[(t * (t + 1) // 2, xs.shape[0])](
-            ls, rs, xs, os_, n, n, a, ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1),
-            rs.stride(2), xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2),
-            BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------

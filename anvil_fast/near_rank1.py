@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from anvil_ref.cli_args import add_progress_flags, check_device, name_list, positive_int, shape_list
-from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SAFE_MARGIN_SLACK
 
-from .cascade import FAITHFUL, GRAM_SIDE, SAFE, SAFE_MARGIN_SLACK, fast_cascade
+from .cascade import FAITHFUL, GRAM_SIDE, SAFE, fast_cascade
 from .eager import eager_bf16_cascade
 from .tolerances import EXPLODED_SIGMA
 

@@ -40,16 +40,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._triton import round_fix, triton_available, widen_fix
+from anvil_ref.constants import NORM_BLOCK, NORM_REDUCE_BLOCK
 
-#: Elements per block of one matrix: the grain of the partials, of the twin-rail kernel and of the
-#: scaling kernel (16 per thread at 8 warps).
-NORM_BLOCK = 4096
+from ._triton import matrix_slices, round_fix, triton_available, widen_fix
+
+#: Warps of the kernels that take one NORM_BLOCK of a matrix per program.
 NORM_WARPS = 8
-#: Partials the finalizing program reduces per step.
-_REDUCE_BLOCK = 1024
-#: CUDA's limit on grid dimension 1 (the matrix axis of the element-wise launches).
-_MAX_GRID_Y = 65535
 
 if triton_available():
     import triton
@@ -62,13 +58,6 @@ else:  # pragma: no cover - exercised only where triton is absent
 
 def blocks_per_matrix(rows: int, cols: int) -> int:
     return -(-rows * cols // NORM_BLOCK)
-
-
-def matrix_slices(chunk: int):
-    """(start, stop) ranges of at most _MAX_GRID_Y matrices: the element-wise kernels put the matrix
-    index on grid axis 1, whose size CUDA limits."""
-    for s in range(0, chunk, _MAX_GRID_Y):
-        yield s, min(chunk, s + _MAX_GRID_Y)
 
 
 @dataclass
@@ -192,7 +181,7 @@ def normalize_from_partials(X: Tensor, scale: Tensor, p: NormPartials, *, margin
     chunk, rows, cols = _check_x(X, p)
     mn, nb = rows * cols, p.amax.shape[1]
     _finalize_kernel[(chunk,)](p.amax, p.sumsq, scale, p.d, nb, float(margin), float(eps), LIMIT=limit,
-                               RBLOCK=_REDUCE_BLOCK, num_warps=4)
+                               RBLOCK=NORM_REDUCE_BLOCK, num_warps=4)
     for s, e in matrix_slices(chunk):
         _scale_kernel[(nb, e - s)](X[s:e], scale[s:e], p.d[s:e], mn, ROUND_FIX=round_fix(),
                                    WIDEN_FIX=widen_fix(), BLOCK=NORM_BLOCK, num_warps=NORM_WARPS)

@@ -40,12 +40,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from anvil_ref.constants import RAIL_SLOW_BETA
+from anvil_ref.constants import NORM_BLOCK, RAIL_SLOW_BETA
 from anvil_ref.storage import RAIL_KEY_MULTIPLIER
 
 from ._compile import maybe_compiled, want_compile
-from ._triton import round_fix, triton_available, use_triton, widen_fix
-from .normalize import NORM_BLOCK, NORM_WARPS, NormPartials, blocks_per_matrix, matrix_slices
+from ._triton import matrix_slices, round_fix, triton_available, use_triton, widen_fix
+from .normalize import NORM_WARPS, NormPartials, blocks_per_matrix
 
 #: Clamp of the prescale exponent, so that ``2**-e`` and ``eps * 2**-e`` stay finite in fp32.
 PRESCALE_EXP_LIMIT = 126

@@ -101,3 +101,19 @@ BF16_UNIT_ROUNDOFF: float = 2.0 ** -8
 FP32_UNIT_ROUNDOFF: float = 2.0 ** -24
 
 __all__ += ["BF16_UNIT_ROUNDOFF", "FP32_UNIT_ROUNDOFF"]
+
+# ---------------------------------------------------------------------------------------------
+# The fast path's SAFE configuration, as the rounding model of derive_maps.robust reads it (the
+# fast path's choices, not the seed's: anvil_fast.cascade and anvil_fast.normalize say why).
+
+#: Relative widening of the Frobenius margin in SAFE: margin = FROBENIUS_MARGIN * (1 + slack).
+SAFE_MARGIN_SLACK: float = 2.0 ** -7
+#: Elements per block of one matrix in the fp32 trace's first level (a tree sum per block): the grain
+#: of the normalization's partials, of the twin-rail kernel and of the scaling kernel (16 per thread
+#: at 8 warps).
+NORM_BLOCK: int = 4096
+#: Block partials the trace's finalizing program reduces per step (per lane: ceil(blocks / this)
+#: sequential adds, then a tree over the lanes).
+NORM_REDUCE_BLOCK: int = 1024
+
+__all__ += ["SAFE_MARGIN_SLACK", "NORM_BLOCK", "NORM_REDUCE_BLOCK"]

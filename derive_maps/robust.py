@@ -83,7 +83,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from anvil_ref.constants import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, FROBENIUS_EPS, FROBENIUS_MARGIN
+from anvil_ref.constants import (BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, FROBENIUS_EPS, FROBENIUS_MARGIN, NORM_BLOCK,
+                                 NORM_REDUCE_BLOCK, SAFE_MARGIN_SLACK)
 
 from .certify import _log_down, _log_up, enclose_rational, f64_down, f64_up
 from .errors import DeriveMapsError, RealLike, check_maps, check_positive, parse_real
@@ -196,10 +197,11 @@ def rounding_model(config: str = "safe", *, rows: int = DEFAULT_BLOCK, cols: int
       ``gamma_gram = 0`` and ``gamma_b = gamma_y = gamma_2`` (the two scalings and the add).
     * ``delta0``, SAFE: the trace is the fp32 sum of squares of the prescaled bf16 X (the squares are
       exact: 16 significand bits), summed in blocks of NORM_BLOCK = 2^12 (a tree, depth 12), the
-      block partials by _REDUCE_BLOCK lanes (``ceil(nb / 1024)`` sequential adds per lane, then a
-      tree of depth 10): ``gamma_D`` with ``D = 12 + ceil(nb / 1024) + 10``; then ``sqrt`` (one
-      rounding: two on the trace's scale), the product with the margin (two), the margin's own fp32
-      rounding (two) and the division ``x s / d`` (two): ``delta0 = (1 + gamma_D)(1 + eps)^8 - 1``.
+      block partials by NORM_REDUCE_BLOCK = 2^10 lanes (``ceil(nb / 1024)`` sequential adds per
+      lane, then a tree of depth 10): ``gamma_D`` with ``D = 12 + ceil(nb / 1024) + 10``; then
+      ``sqrt`` (one rounding: two on the trace's scale), the product with the margin (two), the
+      margin's own fp32 rounding (two) and the division ``x s / d`` (two):
+      ``delta0 = (1 + gamma_D)(1 + eps)^8 - 1``.
       FAITHFUL: the trace is the fp32 sum of the bf16-rounded Gram diagonal, each entry an L-term
       fp32 sum rounded to bf16: ``delta0 = (1 + gamma_L)(1 + u)(1 + gamma_{k - 1})(1 + eps)^6 - 1``.
     * ``delta_eps = eps_F / (margin min_norm)`` with the cascade's ``eps_F = FROBENIUS_EPS``.
@@ -218,8 +220,6 @@ def rounding_model(config: str = "safe", *, rows: int = DEFAULT_BLOCK, cols: int
     check_positive(u, "u")
     check_positive(eps, "eps")
     check_positive(min_norm, "min_norm")
-    from anvil_fast.normalize import NORM_BLOCK, _REDUCE_BLOCK
-
     k, L = min(rows, cols), max(rows, cols)
     v = 2 * eps
     diag = inputs == "diagonal"
@@ -229,7 +229,7 @@ def rounding_model(config: str = "safe", *, rows: int = DEFAULT_BLOCK, cols: int
                   singular_values=1 if diag else k)
     if config == "safe":
         nb = -(-rows * cols // NORM_BLOCK)
-        depth = int(math.log2(NORM_BLOCK)) + -(-nb // _REDUCE_BLOCK) + int(math.log2(_REDUCE_BLOCK))
+        depth = int(math.log2(NORM_BLOCK)) + -(-nb // NORM_REDUCE_BLOCK) + int(math.log2(NORM_REDUCE_BLOCK))
         return RoundingModel(delta_x=u, delta_gram=u, delta0=_compose(gamma(depth, eps), *([eps] * 8)), **common)
     return RoundingModel(delta_x=_compose(u, u), delta_gram=_compose(u, u, u, u, eps),
                          delta0=_compose(gamma(L, eps), u, gamma(max(k - 1, 1), eps), *([eps] * 6)), **common)
@@ -245,7 +245,6 @@ def safe_u(slack: float | None = None) -> Fraction:
     """The end of the SAFE configuration's interval: ``1 / (FROBENIUS_MARGIN (1 + slack))``
     (``slack`` defaults to SAFE_MARGIN_SLACK)."""
     if slack is None:
-        from anvil_fast.cascade import SAFE_MARGIN_SLACK
         slack = SAFE_MARGIN_SLACK
     return 1 / (Fraction(FROBENIUS_MARGIN) * (1 + Fraction(slack)))
 

@@ -20,6 +20,7 @@ counted twice), and ``eps`` evaluated with that input's own norms (``||X||_F``, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -69,27 +70,25 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
             slack: float | None = None) -> list[StageError]:
     """Per-stage measured errors and bounds for the bank ``x`` ([batch, rows, cols], cast to bf16);
     ``model`` defaults to SAFE's for general ``rows x cols`` matrices."""
-    from anvil_fast.cascade import SAFE, CascadeWorkspace, _normalize, is_tall
+    from anvil_fast.cascade import SAFE, CascadeWorkspace, is_tall, normalize_workspace
     from anvil_fast.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-    from anvil_fast.normalize import block_partials, normalize_from_partials
     from anvil_fast._triton import use_triton
-    from anvil_fast.rails import PRESCALE_EXP_LIMIT
 
     if x.ndim != 3:
         raise ValueError(f"x: expected a bank [batch, rows, cols], got shape {tuple(x.shape)}")
     X0 = x.to(torch.bfloat16).contiguous()
     batch, rows, cols = X0.shape
     model = model or rounding_model("safe", rows=rows, cols=cols)
-    margin = SAFE.margin(FROBENIUS_MARGIN) if slack is None else FROBENIUS_MARGIN * (1 + slack)
+    cfg = SAFE if slack is None else dataclasses.replace(SAFE, margin_slack=slack)
+    margin = cfg.margin(FROBENIUS_MARGIN)
     tall = is_tall(X0.shape)
     ws = CascadeWorkspace.for_shape(tuple(X0.shape), X0.device)
     ws.X.copy_(X0)
+    normalize_workspace(ws, cfg, margin=FROBENIUS_MARGIN, eps=FROBENIUS_EPS, backend=backend, compile=False,
+                        partials_ready=False)
     if use_triton(ws.X, backend):
-        block_partials(ws.X, ws.partials, limit=PRESCALE_EXP_LIMIT)
-        normalize_from_partials(ws.X, ws.scale, ws.partials, margin=margin, eps=FROBENIUS_EPS, limit=PRESCALE_EXP_LIMIT)
         d_fast = ws.partials.d.double().flatten()
     else:
-        _normalize(ws.X, ws.A, ws.scale, True, True, margin, FROBENIUS_EPS)
         s = ws.scale.float()
         xf = X0.float() * s
         d_fast = (xf.square().sum(dim=(-2, -1), keepdim=True).sqrt() * torch.tensor(margin, dtype=torch.float32)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from anvil_fast import gram as G
+from anvil_fast import _triton as T
 from anvil_fast._triton import interpreting, triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -241,7 +242,7 @@ def test_batches_beyond_the_launch_limit_are_sliced(monkeypatch, kernel):
     # (matrix, tile) index stays below _MAX_TILES_PER_LAUNCH. Count the launches to see it happen.
     from anvil_fast import gram_kernels as K
 
-    monkeypatch.setattr(G, "_MAX_GRID_Y", 2)
+    monkeypatch.setattr(T, "MAX_GRID_Y", 2)
     monkeypatch.setattr(G, "_MAX_TILES_PER_LAUNCH", 2)  # 32-tiles of a 20-wide Gram: 1 tile per matrix
     name = "_gram_kernel_v1" if kernel == "v1" else "_gram_kernel"
     real, launches = getattr(K, name), []
@@ -258,6 +259,32 @@ def test_batches_beyond_the_launch_limit_are_sliced(monkeypatch, kernel):
     G.XXT(X, out=out, backend="triton", config=cfg)
     assert len(launches) == 3, launches
     assert_rounded_exact(out, X.double().cpu() @ X.double().cpu().mT, "sliced batch")
+
+
+def test_the_v1_loop_and_launch_are_written_once():
+    # The lower-tile kernels run one K loop (_lower_tile_product_v1), every v1-style kernel launches
+    # through _launch_v1 (its batch slicing), and the grid limit is defined in _triton alone.
+    import ast
+    from pathlib import Path
+
+    src = Path(G.__file__).parent
+    kernels = {f.name: f for f in ast.parse((src / "gram_kernels.py").read_text()).body
+               if isinstance(f, ast.FunctionDef)}
+    for name in ("_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_sym_mm_add_kernel"):
+        body = list(ast.walk(kernels[name]))
+        assert not any(isinstance(n, ast.For) for n in body), name
+        assert "_lower_tile_product_v1" in {n.func.id for n in body if isinstance(n, ast.Call)
+                                            and isinstance(n.func, ast.Name)}, name
+    gram = list(ast.walk(ast.parse((src / "gram.py").read_text())))
+    launched = {n.args[0].attr for n in gram if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                and n.func.id == "_launch_v1"}
+    assert launched == {"_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_mm_add_kernel_v1", "_sym_mm_add_kernel"}
+    assert not launched & {n.value.attr for n in gram if isinstance(n, ast.Subscript)
+                           and isinstance(n.value, ast.Attribute)}
+    limits = sorted(p.name for p in src.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+                    if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and "GRID_Y" in t.id for t in n.targets))
+    assert limits == ["_triton.py"]
+    assert "triton" not in (src / "gram_side.py").read_text()  # the Gram side's product is a Gram kernel
 
 
 def test_interpreter_probes_are_consistent():

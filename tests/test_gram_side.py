@@ -103,9 +103,8 @@ from pathlib import Path  # noqa: E402
 from anvil_fast import difftest as D  # noqa: E402
 from anvil_fast.cascade import (GRAM_SIDE, GRAM_SIDE_RESTARTS, SAFE, CascadeConfig, CascadeWorkspace,  # noqa: E402
                                 cascade_workspace, fast_cascade, fast_gram_side, get_config)
-from anvil_fast.gram import GramInputError  # noqa: E402
-from anvil_fast.gram_side import (GRAM_SIDE_MIN_ASPECT, eager_gram_side_cascade, sym_aX_plus_mm,  # noqa: E402
-                                  uses_gram_side)
+from anvil_fast.gram import GramInputError, sym_aX_plus_mm  # noqa: E402
+from anvil_fast.gram_side import GRAM_SIDE_MIN_ASPECT, eager_gram_side_cascade, uses_gram_side  # noqa: E402
 from anvil_fast.gram_side_study import STUDY_ALLOWANCE, choose_schedule  # noqa: E402
 from anvil_fast.near_rank1 import EXPLODED, near_rank1, top_singular_value  # noqa: E402
 
@@ -168,6 +167,30 @@ def test_sym_aX_plus_mm_torch_and_interpreted_kernel():
         assert float((tri == got).double().mean()) >= 0.99
         ulp = torch.exp2(torch.floor(torch.log2(got.float().abs().clamp_min(2.0 ** -126))) - 7)
         assert bool(((tri.float() - got.float()).abs() <= ulp).all())
+
+
+def test_sym_aX_plus_mm_slices_the_batch_at_the_grid_limit(triton_dev, monkeypatch):
+    # Grid axis 1 holds the matrix index: with its limit lowered to 2, five matrices take three
+    # launches and give the bits of one launch.
+    from anvil_fast import _triton as T
+    from anvil_fast import gram_kernels as K
+
+    A = _bf16((5, 40, 40), 3)
+    A = ((A.float() + A.float().mT) / 2).bfloat16().to(triton_dev)
+    B = ((A.float() @ A.float()) * 0.1).bfloat16()
+    whole = sym_aX_plus_mm(A, B, A, a=0.5, backend="triton")
+    real, launches = K._sym_mm_add_kernel, []
+
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(K, "_sym_mm_add_kernel", Count())
+    monkeypatch.setattr(T, "MAX_GRID_Y", 2)
+    sliced = sym_aX_plus_mm(A, B, A, a=0.5, backend="triton")
+    assert [g[1] for g in launches] == [2, 2, 1]
+    assert torch.equal(sliced, whole)
 
 
 def test_sym_aX_plus_mm_bad_input():

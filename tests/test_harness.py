@@ -167,7 +167,8 @@ def test_a_slipped_coefficient_in_pytorch_optimizer_fails():
 
 
 def test_the_package_safe_cascade_with_margin_one_explodes_and_fails():
-    from anvil_fast.cascade import SAFE, SAFE_MARGIN_SLACK, fast_cascade
+    from anvil_fast.cascade import SAFE, fast_cascade
+    from anvil_ref.constants import SAFE_MARGIN_SLACK
 
     math_ = dict(coeffs=R.ANVIL_MAPS, normalization="frobenius", margin=SAFE.margin(), eps=R.FROBENIUS_EPS)
     case = dict(shapes=[(2, 48, 32)], families=("well_conditioned", "near_rank1"), near_rank1_count=16)

@@ -12,10 +12,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from anvil_fast.cascade import FAITHFUL, SAFE, SAFE_MARGIN_SLACK, fast_cascade
+from anvil_fast.cascade import FAITHFUL, SAFE, fast_cascade
 from anvil_fast.eager import eager_bf16_cascade
 from anvil_fast.near_rank1 import near_rank1, top_singular_value, trace_error
-from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_MARGIN
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_MARGIN, SAFE_MARGIN_SLACK
 from derive_maps.robust import RoundingModel, robust_envelope, safe_u
 
 

@@ -124,6 +124,7 @@ def test_partials_checks_shapes(triton_dev):
 def test_launches_sliced_over_the_matrix_axis_give_the_same_bits(triton_dev, monkeypatch):
     # CUDA limits grid axis 1 (the matrix index) to 65535: the element-wise kernels launch in slices
     # of that many matrices. With the limit lowered to 2, five matrices take three launches.
+    from anvil_fast import _triton as T
     from anvil_fast.equalizer import EqualizerWork
     from anvil_fast.equalizer import equalize as fast_equalize
 
@@ -132,7 +133,7 @@ def test_launches_sliced_over_the_matrix_axis_give_the_same_bits(triton_dev, mon
     x = _x(shape, triton_dev)
     outs = []
     for limit in (65535, 2):
-        monkeypatch.setattr(N, "_MAX_GRID_Y", limit)
+        monkeypatch.setattr(T, "MAX_GRID_Y", limit)
         xs, s = x.clone(), torch.ones(5, 1, 1, device=triton_dev)
         p = N.NormPartials.for_shape(shape, triton_dev)
         N.block_partials(xs, p, limit=LIMIT)

@@ -83,6 +83,16 @@ def test_anvil_ref_never_imports_the_fast_path():
         assert "torch.compile(" not in p.read_text(), p.name
 
 
+def test_derive_maps_takes_no_private_name_of_the_fast_path():
+    """derive_maps measures the fast path through its public names, and the rounding model reads its
+    constants from anvil_ref.constants: derive_maps/robust.py imports no anvil_fast at all."""
+    private = [f"{p.name}: {node.module}.{a.name}" for p in sorted((ROOT / "derive_maps").rglob("*.py"))
+               for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("anvil_fast") for a in node.names if a.name.startswith("_")]
+    assert not private
+    assert "anvil_fast" not in imported_modules(ROOT / "derive_maps" / "robust.py")
+
+
 def test_no_installed_package_imports_the_test_folder():
     """tests/ is not installed: a package module importing it fails (or, caught, silently degrades)
     in an installed package."""
