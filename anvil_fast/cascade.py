@@ -79,7 +79,7 @@ from ._compile import maybe_compiled, want_compile
 from ._triton import use_triton
 from .equalizer import EqualizerWork
 from .gram import XTX, XXT, aX_plus_mm, ba_plus_cAA, sym_aX_plus_mm
-from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, _apply_r, uses_gram_side
+from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, restart_product, uses_gram_side
 from .normalize import NormPartials, block_partials, normalize_from_partials
 from .rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
@@ -317,7 +317,7 @@ def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, co
     fresh = True
     for k, (a, b, c) in enumerate(maps_, start=1):
         if k in sched:
-            _apply_r(X0, Rk, C, tall, backend)
+            restart_product(X0, Rk, C, tall, backend)
             X0, C = C, X0
             gram(X0, out=A, backend=backend)
             fresh = True
@@ -337,7 +337,7 @@ def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, co
         if k < len(maps_) and k + 1 not in sched:
             aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
             sym_aX_plus_mm(P, B, P, a=a, out=A, backend=backend)
-    _apply_r(X0, Rk, C, tall, backend)
+    restart_product(X0, Rk, C, tall, backend)
     return C
 
 

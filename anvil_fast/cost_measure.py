@@ -42,7 +42,7 @@ def time_pieces(opt, grads: dict, n: int, device) -> dict[str, float]:
         if cfg.comms == "replicated":
             continue
         if cfg.optim == "anvil":
-            upd[label] = median_ms(lambda l=label: opt.anvil_update(l, opt.banks[l].grad, opt.bank_update), n=n,
+            upd[label] = median_ms(lambda l=label: opt.anvil_update(l, opt.banks[l].grad, opt.update_bank), n=n,
                                    warmup=2, device=device)
         else:
             chunk = grads[label][: cfg.chunk_size].contiguous()

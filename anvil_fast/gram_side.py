@@ -104,7 +104,9 @@ class GramSideWork:
         return cls(*(torch.empty(sq, dtype=torch.bfloat16, device=ws.A.device) for _ in range(3)))
 
 
-def _apply_r(x0: Tensor, r: Tensor, out: Tensor, tall: bool, backend: str) -> None:
+def restart_product(x0: Tensor, r: Tensor, out: Tensor, tall: bool, backend: str) -> None:
+    """``out = X0 R`` (tall) or ``R X0`` (wide): a restart applies the accumulated short-side
+    polynomial ``R`` to the restart's iterate, one rounding (``aX_plus_mm`` with ``a = 0``)."""
     if tall:
         aX_plus_mm(x0, x0, r, a=0.0, out=out, backend=backend)
     else:

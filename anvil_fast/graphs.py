@@ -95,7 +95,8 @@ def check_addresses(opt, label: str, baked: dict[str, int]) -> None:
 class BankUpdateGraphs:
     """One CUDA graph per bank of ``opt``, replayed in place of ``update(bank)``.
 
-    Use it as the optimizer's ``bank_update`` (:meth:`AnvilAndAdam.use_cuda_graphs` does both).
+    :meth:`AnvilAndAdam.use_cuda_graphs` builds it as the optimizer's ``bank_graphs``, which
+    :meth:`AnvilAndAdam.update_bank` then replays.
     ``check=True`` compares the baked addresses with the live ones before every replay (a few
     microseconds of host time per bank; the host runs ahead of the GPU anyway).
     """
@@ -103,8 +104,6 @@ class BankUpdateGraphs:
     def __init__(self, opt, update: Callable[[Any], None] | None = None, *, warmup: int = 2, check: bool = True):
         if opt.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need the optimizer's tensors on a CUDA device, got {opt.device}")
-        if isinstance(update, BankUpdateGraphs):
-            update = update.update
         if update is None:
             from .bank import anvil_bank_update as update
         self.opt, self.update, self.check = opt, update, check
@@ -194,8 +193,7 @@ class StepGraph:
         reason = capture_unsupported_reason(opt)
         if reason is not None:
             raise GraphUnsupported(reason)
-        update = opt.bank_update
-        self.update = update.update if isinstance(update, BankUpdateGraphs) else update
+        self.update = opt.bank_update
         self.opt, self.warmup, self.check, self.max_plans = opt, max(1, int(warmup)), bool(check), int(max_plans)
         self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
         self.baked: dict[Any, dict[str, int]] = {}

@@ -101,8 +101,9 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _block_partials(xf, LIMIT: tl.constexpr):
-        # xf: fp32 values of one block (0 where masked) -> (max|x|, sum((x 2**-e_b)**2)).
+    def tile_partials(xf, LIMIT: tl.constexpr):
+        # xf: fp32 values of one block (0 where masked) -> (max|x|, sum((x 2**-e_b)**2)); the rails'
+        # kernel calls it too, so the partials it writes are these bits.
         amax = _abs_max(xf)
         y = xf * _exp2i(-_floor_log2(amax, LIMIT))
         return amax, tl.sum(y * y, axis=0)
@@ -115,7 +116,7 @@ if triton is not None:
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < mn
         x = from_bf16(tl.load(x_ptr + c * mn + offs, mask=m, other=0.0), WIDEN_FIX)
-        amax, ss = _block_partials(x, LIMIT)
+        amax, ss = tile_partials(x, LIMIT)
         tl.store(pa_ptr + c * nb + b, amax)
         tl.store(ps_ptr + c * nb + b, ss)
 

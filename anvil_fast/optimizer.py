@@ -273,8 +273,9 @@ class AnvilAndAdam:
         param_table: label -> entry (see :mod:`anvil_ref.config`).
         scatter_order, work_order: every label exactly once (None: the parameters' order).
         adam_defaults, anvil_defaults: as in the seed (anvil_ref.constants' defaults).
-        bank_update: ``f(bank)`` running one bank's update; default ``anvil_fast.bank.anvil_bank_update``
-            (or a :class:`~anvil_fast.graphs.BankUpdateGraphs`, see :meth:`use_cuda_graphs`).
+        bank_update: ``f(bank)`` running one bank's update eagerly; default
+            ``anvil_fast.bank.anvil_bank_update`` (:meth:`use_cuda_graphs` captures it per bank;
+            :meth:`update_bank` runs whichever a step uses).
         comms: a :class:`~anvil_fast.comms.Comms`, a process group, or None (the default group when
             torch.distributed is initialized, else one process).
         check_finite: check every gradient the step reads for NaN/inf first (one host sync per step).
@@ -313,7 +314,8 @@ class AnvilAndAdam:
         self.device, self.tied = c.device, c.tied
         if bank_update is None and any(cfg.optim == "anvil" for cfg in self.param_cfgs.values()):
             from .bank import anvil_bank_update as bank_update
-        self.bank_update = bank_update
+        self.bank_update = bank_update  #: ``f(bank)``: one bank's update, eagerly
+        self.bank_graphs = None  #: :class:`~anvil_fast.graphs.BankUpdateGraphs` once :meth:`use_cuda_graphs` ran
 
         rows = plan_rows(self.labels, self.param_cfgs)
         self.adam_labels, self.adam_row = rows.adam_labels, rows.adam_row
@@ -448,9 +450,13 @@ class AnvilAndAdam:
         :class:`~anvil_fast.graphs.BankUpdateGraphs`)."""
         from .graphs import BankUpdateGraphs
 
-        graphs = BankUpdateGraphs(self, update=self.bank_update, **kwargs)
-        self.bank_update = graphs
-        return graphs
+        self.bank_graphs = BankUpdateGraphs(self, update=self.bank_update, **kwargs)
+        return self.bank_graphs
+
+    def update_bank(self, bank) -> None:
+        """One bank's update as a step runs it: the replay of its graph once :meth:`use_cuda_graphs`
+        captured them, else :attr:`bank_update`."""
+        (self.bank_update if self.bank_graphs is None else self.bank_graphs)(bank)
 
     # ------------------------------------------------------------------ per-step scalars
     def _check_hyperparameters(self) -> None:
@@ -536,9 +542,8 @@ class AnvilAndAdam:
             if self.param_cfgs[label].comms != "sharded":
                 raise ConfigError(f"deferred_labels: {label!r} is replicated; only sharded parameters gather")
         self._check_hyperparameters()
-        check_graphs = getattr(self.bank_update, "check_all", None)
-        if check_graphs is not None:  # CUDA graphs: every baked address still live, before any write
-            check_graphs()
+        if self.bank_graphs is not None:  # every baked address still live, before any write
+            self.bank_graphs.check_all()
         buffers = self.built_grad_buffers or {}
         for label, g in grads.items():
             if buffers.get(label) is g:
@@ -679,7 +684,7 @@ class AnvilAndAdam:
         here inspects ``.grad`` or branches on tensor values, so a CUDA graph of it replays the step.
         ``launched``: label -> :meth:`launch_reduce`'s result for reduces the caller already started
         (from the backward pass, :mod:`.overlap`); phase 1 takes those instead of launching."""
-        bank_update = self.bank_update if bank_update is None else bank_update
+        bank_update = self.update_bank if bank_update is None else bank_update
         do_adam, tied_now = plan.do_adam, plan.tied_now
         lm, embed = grads.get(LM_HEAD_LABEL), grads.get(EMBED_LABEL)
         pending: dict[str, tuple[Handle, Tensor]] = {}

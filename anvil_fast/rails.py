@@ -57,7 +57,7 @@ if triton_available():
     import triton.language as tl
 
     from ._triton import from_bf16, to_bf16
-    from .normalize import _block_partials
+    from .normalize import tile_partials
 else:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
@@ -203,7 +203,7 @@ if triton is not None:
         xb = to_bf16(x, ROUND_FIX)
         tl.store(x_ptr + offs, xb, mask=m)
         if PARTIALS:
-            amax, ss = _block_partials(tl.where(m, from_bf16(xb, WIDEN_FIX), 0.0), LIMIT)
+            amax, ss = tile_partials(tl.where(m, from_bf16(xb, WIDEN_FIX), 0.0), LIMIT)
             tl.store(pa_ptr + c * nb + b, amax)
             tl.store(ps_ptr + c * nb + b, ss)
 

@@ -177,3 +177,27 @@ def test_plan_rows_and_new_state_follow_the_parameters_order():
     assert st["qk_bank"]["velocity"].shape == (2, *BANK_RESHAPE) and st["qk_bank"]["mantissa"].dtype == torch.uint16
     assert st["qk_bank"]["lane_energy"].shape == (4, 1, 12)  # 8 x 12 matrices are wide: one lane per column
     assert st["gain"]["exp_avg"].shape == (3,) and st["embed"]["step"] == 0
+
+
+def test_a_step_updates_its_banks_through_the_captured_graphs_once_they_exist():
+    """``bank_update`` stays the eager ``f(bank)``; once ``bank_graphs`` is set (use_cuda_graphs on a
+    GPU) every step checks its baked addresses first and replays it instead."""
+    opt, p = _bank_opt()
+    calls = []
+
+    class Replays:
+        def check_all(self):
+            calls.append("check")
+
+        def __call__(self, bank):
+            calls.append(bank.label)
+            opt.bank_update(bank)
+
+    before = p.detach().clone()
+    opt.bank_graphs = Replays()
+    opt.step(do_adam=False)
+    assert calls == ["check", "qk_bank"]
+    assert not torch.equal(before, p.detach())
+    twin, q = _bank_opt()
+    twin.step(do_adam=False)
+    assert torch.equal(q.detach(), p.detach())  # the replay is the eager update's twin here
