@@ -2,7 +2,7 @@
 (seed: ``ParamConfig``, ``AnvilAndAdam.__init__`` and ``_build_param_cfg``).
 
 Shared by the reference optimizer (:mod:`anvil_ref.optimizer`) and the fast one
-(``anvil_fast.optimizer``), so a table is read and checked by one piece of code.
+(``anvil_fast.optim.optimizer``), so a table is read and checked by one piece of code.
 
 A ``param_table`` maps each label to an entry::
 

@@ -104,7 +104,7 @@ __all__ += ["BF16_UNIT_ROUNDOFF", "FP32_UNIT_ROUNDOFF"]
 
 # ---------------------------------------------------------------------------------------------
 # The fast path's SAFE configuration, as the rounding model of derive_maps.robust reads it (the
-# fast path's choices, not the seed's: anvil_fast.cascade and anvil_fast.normalize say why).
+# fast path's choices, not the seed's: anvil_fast.core.cascade and anvil_fast.kernels.normalize say why).
 
 #: Relative widening of the Frobenius margin in SAFE: margin = FROBENIUS_MARGIN * (1 + slack).
 SAFE_MARGIN_SLACK: float = 2.0 ** -7

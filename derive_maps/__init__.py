@@ -19,7 +19,7 @@ their composite ``F = p_K o ... o p_1`` to the singular values ``sigma`` of the 
 ``stage_errors``    measured per-stage rounding errors of the fast cascade against that model
 ``frontier``        best certified max|log F| per number of maps, exact and bf16-robust
 ``analysis``        per-stage interval chain and stage headroom, alternation points
-``bf16``            bf16 envelope measured with ``anvil_fast.eager.eager_bf16_cascade``
+``bf16``            bf16 envelope measured with ``anvil_fast.core.eager.eager_bf16_cascade``
 ``anvil_kind``      the ANVIL-kind pipelines ``express`` (recommended), ``optimal``, ``polished``
 ``sets``            the named map sets written to ``anvil_ref/map_sets`` and their certificates
 ``compare``         side-by-side table and the ANVIL-kind requirements, per set

@@ -2,7 +2,7 @@
 
 A measurement, not a bound: the extremes over the matrices of the suite, which say nothing about
 other inputs (:mod:`derive_maps.robust` certifies; :mod:`derive_maps.falsify` searches). Runs
-:func:`anvil_fast.eager.eager_bf16_cascade` (the seed-faithful bf16 cascade, on the CPU) on a
+:func:`anvil_fast.core.eager.eager_bf16_cascade` (the seed-faithful bf16 cascade, on the CPU) on a
 fixed, seeded suite of test matrices ``X = U diag(sigma) V^T`` with Haar-random ``U, V`` and
 prescribed singular values, and measures the singular values of the bf16 output in float64. The
 cascade divides by ``1.05 ||X||_F + 1e-6``, so the prescribed values are the *normalized* ones
@@ -121,7 +121,7 @@ def bf16_envelope(maps, *, l: float = 1 / 300, u: float = 1 / FROBENIUS_MARGIN,
                   shapes=DEFAULT_SHAPES, kinds=KINDS, seeds=DEFAULT_SEEDS) -> Bf16Envelope:
     """Run the bf16 cascade of ``maps`` on the suite and return the envelope of output singular values."""
     maps_ = check_maps(maps)
-    from anvil_fast.eager import eager_bf16_cascade
+    from anvil_fast.core.eager import eager_bf16_cascade
 
     lo, hi = np.inf, -np.inf
     in_lo, in_hi = np.inf, -np.inf

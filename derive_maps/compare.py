@@ -92,7 +92,7 @@ def comparison_table(rows: list[dict], *, title: str | None = None) -> Table:
         ms = next((r["bf16_small"]["matrices"] for r in rows if "bf16_small" in r), 0)
         lim = resolution_limits(rounding_model("safe", rows=2, cols=2))
         notes.append(f"bf16 envelopes are measurements, not bounds: the extreme singular values of "
-                     f"anvil_fast.eager.eager_bf16_cascade (CPU) over {m} seeded test matrices of "
+                     f"anvil_fast.core.eager.eager_bf16_cascade (CPU) over {m} seeded test matrices of "
                      f"{_rows_range(DEFAULT_SHAPES)} rows and over {ms} of {_small_names()}, normalized spectra in "
                      "[1.15 l, u] (derive_maps.bf16); "
                      "other inputs can do worse (python -m derive_maps robust certifies).")

@@ -8,7 +8,7 @@ singular values in ``[l, u]`` lie in ``[f_min, f_max]``. :func:`search` looks fo
 break it and returns the extremes it saw (:class:`Finding`); what it measures is a measurement on
 the inputs it tried, never a bound.
 
-The cascade is :func:`anvil_fast.eager.eager_bf16_cascade` in SAFE's order (fp32 trace, prescale,
+The cascade is :func:`anvil_fast.core.eager.eager_bf16_cascade` in SAFE's order (fp32 trace, prescale,
 first Gram of the normalized X) with ``gemm="fp32"`` (bf16 operands, fp32 products and sums, one
 rounding: the fast kernels' rounding points), at the total margin ``1 / u`` the certificate is
 for, on the CPU with one thread (fixed summation order). Inputs are bf16 matrices; their normalized
@@ -59,7 +59,7 @@ class Finding:
 
 def bf16_cascade(x: torch.Tensor, maps, u: RealLike) -> torch.Tensor:
     """SAFE's bf16 cascade (eager, fp32 products) of the bank ``x`` at the total margin ``1 / u``."""
-    from anvil_fast.eager import eager_bf16_cascade
+    from anvil_fast.core.eager import eager_bf16_cascade
     margin = float(1 / parse_real(u, "u"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,8 +15,8 @@ inputs it covers (:class:`RoundingModel`, :func:`rounding_model`):
   nothing to the error). It has ``m = min(rows, cols)`` singular values, and a rounding couples
   them: the **cross-talk model** below.
 
-Where the kernels round (SAFE, :mod:`anvil_fast.cascade`, :mod:`anvil_fast.gram`,
-:mod:`anvil_fast.normalize`; :func:`anvil_fast.eager.eager_bf16_cascade` with ``fp32_trace``,
+Where the kernels round (SAFE, :mod:`anvil_fast.core.cascade`, :mod:`anvil_fast.kernels.gram`,
+:mod:`anvil_fast.kernels.normalize`; :func:`anvil_fast.core.eager.eager_bf16_cascade` with ``fp32_trace``,
 ``prescale`` and ``gemm="fp32"`` rounds at the same points): the trace is an fp32 sum of squares of
 the bf16 input; ``X_1 = bf16(fp32(x s / d))``; per map ``A = bf16(fp32 sums of X X^T)``,
 ``B = bf16(fp32(c (A A) + b A))``, ``X <- bf16(fp32(a X + X B))`` (one rounding: the fused kernel).
@@ -178,7 +178,7 @@ def rounding_model(config: str = "safe", *, rows: int = DEFAULT_BLOCK, cols: int
                    inputs: str = "general", min_norm: float = MIN_NORM, u: float = BF16_UNIT_ROUNDOFF,
                    eps: float = FP32_UNIT_ROUNDOFF) -> RoundingModel:
     """The rounding model of the fast cascade (``config`` ``"safe"`` or ``"faithful"``,
-    :mod:`anvil_fast.cascade`) for ``inputs`` (``"general"``: every matrix whose nonzero block is at
+    :mod:`anvil_fast.core.cascade`) for ``inputs`` (``"general"``: every matrix whose nonzero block is at
     most ``rows x cols``; ``"diagonal"``: one nonzero per row and column in a ``rows x cols``
     matrix) whose Frobenius norm is at least ``min_norm`` (for the low end only).
 

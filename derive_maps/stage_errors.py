@@ -3,7 +3,7 @@
 The cross-talk model (:mod:`derive_maps.robust`) bounds how far one stage of the bf16 cascade can
 move the singular values: ``|sigma_i(X') - |p|(sigma(X))_i| <= eps`` (both sorted), with ``eps``
 from :func:`derive_maps.robust.weyl_eps`. This measures it: the normalization, then every map, run
-with the fast path's own kernels (:func:`anvil_fast.gram.XTX`/``XXT``, ``ba_plus_cAA``,
+with the fast path's own kernels (:func:`anvil_fast.kernels.gram.XTX`/``XXT``, ``ba_plus_cAA``,
 ``aX_plus_mm``, the SAFE normalization) on a bf16 bank, each stage compared with the float64
 application of the same map to the *same* bf16 input (stage-local error: earlier roundings are not
 counted twice), and ``eps`` evaluated with that input's own norms (``||X||_F``, ``||X X^T||_F``,
@@ -70,9 +70,9 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
             slack: float | None = None) -> list[StageError]:
     """Per-stage measured errors and bounds for the bank ``x`` ([batch, rows, cols], cast to bf16);
     ``model`` defaults to SAFE's for general ``rows x cols`` matrices."""
-    from anvil_fast.cascade import SAFE, CascadeWorkspace, is_tall, normalize_workspace
-    from anvil_fast.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-    from anvil_fast._triton import use_triton
+    from anvil_fast.core.cascade import SAFE, CascadeWorkspace, is_tall, normalize_workspace
+    from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+    from anvil_fast.kernels.backend import use_triton
 
     if x.ndim != 3:
         raise ValueError(f"x: expected a bank [batch, rows, cols], got shape {tuple(x.shape)}")
@@ -118,7 +118,7 @@ def measure(x: Tensor, *, maps=ANVIL_MAPS, model: RoundingModel | None = None, b
 
 
 def main(argv=None) -> int:
-    from anvil_fast.near_rank1 import near_rank1
+    from anvil_fast.studies.near_rank1 import near_rank1
     p = argparse.ArgumentParser(prog="python -m derive_maps.stage_errors", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=768, help="matrix rows")
     p.add_argument("--cols", type=int, default=768, help="matrix columns")

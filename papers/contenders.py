@@ -32,7 +32,7 @@ name               optimizer
                    where ``anvil_fast.ANVIL`` has no such argument (:func:`lean_unavailable`).
 ``anvil_faithful`` the same as ``anvil`` with ``bank_config="faithful"`` (the seed's exact roundings).
 ``anvil_gram_side`` the same with ``bank_config="gram_side"`` (the maps on the short side of tall and
-                   wide banks, :mod:`anvil_fast.gram_side`; SAFE elsewhere).
+                   wide banks, :mod:`anvil_fast.core.gram_side`; SAFE elsewhere).
 ``anvil_derived``  the same with ``maps="anvil_express"``.
 ``anvil_polar``    the same with ``maps="polar_express_paper6"``.
 ``anvil_nesterov`` the same with ``rails="nesterov"`` (plain Nesterov momentum, no twin rails).
@@ -169,9 +169,9 @@ def build_dion(model: nn.Module, hp: dict, *, total_steps: int, device: torch.de
 
 
 def _anvil_accepts() -> set[str]:
-    import anvil_fast
+    from anvil_fast.optim.dropin import DropInAnvil
 
-    return set(inspect.signature(anvil_fast.dropin.DropInAnvil).parameters)
+    return set(inspect.signature(DropInAnvil).parameters)
 
 
 def lean_unavailable() -> str | None:

@@ -69,7 +69,7 @@ def near_rank1_table() -> str:
     lines += [line for line in (RESULTS / "anvil_fast_h200/run1/near_rank1.log").read_text().splitlines()
               if line.startswith(("totals:", "device cuda"))]
     return ("```\n" + "\n".join(lines) + "\n```\n\n*Source: `results/anvil_fast_h200/run1/near_rank1.log`, "
-            "written by `python3 -m anvil_fast.near_rank1 --count 500` on one H200 (before the kernel "
+            "written by `python3 -m anvil_fast.studies.near_rank1 --count 500` on one H200 (before the kernel "
             "tuning, the prescale move and the fused rails and normalization, which do not change these paths' "
             "roundings except SAFE's first Gram and fp32 trace summation order; SAFE re-measured with all of them, "
             f"`results/{NEAR_RANK1_RUN}/near_rank1.log`: "
@@ -106,7 +106,7 @@ def difftest_rows() -> str:
     return quote_log(f"{BANK_RUN}/difftest.log", ("component", "momentum   2x2816x768       gaussian",
                                                   "cascade", "equalizer  2x2816x768       gaussian",
                                                   "update     2x2816x768       gaussian"),
-                     command="python3 -m anvil_fast.difftest --device cuda --shapes 2x768x768,2x2816x768 "
+                     command="python3 -m anvil_fast.studies.difftest --device cuda --shapes 2x768x768,2x2816x768 "
                              "--configs safe --families gaussian,near_rank1,huge,tiny,zero")
 
 
@@ -122,11 +122,11 @@ def optimizer_bench() -> str:
 
 
 def scaling_gpu() -> str:
-    """The 2-GPU table of ``python -m anvil_fast.scaling gpu``, its markdown lines verbatim (the header
+    """The 2-GPU table of ``python -m anvil_fast.studies.scaling gpu``, its markdown lines verbatim (the header
     comment, which names the device machine's output folder, is left out)."""
     path = f"{SCALING_RUN}/scaling_gpu_2ranks.md"
     lines = [x for x in (RESULTS / path).read_text().splitlines() if not x.startswith(("<!--", "# "))]
-    return ("\n".join(lines).strip() + f"\n\n*Source: `results/{path}`, written by `python3 -m anvil_fast.scaling gpu "
+    return ("\n".join(lines).strip() + f"\n\n*Source: `results/{path}`, written by `python3 -m anvil_fast.studies.scaling gpu "
             "--worlds 1,2` on two H200s (NCCL).*")
 
 

@@ -1,15 +1,15 @@
-"""The paper's many-GPU subsection: the cost model of :mod:`anvil_fast.cost_model`, its check
+"""The paper's many-GPU subsection: the cost model of :mod:`anvil_fast.studies.cost_model`, its check
 against the measured two-rank runs, its 4- and 8-rank predictions, and the training-step table.
 
 Sources, in order of preference:
 
-* papers/data/cost_model_h200.json (``python -m anvil_fast.cost_model measure``): the model proper,
+* papers/data/cost_model_h200.json (``python -m anvil_fast.studies.cost_model measure``): the model proper,
   pieces measured per rank on one GPU;
 * without it, the measured runs alone (results/anvil_optimizer_h200/run4, run5, the JSON records of
-  ``python -m anvil_fast.scaling gpu`` beside their tables): the compute of the 1-rank comms-skipped step split ``1 / w``,
+  ``python -m anvil_fast.studies.scaling gpu`` beside their tables): the compute of the 1-rank comms-skipped step split ``1 / w``,
   the collectives scaled from the 2-rank collectives-alone by the ring's ``(w - 1) / w``, the step
-  bracketed between full overlap and none (:func:`anvil_fast.cost_model.bracket`);
-* papers/data/train_step_h200.md (``python -m anvil_fast.train_step``), included as written, and its
+  bracketed between full overlap and none (:func:`anvil_fast.studies.cost_model.bracket`);
+* papers/data/train_step_h200.md (``python -m anvil_fast.studies.train_step``), included as written, and its
   record train_step_h200.json, which the model is checked against.
 """
 
@@ -27,12 +27,12 @@ TRAIN_STEP = "train_step_h200.md"
 TRAIN_STEP_RECORD = "train_step_h200.json"
 RUNS = ("anvil_optimizer_h200/run4", "anvil_optimizer_h200/run5")
 PREDICT_WORLDS = (1, 2, 4, 8)
-MEASURE_CMD = f"python -m anvil_fast.cost_model measure --out papers/data/{PIECES}"
-TRAIN_CMD = f"python -m anvil_fast.train_step --device cuda --worlds 1,2 --out papers/data/{TRAIN_STEP}"
+MEASURE_CMD = f"python -m anvil_fast.studies.cost_model measure --out papers/data/{PIECES}"
+TRAIN_CMD = f"python -m anvil_fast.studies.train_step --device cuda --worlds 1,2 --out papers/data/{TRAIN_STEP}"
 
 
 def _runs() -> list[dict]:
-    from anvil_fast import cost_model as C
+    from anvil_fast.studies import cost_model as C
 
     out = []
     for r in RUNS:
@@ -43,14 +43,14 @@ def _runs() -> list[dict]:
 
 
 def _pieces() -> dict | None:
-    from anvil_fast import cost_model as C
+    from anvil_fast.studies import cost_model as C
 
     path = DATA / PIECES
     return C.load(path) if path.is_file() else None
 
 
 def _bracket_validation(runs: list[dict]) -> list[dict]:
-    from anvil_fast import cost_model as C
+    from anvil_fast.studies import cost_model as C
 
     rows = []
     for run in runs:
@@ -65,7 +65,7 @@ def _bracket_validation(runs: list[dict]) -> list[dict]:
 
 
 def table_validation() -> str:
-    from anvil_fast import cost_model as C
+    from anvil_fast.studies import cost_model as C
 
     runs, data = _runs(), _pieces()
     if data is not None:
@@ -74,7 +74,7 @@ def table_validation() -> str:
         if (DATA / TRAIN_STEP_RECORD).is_file() and data.get("training"):
             run = C.read_train_step_run(DATA / TRAIN_STEP_RECORD)
             run["path"] = f"papers/data/{TRAIN_STEP}"
-            text += "\n\nThe training step, against `python -m anvil_fast.train_step`:\n\n" + \
+            text += "\n\nThe training step, against `python -m anvil_fast.studies.train_step`:\n\n" + \
                 "\n".join(C.training_validation_table(data, [run]))
         return text
     lines = ["| run | ranks | 1-rank step, comms skipped ms | predicted w-rank comms skipped ms | measured ms | "
@@ -90,7 +90,7 @@ def table_validation() -> str:
 
 
 def table_prediction() -> str:
-    from anvil_fast import cost_model as C
+    from anvil_fast.studies import cost_model as C
 
     data = _pieces()
     if data is not None:

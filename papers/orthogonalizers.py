@@ -1,5 +1,5 @@
 """The paper's table of other libraries' orthogonalizations (section 6.1), rendered from the JSON the
-harness writes (``python -m anvil_fast.difftest --adapter ... --json``, :mod:`anvil_fast.harness`),
+harness writes (``python -m anvil_fast.studies.difftest --adapter ... --json``, :mod:`anvil_fast.studies.harness`),
 kept under results/ (:data:`SOURCE`).
 
 Per (adapter, shape), from its rows: the error against its own math in float64 on the
@@ -23,10 +23,10 @@ SOURCE = "results/h200_orthogonalizers/orthogonalizers.json"
 #: The adapters of the paper's run: every one the harness has (``all``), on the bank shapes.
 SHAPES = "4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096"
 FAMILIES = "gaussian,well_conditioned,near_rank1"
-COMMAND = (f"python -m anvil_fast.difftest --adapter all --shapes {SHAPES} --families {FAMILIES} "
+COMMAND = (f"python -m anvil_fast.studies.difftest --adapter all --shapes {SHAPES} --families {FAMILIES} "
            f"--near-rank1-count 8 --time-reps 10 --time-limit 200 --no-progress --json {SOURCE}")
 #: A kernel's error against its own math within this factor of the eager bf16 run counts as "as
-#: accurate as its math allows" (the harness's own factor, anvil_fast.tolerances.FACTOR).
+#: accurate as its math allows" (the harness's own factor, anvil_fast.core.tolerances.FACTOR).
 AS_ACCURATE = 2.0
 #: Its math limits it where the float64 math's own distance from the polar factor is at least this
 #: share of the kernel's.

@@ -1,9 +1,9 @@
-"""Training evidence: ``python -m papers.train`` trains the package's GPT (anvil_fast.gpt) on the
+"""Training evidence: ``python -m papers.train`` trains the package's GPT (anvil_fast.models.gpt) on the
 CPython standard library's source (papers/corpus.py) with each contender (papers/contenders.py) and
 writes one JSON per run; ``python -m papers.build`` turns those into the paper's training section.
 
 What every run of a comparison shares: the corpus and its split (hash printed and stored), the
-model's initialization (``anvil_fast.gpt.build(size, seed=seed)``), the batches (step ``s`` draws
+model's initialization (``anvil_fast.models.gpt.build(size, seed=seed)``), the batches (step ``s`` draws
 its windows from a generator seeded with ``(data_seed, s)``; ``data_seed`` defaults to the run's
 seed), the fixed validation windows, the learning-rate shape (linear warm-up over ``--warmup``
 steps, default ``steps // 20``, then linear decay to zero at ``--steps``, applied by a
@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from anvil_fast import gpt
+from anvil_fast.models import gpt
 from anvil_ref.cli_args import check_device, positive_int
 from papers import contenders as K
 from papers import corpus as C

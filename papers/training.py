@@ -499,7 +499,7 @@ def figure_sweep(runs: list[dict], key: str) -> str | None:
 
 
 # -------------------------------------------------------------------------------------- values
-#: The GPT sizes the estimate of the protocol's cost is stated for (anvil_fast.gpt.SIZES; no torch here).
+#: The GPT sizes the estimate of the protocol's cost is stated for (anvil_fast.models.gpt.SIZES; no torch here).
 ESTIMATE_SIZES = {"small": {"n_layer": 6, "n_embd": 384, "ctx": 256, "vocab": 256},
                   "medium": {"n_layer": 12, "n_embd": 768, "ctx": 256, "vocab": 256}}
 ESTIMATE_JOBS = 8

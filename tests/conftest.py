@@ -7,7 +7,7 @@
 * Without CUDA, Triton kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` must be set
   before any kernel module is imported, so it is set here (conftest is imported first). The library
   itself never runs the interpreter on its own: CPU tensors take the plain-torch path unless a test
-  asks for ``backend="triton"`` (see anvil_fast/gram.py and anvil_fast/_triton.py).
+  asks for ``backend="triton"`` (see anvil_fast/kernels/gram.py and anvil_fast/kernels/backend.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-from anvil_fast._triton import interpreting as _interpreting  # noqa: E402  (after TRITON_INTERPRET is set)
-from anvil_fast._triton import triton_available as _triton  # noqa: E402
+from anvil_fast.kernels.backend import interpreting as _interpreting  # noqa: E402  (after TRITON_INTERPRET is set)
+from anvil_fast.kernels.backend import triton_available as _triton  # noqa: E402
 
 
 @pytest.fixture(params=[

@@ -4,7 +4,7 @@ gradients, a row-sparse update, a comms recorder, and the bridge to anvil_ref's 
 The model: a wide bank (qk: 8 x 12), a square bank (vo: 8 x 8), a tall bank (mlp: 20 x 8, matrix 2
 frozen, odd matrices at 2x LR), replicated Adam parameters of two dtypes (fp32 ``scalars``, bf16
 ``gates``), sharded Adam ``lm_head``/``embed`` (tied until untied), and a sharded Adam
-``value_embeds`` updated through a :class:`~anvil_fast.optimizer.SparseUpdate`. Every bank has 8
+``value_embeds`` updated through a :class:`~anvil_fast.optim.optimizer.SparseUpdate`. Every bank has 8
 matrices and every sharded first dimension is a multiple of 8, so the same model shards over 1, 2,
 4 or 8 ranks.
 """
@@ -16,7 +16,7 @@ import torch
 
 import anvil_ref as A
 from anvil_ref import ParamSpec, ReferenceAnvilAndAdam
-from anvil_fast.comms import Comms
+from anvil_fast.dist.comms import Comms
 
 TABLE = {
     "qk_bank": {"optim": "anvil", "comms": "sharded"},
@@ -186,10 +186,10 @@ def set_hyper(opt, step: int) -> None:
 
 
 def eager_bank_update(bank) -> None:
-    """The bank update as plain eager torch (anvil_fast.eager: the seed's roundings with library
-    matmuls): the "eager" floor of anvil_fast/tolerances.py for a whole optimizer step. Same fields
-    read and written as anvil_fast.bank.anvil_bank_update."""
-    from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
+    """The bank update as plain eager torch (anvil_fast.core.eager: the seed's roundings with library
+    matmuls): the "eager" floor of anvil_fast/core/tolerances.py for a whole optimizer step. Same fields
+    read and written as anvil_fast.core.bank.anvil_bank_update."""
+    from anvil_fast.core.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 
     cfg = bank.config
     look, v0, v1 = eager_rails(bank.grad, bank.velocity[0], bank.velocity[1], momentum=float(bank.momentum),
@@ -209,7 +209,7 @@ def eager_bank_update(bank) -> None:
 def adam_terms(cfg, p_old: np.ndarray, g: np.ndarray, m_old: np.ndarray, v_old: np.ndarray, step: int) -> np.ndarray:
     """The largest term entering each element of an Adam step (float64): |p|, |p * eff_wd| and
     T = step_size * max(|m|, |g|) / (sqrt(v') + eps), the size the update has before m' cancels.
-    An fp32 implementation's error is bounded in ulps of this (anvil_fast/tolerances.py, ADAM_ULPS)."""
+    An fp32 implementation's error is bounded in ulps of this (anvil_fast/core/tolerances.py, ADAM_ULPS)."""
     b1, b2 = cfg.adam_betas
     lr = cfg.lr * cfg.lr_mul
     ss = A.adam_step_size(lr=lr, beta1=b1, beta2=b2, step=step)

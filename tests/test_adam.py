@@ -76,13 +76,13 @@ def test_bad_input():
 
 
 # =================================================================================================
-# Fast path: anvil_fast.adam (the Triton kernel through the interpreter, and the CPU fallback)
-# against anvil_ref.adam.adam_update, within anvil_fast/tolerances.py's Adam rows
+# Fast path: anvil_fast.kernels.adam (the Triton kernel through the interpreter, and the CPU fallback)
+# against anvil_ref.adam.adam_update, within anvil_fast/core/tolerances.py's Adam rows
 # =================================================================================================
 import torch  # noqa: E402
 
-from anvil_fast.adam import adam_row, adam_update_, fused_adam_  # noqa: E402
-from anvil_fast import tolerances as TOL  # noqa: E402
+from anvil_fast.kernels.adam import adam_row, adam_update_, fused_adam_  # noqa: E402
+from anvil_fast.core import tolerances as TOL
 
 
 def _fast_ulp(x, bits):

@@ -1,4 +1,4 @@
-"""anvil_fast.adapters: each adapter builds where its library is, says why not where it is not, and
+"""anvil_fast.studies.adapters: each adapter builds where its library is, says why not where it is not, and
 declares the math its library states."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import anvil_ref as R
-from anvil_fast import adapters as A
-from anvil_fast import harness as H
-from anvil_fast.cascade import FAITHFUL, SAFE
+from anvil_fast.studies import adapters as A
+from anvil_fast.studies import harness as H
+from anvil_fast.core.cascade import FAITHFUL, SAFE
 
 
 def test_unknown_names_and_policies_are_refused():

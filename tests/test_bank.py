@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import anvil_ref as R
-from anvil_fast.bank import AnvilBank, anvil_bank_update
-from anvil_fast.cascade import FAITHFUL, SAFE
-from anvil_fast.difftest import err_ulps
-from anvil_fast.tolerances import FACTOR, LANE_ENERGY_ULPS, RAILS_ULPS, bf16_bound
+from anvil_fast.core.bank import AnvilBank, anvil_bank_update
+from anvil_fast.core.cascade import FAITHFUL, SAFE
+from anvil_fast.studies.difftest import err_ulps
+from anvil_fast.core.tolerances import FACTOR, LANE_ENERGY_ULPS, RAILS_ULPS, bf16_bound
 
 SHAPE = (3, 40, 24)
 
@@ -54,10 +54,10 @@ def test_one_step_matches_the_reference_chain():
     w_ref = R.sign_aligned_update(w0, eq.v, ref.v_slow, eff_lr=lr, eff_wd=float(bank.eff_wd))
     w_new = R.join_fp32(bank.p_slice, bank.mantissa).double()
     assert torch.equal(w_new[2], w0[2]), "a frozen matrix (eff_lr 0) must not move"
-    # the eager bf16 chain of the same step (anvil_fast.eager) is the floor the table's factor rule
+    # the eager bf16 chain of the same step (anvil_fast.core.eager) is the floor the table's factor rule
     # scales: the step through the cascade and equalizer, and the lane energy (its error is the
     # (1 - beta2) share of the bf16 output's lane-power error)
-    from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_update
+    from anvil_fast.core.eager import eager_bf16_cascade, eager_equalizer, eager_update
 
     look = ref.lookahead.float()
     e_v, e_energy = eager_equalizer(eager_bf16_cascade(look, margin=SAFE.margin(), fp32_trace=True, prescale=True,
@@ -78,7 +78,7 @@ def test_one_step_matches_the_reference_chain():
 
 def test_faithful_bank_equals_the_seed_step_on_cpu():
     # FAITHFUL with plain-torch kernels is the seed's arithmetic; compare with the eager seed chain.
-    from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
+    from anvil_fast.core.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 
     bank = _bank(FAITHFUL)
     b = _snapshot(bank)
@@ -96,7 +96,7 @@ def test_faithful_bank_equals_the_seed_step_on_cpu():
 def test_guard_refuses_exploded_or_nonfinite_updates_visibly(scale):
     # FAITHFUL's cascade explodes on near-rank-1 input and overflows at 2**100; with the guard on,
     # those matrices are not moved, their lane energy is kept, and the trips are counted.
-    from anvil_fast.near_rank1 import near_rank1
+    from anvil_fast.studies.near_rank1 import near_rank1
 
     cfg = dataclasses.replace(FAITHFUL, name="faithful+guard", guard=True)
     shape = (16, 32, 32)
@@ -115,7 +115,7 @@ def test_guard_refuses_exploded_or_nonfinite_updates_visibly(scale):
 
 
 def test_safe_bank_never_trips_on_near_rank1():
-    from anvil_fast.near_rank1 import near_rank1
+    from anvil_fast.studies.near_rank1 import near_rank1
 
     bank = _bank(SAFE, shape=(16, 32, 32), grad=near_rank1(16, 32, 32, seed=3).bfloat16())
     bank.velocity.zero_()
@@ -225,9 +225,9 @@ def test_bank_step_on_well_conditioned_input_both_sides(config):
     # both sides of the table's rule for a whole bank step: fast against the eager chain (shared bits
     # on one backend, factor rule), and the eager chain against float64 -- its cascade and equalizer
     # roundings counted (CASCADE_ROUNDINGS + the equalizer's 2; the fp32 master adds nothing visible)
-    from anvil_fast import difftest as D
-    from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
-    from anvil_fast.tolerances import CASCADE_ROUNDINGS, RHO
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
+    from anvil_fast.core.tolerances import CASCADE_ROUNDINGS, RHO
 
     grad = D.make_matrix("well_conditioned", SHAPE, seed=9).bfloat16()
     bank = _bank(config, grad=grad)

@@ -1,4 +1,4 @@
-"""anvil_fast.bank_scalars: every per-step scalar in one buffer, refreshed by one copy."""
+"""anvil_fast.kernels.bank_scalars: every per-step scalar in one buffer, refreshed by one copy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from anvil_fast.bank_scalars import ADAM_COLUMNS, ALIGN, BANK_FIELDS, BankScalarStaging
+from anvil_fast.kernels.bank_scalars import ADAM_COLUMNS, ALIGN, BANK_FIELDS, BankScalarStaging
 
 
 def test_layout_views_and_upload():

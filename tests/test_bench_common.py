@@ -48,7 +48,7 @@ def test_cascade_flops_count_full_and_lower_tile_products(shape, k, K):
     executed = 6 * (lower * (2 * k * k * K + 2 * k ** 3) + 2 * k * k * K) * c
     got = common.flops(shape)
     assert got[0] == pytest.approx(plain, rel=1e-15) and got[1] == pytest.approx(executed, rel=1e-15)
-    from anvil_fast.gram_side import map_flops
+    from anvil_fast.core.gram_side import map_flops
 
     mf = map_flops(shape)
     assert mf.gram[1] == pytest.approx(lower * 2 * k * k * K * c, rel=1e-15) and mf.axb[0] == mf.axb[1]

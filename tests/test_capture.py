@@ -1,4 +1,4 @@
-"""anvil_fast.capture: the one warm-up-then-capture sequence (its order of stream waits, warm-ups
+"""anvil_fast.kernels.capture: the one warm-up-then-capture sequence (its order of stream waits, warm-ups
 and the capture, checked on the CPU against a recording stand-in for torch.cuda), and that the
 package's CUDA graphs are captured through it."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from anvil_fast import capture as CAP
+from anvil_fast.kernels import capture as CAP
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,10 +84,10 @@ def test_warm_up_on_a_side_stream_then_one_capture(monkeypatch):
 
 
 def test_every_warm_up_then_capture_goes_through_the_helper():
-    """Only anvil_fast.capture makes a graph, apart from gram_tune.time_us, whose graph holds
+    """Only anvil_fast.kernels.capture makes a graph, apart from gram_tune.time_us, whose graph holds
     back-to-back calls after one eager call on the current stream (no side-stream warm-up)."""
     makers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "anvil_fast").rglob("*.py")
                     if "torch.cuda.CUDAGraph()" in p.read_text())
-    assert makers == ["anvil_fast/capture.py", "anvil_fast/gram_tune.py"], makers
-    for name in ("graphs.py", "device_step.py", "bench/common.py"):
+    assert makers == ["anvil_fast/kernels/capture.py", "anvil_fast/kernels/gram_tune.py"], makers
+    for name in ("optim/graphs.py", "optim/device_step.py", "bench/common.py"):
         assert "capture(" in (ROOT / "anvil_fast" / name).read_text(), name

@@ -163,17 +163,17 @@ def test_cascade_bad_normalization():
 
 
 # =================================================================================================
-# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast cascade (anvil_fast/cascade.py)
-# in both configurations, tall / wide / square, within anvil_fast/tolerances.py of the reference run with
+# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast cascade (anvil_fast/core/cascade.py)
+# in both configurations, tall / wide / square, within anvil_fast/core/tolerances.py of the reference run with
 # the configuration's margin. Near-rank-1 behaviour: tests/test_near_rank1.py; the Triton kernels:
-# tests/test_gram.py; full harness: anvil_fast.difftest.
+# tests/test_gram.py; full harness: anvil_fast.studies.difftest.
 
 @pytest.mark.parametrize("family", ["gaussian", "well_conditioned"])
 @pytest.mark.parametrize("config", ["safe", "faithful"])
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
 def test_fast_cascade_matches_reference(config, shape, family):
-    from anvil_fast import difftest as D
-    from anvil_fast.tolerances import check_row
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.tolerances import check_row
 
     row, _ = D.cascade_row(shape, family, config, compile=False)
     assert check_row(row, same_backend=True), D.format_table([row])
@@ -182,7 +182,7 @@ def test_fast_cascade_matches_reference(config, shape, family):
 def test_eager_bf16_cascade_with_a_cubic_map():
     """A map with c = 0 (a cubic) must not go through a bf16 baddbmm with alpha = 0, which torch's
     CPU build gets wrong for matrices 32 or more wide."""
-    from anvil_fast.eager import eager_bf16_cascade
+    from anvil_fast.core.eager import eager_bf16_cascade
 
     x = torch.randn(2, 64, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(102))
     maps = [(1.5, -0.5, 0.0)] * 8  # Newton-Schulz cubic

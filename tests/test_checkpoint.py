@@ -11,8 +11,8 @@ import io
 import pytest
 import torch
 
-from anvil_fast.comms import NullComms
-from anvil_fast.optimizer import AnvilAndAdam
+from anvil_fast.dist.comms import NullComms
+from anvil_fast.optim.optimizer import AnvilAndAdam
 from anvil_ref.config import ConfigError
 from tests import optimizer_cases as C
 
@@ -22,7 +22,7 @@ DEV = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def _opt(seed=0, device="cpu", **kw):
     import functools
 
-    from anvil_fast.bank import anvil_bank_update
+    from anvil_fast.core.bank import anvil_bank_update
 
     return AnvilAndAdam(C.make_params(seed, device=device), C.TABLE, C.SCATTER, C.WORK, bank_config="faithful",
                         bank_update=functools.partial(anvil_bank_update, compile=False), **kw)

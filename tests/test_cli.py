@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from anvil_fast import difftest as D
-from anvil_fast import near_rank1 as N
-from anvil_fast import scaling
-from anvil_fast.cascade import FAITHFUL
-from anvil_fast.tolerances import EXPLODED_SIGMA, check
+from anvil_fast.studies import difftest as D
+from anvil_fast.studies import near_rank1 as N
+from anvil_fast.studies import scaling
+from anvil_fast.core.cascade import FAITHFUL
+from anvil_fast.core.tolerances import EXPLODED_SIGMA, check
 
 REPO = Path(__file__).resolve().parents[1]
 #: CPU on every machine: the verdicts below are those of this seed on the CPU path
@@ -139,7 +139,7 @@ def test_cli_judges_every_row_outside_the_repository(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import sys, runpy; import anvil_fast; "
                         "assert anvil_fast.__file__.startswith(sys.argv[1]), anvil_fast.__file__; "
                         "sys.argv = ['difftest'] + sys.argv[2:]; "
-                        "runpy.run_module('anvil_fast.difftest', run_name='__main__')",
+                        "runpy.run_module('anvil_fast.studies.difftest', run_name='__main__')",
                         str(site), *TINY, "--families", "gaussian,zero"],
                        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -255,9 +255,9 @@ def test_chunk_independence_runs_on_cpu(capsys):
 #: --progress / --no-progress (README). Quick ones are listed apart with the reason.
 PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "derive", "compare", "regenerate")] + [
     ("derive_maps.frontier", []), ("derive_maps.stage_errors", []),
-    ("anvil_fast.difftest", []), ("anvil_fast.near_rank1", []), ("anvil_fast.gram_side_study", []),
-    ("anvil_fast.scaling", ["cpu"]), ("anvil_fast.scaling", ["gpu"]), ("anvil_fast.train_step", []),
-    ("anvil_fast.cost_model", ["measure"]), ("anvil_fast.cost_model", ["predict"]),
+    ("anvil_fast.studies.difftest", []), ("anvil_fast.studies.near_rank1", []), ("anvil_fast.studies.gram_side_study", []),
+    ("anvil_fast.studies.scaling", ["cpu"]), ("anvil_fast.studies.scaling", ["gpu"]), ("anvil_fast.studies.train_step", []),
+    ("anvil_fast.studies.cost_model", ["measure"]), ("anvil_fast.studies.cost_model", ["predict"]),
 ] + [("anvil_fast.bench", [c]) for c in ("bank", "optimizer", "dropin", "peers", "fsdp")]
 QUICK_COMMANDS = {
     "anvil_ref": "the demo applies the reference cascade to a few small matrices",

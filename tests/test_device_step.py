@@ -1,8 +1,8 @@
-"""anvil_fast.device_step: the drop-in's one-process step decided on the device, and its kernels
-(anvil_fast.nonfinite's check, anvil_fast.adam's table kernel).
+"""anvil_fast.optim.device_step: the drop-in's one-process step decided on the device, and its kernels
+(anvil_fast.kernels.nonfinite's check, anvil_fast.kernels.adam's table kernel).
 
 Each test holds the device-decided step against something it does not compute itself: the host's
-float64 formulas of the scalars (anvil_fast.bank_scalars / anvil_fast.adam.adam_row), the other
+float64 formulas of the scalars (anvil_fast.kernels.bank_scalars / anvil_fast.kernels.adam.adam_row), the other
 way of reading the gradients (in place vs through the buffers), anvil_ref.storage's rounding spec
 of the lean rails, a twin that never saw a refused step, and torch's own isfinite."""
 
@@ -17,14 +17,15 @@ import torch
 from torch import nn
 
 import anvil_fast
+from anvil_fast.models import gpt
 import anvil_ref.storage as S
-from anvil_fast.adam import adam_block_table, adam_row, adam_table_, adam_update_
-from anvil_fast.bank_scalars import ADAM_COLUMNS, BankScalarStaging
-from anvil_fast.device_step import NonFiniteUpdateError, NonFiniteUpdateWarning
-from anvil_fast.dropin import NonFiniteGradientWarning
-from anvil_fast.entry import ANVIL
-from anvil_fast.nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
-from anvil_fast.optimizer import NonFiniteGradientError
+from anvil_fast.kernels.adam import adam_block_table, adam_row, adam_table_, adam_update_
+from anvil_fast.kernels.bank_scalars import ADAM_COLUMNS, BankScalarStaging
+from anvil_fast.optim.device_step import NonFiniteUpdateError, NonFiniteUpdateWarning
+from anvil_fast.optim.dropin import NonFiniteGradientWarning
+from anvil_fast.optim.entry import ANVIL
+from anvil_fast.kernels.nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
+from anvil_fast.optim.optimizer import NonFiniteGradientError
 from anvil_ref.rails import rail_scalars
 
 from tests.helpers import cuda_block_bound
@@ -47,7 +48,7 @@ def _fixed_grads(model, seed, *, scale=1.0):
 def test_device_scalars_are_the_host_formulas(rails):
     """After a step, the staging buffer the kernels read holds exactly what the host's float64
     formulas give for the same hyper-parameters and step counts (AnvilAndAdam._bank_fields and
-    anvil_fast.adam.adam_row, packed by BankScalarStaging)."""
+    anvil_fast.kernels.adam.adam_row, packed by BankScalarStaging)."""
     torch.manual_seed(0)
     m = TinyLM()
     kw = {"rails": "record", "total_steps": 9} if rails == "record" else {"momentum": 0.9, "fast_weight": 0.4}
@@ -322,7 +323,7 @@ def test_nonfinite_raise_on_the_in_place_read_writes_nothing(triton_dev):
 
 # ----------------------------------------------------------------------------------------------- kernels
 def test_check_flags_exactly_the_nonfinite_gradients(triton_dev):
-    """anvil_fast.nonfinite against torch.isfinite of the gradients as the step reads them (a bank's
+    """anvil_fast.kernels.nonfinite against torch.isfinite of the gradients as the step reads them (a bank's
     fp32 gradient in bf16: 3.3962e38 is finite in fp32 and inf in bf16)."""
     dev = triton_dev
     g = torch.Generator().manual_seed(0)
@@ -379,7 +380,7 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
     bit for bit over steps with a scheduler, a NaN step and a member without a gradient; the NaN
     warning arrives at a later step or when skipped_steps is read."""
     torch.manual_seed(0)
-    a = anvil_fast.gpt.build("tiny").cuda()
+    a = gpt.build("tiny").cuda()
     b = copy.deepcopy(a)
     oa, ob = ANVIL(a), ANVIL(b, cuda_graphs=False)
     assert oa.grad_read == "in_place" and oa.engine.use_graphs and len(oa.engine.lanes) > 1
@@ -413,7 +414,7 @@ def test_fp32_model_state_is_at_adamw_memory():
     kernels' and the graph's own); a bf16 copy or a mantissa of the banked weights (2 B each, 14 MiB
     on the small GPT) does not fit."""
     torch.manual_seed(0)
-    m = anvil_fast.gpt.build("small").cuda()
+    m = gpt.build("small").cuda()
     _fixed_grads(m, 0)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -473,7 +474,7 @@ def test_in_place_state_is_the_rails_and_moments_alone(triton_dev, lean):
     8 B), the lane energies, and tables of a few bytes per matrix and parameter: no mantissa, no
     bf16 copy, no gradient buffer, no persistent workspace (it is taken per update)."""
     torch.manual_seed(0)
-    m = anvil_fast.gpt.build("tiny").to(triton_dev)
+    m = gpt.build("tiny").to(triton_dev)
     opt = ANVIL(m, grad_read="in_place", cuda_graphs=False, rails_dtype=torch.bfloat16 if lean else torch.float32)
     _fixed_grads(m, 0)
     opt.step()
@@ -492,10 +493,10 @@ def test_compiled_scalars_equal_the_eager_ones(rails):
     """On CUDA the scalars run through torch.compile (in-place writes into views of one status
     buffer, a gather from the record table): the compiled function (Inductor's CPU backend here)
     writes what the eager one writes."""
-    from anvil_fast import device_step as DS
+    from anvil_fast.optim import device_step as DS
 
     torch.manual_seed(0)
-    m = anvil_fast.gpt.build("tiny")
+    m = gpt.build("tiny")
     opt = ANVIL(m, **({"rails": "record", "total_steps": 5} if rails == "record" else {}))
     eng = opt.engine
     _fixed_grads(m, 0)

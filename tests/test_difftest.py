@@ -1,5 +1,5 @@
-"""Differential tests: every fast component within anvil_fast/tolerances.py of anvil_ref, on every input
-family (anvil_fast.difftest), and the harness itself can fail.
+"""Differential tests: every fast component within anvil_fast/core/tolerances.py of anvil_ref, on every input
+family (anvil_fast.studies.difftest), and the harness itself can fail.
 
 CPU: plain-torch kernels, eager (torch.compile is covered by one smoke test in test_bank.py), plus the
 Triton kernels through the interpreter on one small shape. GPU: Triton kernels and torch.compile on
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast import difftest as D
-from anvil_fast.cascade import FAITHFUL, SAFE
-from anvil_fast import tolerances as TOL
-from anvil_fast.tolerances import check, check_row
+from anvil_fast.studies import difftest as D
+from anvil_fast.core.cascade import FAITHFUL, SAFE
+from anvil_fast.core import tolerances as TOL
+from anvil_fast.core.tolerances import check, check_row
 
 # FAITHFUL is the seed: it explodes on near-rank-1 input and overflows on huge input (by design;
 # tests/test_near_rank1.py). Every other family must be within tolerance in both configurations.
@@ -48,7 +48,7 @@ def test_triton_kernels_in_the_interpreter_within_tolerance():
 def test_the_harness_catches_a_wrong_cascade(monkeypatch):
     # a mutant: the last map skipped (the cascade is robust to small coefficient errors by design,
     # so a plausible slip is a dropped step) -> the cascade row must fail
-    import anvil_fast.difftest as mod
+    import anvil_fast.studies.difftest as mod
     from anvil_ref.constants import ANVIL_MAPS
 
     wrong = list(ANVIL_MAPS[:-1])
@@ -61,7 +61,7 @@ def test_the_harness_catches_a_wrong_cascade(monkeypatch):
 
 def _shared_maps_bug(monkeypatch, maps):
     """Both the fast and the eager cascade run ``maps`` (a bug in what both import), the reference not."""
-    import anvil_fast.difftest as mod
+    import anvil_fast.studies.difftest as mod
 
     fast, eager = mod.fast_cascade, mod.eager_bf16_cascade
     monkeypatch.setattr(mod, "fast_cascade", lambda x, **kw: fast(x, **{**kw, "maps": maps}))
@@ -93,7 +93,7 @@ def test_a_shared_dropped_map_fails(monkeypatch):
 
 
 def test_a_fast_only_coefficient_change_loses_the_shared_bits(monkeypatch):
-    import anvil_fast.difftest as mod
+    import anvil_fast.studies.difftest as mod
     from anvil_ref.constants import ANVIL_MAPS
 
     wrong = tuple((a, b, 1.001 * c) for a, b, c in ANVIL_MAPS)
@@ -109,7 +109,7 @@ def test_a_fast_only_coefficient_change_loses_the_shared_bits(monkeypatch):
 def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
     # a bug shared by fast and eager in an element-wise component: the rail blend weight, or the
     # equalizer's EMA weight, both off by 1%
-    import anvil_fast.difftest as mod
+    import anvil_fast.studies.difftest as mod
 
     if component == "momentum":
         rails, eager = mod.twin_rail, mod.eager_rails
@@ -128,7 +128,7 @@ def test_a_shared_elementwise_coefficient_change_fails(monkeypatch, component):
 
 
 def test_the_harness_catches_a_wrong_update(monkeypatch):
-    import anvil_fast.difftest as mod
+    import anvil_fast.studies.difftest as mod
 
     real = mod.sign_aligned_update
     monkeypatch.setattr(mod, "sign_aligned_update",
@@ -156,7 +156,7 @@ def test_the_eager_side_counts_roundings_by_path_and_size():
     # the split ``a*X + X@B`` (FAITHFUL above SPLIT_BADDBMM_MIN_ROWS rows) makes 27 roundings, the fused
     # one 21; the mean singular-value bound applies up to CASCADE_SV_MAX_DIM rows/cols, and where it
     # applies a missing measurement fails
-    from anvil_fast import tolerances as TOL
+    from anvil_fast.core import tolerances as TOL
 
     def row(shape, config, eager, sv):
         return D.Row("cascade", shape, "well_conditioned", config, fast=eager, floor=0.0017, eager=eager,

@@ -8,7 +8,7 @@ What a session checks, on the model of tests/optimizer_cases.py (every kind of p
   single-process run bit for bit -- parameters and every rank's shard of the state -- over 8 steps
   with Adam/non-Adam steps, the sparse update, deferred gathers and the untie;
 * with each rank's own gradients: one step from a common state equals the reference step on the
-  mean gradient within anvil_fast/tolerances.py (the single-process fast step on the rounded mean is the
+  mean gradient within anvil_fast/core/tolerances.py (the single-process fast step on the rounded mean is the
   "other draw" for the banks), and after 20 steps every rank's replica is bitwise identical;
 * checkpoint on two ranks: save, load into a fresh model/optimizer, continue: bit-identical;
 * a non-finite gradient on one rank makes every rank refuse the step (no hang, nothing written);
@@ -24,15 +24,15 @@ import numpy as np
 import pytest
 import torch
 
-from anvil_fast.distributed import all_digests, replica_digest, spawn
+from anvil_fast.dist.distributed import all_digests, replica_digest, spawn
 from tests import optimizer_cases as C
 
 WORLD = 2
 
 
 def _opt(comms, device, compile_banks, params=None):
-    from anvil_fast.bank import anvil_bank_update
-    from anvil_fast.optimizer import AnvilAndAdam
+    from anvil_fast.core.bank import anvil_bank_update
+    from anvil_fast.optim.optimizer import AnvilAndAdam
 
     update = None if compile_banks else functools.partial(anvil_bank_update, compile=False)
     return AnvilAndAdam(params or C.make_params(device=device), C.TABLE, C.SCATTER, C.WORK, comms=comms,
@@ -79,10 +79,10 @@ def _state_equal(dist_opt, single) -> dict[str, bool]:
 
 def _session(rank: int, world: int, device: str, compile_banks: bool) -> dict:
     import anvil_ref as A
-    from anvil_fast.comms import DistComms, LocalComms
-    from anvil_fast.difftest import rel_err
-    from anvil_fast.optimizer import NonFiniteGradientError
-    from anvil_fast import tolerances as TOL
+    from anvil_fast.dist.comms import DistComms, LocalComms
+    from anvil_fast.studies.difftest import rel_err
+    from anvil_fast.optim.optimizer import NonFiniteGradientError
+    from anvil_fast.core import tolerances as TOL
 
     if device == "cuda":
         device = f"cuda:{rank}"
@@ -123,7 +123,7 @@ def _session(rank: int, world: int, device: str, compile_banks: bool) -> dict:
     #         parameter's dtype on both backends (NCCL's premultiplied AVG gives the same bits: the
     #         halving is exact), so the single-process run fed that average must match bit for bit;
     #         and that same single-process step must match the reference (float64, same gradient)
-    #         within anvil_fast/tolerances.py, next to the eager-bf16 floor.
+    #         within anvil_fast/core/tolerances.py, next to the eager-bf16 floor.
     t = 8
     per_rank = [C.gradients(t, rank=r, device=device) for r in range(world)]
     avg = {l: (per_rank[0][l].to(dist_opt.params[l].dtype) + per_rank[1][l].to(dist_opt.params[l].dtype)) / 2
@@ -230,7 +230,7 @@ def _buffers_session(rank, device, compile_banks) -> dict[str, bool]:
 
 
 def _dropin(rank, device):
-    from anvil_fast.entry import ANVIL
+    from anvil_fast.optim.entry import ANVIL
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16), torch.nn.ReLU(),

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 import anvil_fast
-from anvil_fast import dropin as D
-from anvil_fast.dropin import DropInAnvil
-from anvil_fast.entry import ANVIL
-from anvil_fast.optimizer import NonFiniteGradientError
+from anvil_fast.models import gpt
+from anvil_fast.optim import dropin as D
+from anvil_fast.optim.dropin import DropInAnvil
+from anvil_fast.optim.entry import ANVIL
+from anvil_fast.optim.optimizer import NonFiniteGradientError
 from anvil_ref.rails import rail_scalars
 from anvil_ref.config import ConfigError
 from tests import optimizer_cases as C
@@ -106,12 +107,12 @@ def test_trains_with_an_lr_scheduler_and_matches_the_inner_step():
 
 def test_step_is_the_reference_step():
     """One drop-in step on an fp32 model against ReferenceAnvilAndAdam (Adam every step) from the same
-    state, next to the same step with the eager-bf16 bank update (anvil_fast/tolerances.py's rule): the
+    state, next to the same step with the eager-bf16 bank update (anvil_fast/core/tolerances.py's rule): the
     banks' fp32 masters are the model's parameters themselves."""
     import copy
 
-    from anvil_fast.difftest import rel_err
-    from anvil_fast import tolerances as TOL
+    from anvil_fast.studies.difftest import rel_err
+    from anvil_fast.core import tolerances as TOL
 
     torch.manual_seed(1)
     m = TinyLM()
@@ -227,7 +228,7 @@ def _assert_bitwise_same(m1, m2, o1, o2):
 def test_gpt_with_d_model_equal_to_context_banks_every_hidden_matrix():
     """tiny GPT: n_embd = ctx = 64, so the position embedding's row count equals every hidden size;
     heads are found by identity and name, never by size."""
-    m = anvil_fast.gpt.build("tiny")
+    m = gpt.build("tiny")
     assert m.cfg.n_embd == m.cfg.ctx == 64
     opt = ANVIL(m)
     banked = {n for ns in opt.banks.values() for n in ns}
@@ -238,7 +239,7 @@ def test_gpt_with_d_model_equal_to_context_banks_every_hidden_matrix():
     assert reasons["lm_head.weight"] == "output head"
     assert reasons["blocks.0.ln1.weight"] == "scalar/vector"
     # lr reaches the banks: a different lr gives different matrices after one step
-    m2 = anvil_fast.gpt.build("tiny")
+    m2 = gpt.build("tiny")
     opt2 = ANVIL(m2, lr=0.5 * opt.param_groups[0]["lr"])
     x = _gpt_batch(0)
     _gpt_step(m, opt, x)
@@ -247,7 +248,7 @@ def test_gpt_with_d_model_equal_to_context_banks_every_hidden_matrix():
 
 
 def test_tied_head_is_caught_by_identity():
-    m = anvil_fast.gpt.build("tiny", tie_embeddings=True)
+    m = gpt.build("tiny", tie_embeddings=True)
     opt = ANVIL(m)
     entry = {e.name: e for e in opt.plan}["wte.weight"]  # lm_head.weight is the same tensor
     assert entry.route == "adam" and entry.reason == "embedding"
@@ -363,7 +364,7 @@ def test_four_dim_parameter_without_rule_is_refused_with_a_hint():
 
 
 def test_split_rows_banks_each_row_block():
-    m = anvil_fast.gpt.build("tiny")
+    m = gpt.build("tiny")
     qkv = m.blocks[0].attn.qkv.weight
     opt = ANVIL(m, split_rows={"blocks.0.attn.qkv.weight": 3, "blocks.1.attn.qkv.weight": 3})
     assert opt.banks["bank_64x64_float32"] == ["blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight",
@@ -375,9 +376,9 @@ def test_split_rows_banks_each_row_block():
     assert qkv.data_ptr() == bank.data_ptr() and qkv.shape == (192, 64)
     assert opt.inner.param_cfgs["bank_64x64_float32"].reshape == (8, 64, 64)
     with pytest.raises(ConfigError, match="5 blocks"):
-        ANVIL(anvil_fast.gpt.build("tiny"), split_rows={"blocks.0.attn.qkv.weight": 5})
+        ANVIL(gpt.build("tiny"), split_rows={"blocks.0.attn.qkv.weight": 5})
     with pytest.raises(ConfigError, match="goes to Adam"):
-        ANVIL(anvil_fast.gpt.build("tiny"), split_rows={"wte.weight": 2})
+        ANVIL(gpt.build("tiny"), split_rows={"wte.weight": 2})
 
 
 @pytest.mark.parametrize("convention, expected", [("seed", {"bank_256x64_float32": 2.0, "bank_64x256_float32": 1.0}),
@@ -389,12 +390,12 @@ def test_lr_scale_conventions(convention, expected):
     (256: 3.2, 64: 1.6): values worked by hand."""
     from anvil_ref.update import shape_lr_multiplier
 
-    opt = ANVIL(anvil_fast.gpt.build("tiny"), lr_scale=convention)
+    opt = ANVIL(gpt.build("tiny"), lr_scale=convention)
     assert shape_lr_multiplier(256, 64, convention=convention) == expected["bank_256x64_float32"]
     for label, want in expected.items():
         assert opt.inner.param_cfgs[label].lr_mul == pytest.approx(want, rel=1e-15), label
     with pytest.raises(ValueError, match="lr_scale"):
-        ANVIL(anvil_fast.gpt.build("tiny"), lr_scale="muon")
+        ANVIL(gpt.build("tiny"), lr_scale="muon")
     with pytest.raises(ValueError, match="convention"):
         shape_lr_multiplier(4, 4, convention="muon")
 
@@ -742,7 +743,7 @@ def test_bad_input():
 def _two_rank_session(rank, world_size):
     """On each rank: its own data; step 2 has a NaN on rank 1 only; step 3 leaves blocks.1.q.weight
     (a member of a bank split over both ranks) without a gradient."""
-    from anvil_fast.distributed import all_digests
+    from anvil_fast.dist.distributed import all_digests
 
     torch.manual_seed(0)
     m = TinyLM()
@@ -772,7 +773,7 @@ def _two_rank_session(rank, world_size):
 
 @pytest.mark.distributed
 def test_two_ranks_skip_together_and_leave_gradless_members_alone():
-    from anvil_fast.distributed import spawn
+    from anvil_fast.dist.distributed import spawn
 
     res = spawn(_two_rank_session, 2)
     for out in res:
@@ -819,7 +820,7 @@ def test_one_gpu_graphs_follow_a_beta2_change():
 @pytest.mark.gpu
 def test_grad_scaler_fp16_autocast_on_cuda():
     torch.manual_seed(0)
-    m = anvil_fast.gpt.build("tiny", device="cuda")
+    m = gpt.build("tiny", device="cuda")
     opt = ANVIL(m)
     scaler = torch.amp.GradScaler("cuda")
     losses = []
@@ -837,7 +838,7 @@ def test_grad_scaler_fp16_autocast_on_cuda():
 
 @pytest.mark.gpu
 def test_inductor_compiled_model_on_cuda():
-    m = anvil_fast.gpt.build("tiny", device="cuda")
+    m = gpt.build("tiny", device="cuda")
     compiled = torch.compile(m)
     opt = ANVIL(compiled)
     assert "_orig_mod" not in opt.describe()

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import anvil_fast
-from anvil_fast.dropin import DropInAnvil
-from anvil_fast.entry import ANVIL
+from anvil_fast.optim.dropin import DropInAnvil
+from anvil_fast.optim.entry import ANVIL
 from anvil_ref.config import ConfigError
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -449,7 +449,7 @@ def test_a_state_re_keyed_by_the_checkpoint_library_is_merged_back():
     """torch.distributed.checkpoint returns the non-tensor values of an int-keyed state under the
     key's string; the loader merges "3" into 3 (here a dict with an int step, as the several-rank
     path keeps it)."""
-    from anvil_fast.dropin import merged_state_keys
+    from anvil_fast.optim.dropin import merged_state_keys
 
     m_ = torch.zeros(2)
     state = {3: {"exp_avg": m_}, "3": {"step": 7}, 4: {"exp_avg": m_, "step": 1}, "note": {"k": 1}}

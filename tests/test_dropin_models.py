@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from anvil_fast.dropin import DropInAnvil
-from anvil_fast.entry import ANVIL
+from anvil_fast.optim.dropin import DropInAnvil
+from anvil_fast.optim.entry import ANVIL
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

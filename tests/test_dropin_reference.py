@@ -5,7 +5,7 @@ Every hyperparameter has a non-default value; every param-group value changes mi
 are fixed, seeded sequences set on ``.grad`` (no training feedback, so errors do not compound through
 the model). Matrix gradients are well conditioned (condition number at most ~13,
 a per-step row scaling so the lane energies move) and bf16-representable (an fp32 bank's gradient
-travels in bf16, which is then exact). Tolerances: anvil_fast/tolerances.py, section "drop-in".
+travels in bf16, which is then exact). Tolerances: anvil_fast/core/tolerances.py, section "drop-in".
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
-from anvil_fast.difftest import rel_err
-from anvil_fast.dropin import DropInAnvil
-from anvil_fast.entry import ANVIL
+from anvil_fast.studies.difftest import rel_err
+from anvil_fast.optim.dropin import DropInAnvil
+from anvil_fast.optim.entry import ANVIL
 from tests import optimizer_cases as C
-from anvil_fast import tolerances as TOL
+from anvil_fast.core import tolerances as TOL
 from anvil_ref.dropin import SPEC_HEAD_NAMES, DropinReference, route_parameters
 
 
@@ -144,7 +144,7 @@ def ulp32(x: np.ndarray) -> np.ndarray:
 
 class AdamBound:
     """Elementwise bound on |fast - reference| of an fp32 Adam parameter over a run, from the
-    per-step ulp budgets of anvil_fast/tolerances.py: the moments' errors accumulate through their EMAs
+    per-step ulp budgets of anvil_fast/core/tolerances.py: the moments' errors accumulate through their EMAs
     (each step adds ADAM_MOMENT_ULPS ulps of the larger input), enter the update scaled by
     step_size / (sqrt(v') + eps) (m) and |u| / (2 v') (v, through the square root), and each step adds
     ADAM_ULPS ulps of the largest term (C.adam_terms) to the parameter's error."""
@@ -173,7 +173,7 @@ class AdamBound:
 
 class RailBound:
     """Elementwise bound on an fp32 rail against float64: each EMA step adds RAILS_ULPS ulps of the
-    larger of its inputs and its result (anvil_fast/tolerances.py) and carries the old error at most 1x."""
+    larger of its inputs and its result (anvil_fast/core/tolerances.py) and carries the old error at most 1x."""
 
     def __init__(self, shape):
         self.e = np.zeros(shape)
@@ -270,7 +270,7 @@ def run_pair(model_cls=Zoo, *, kw=KW, steps=STEPS, change_at=CHANGE_AT, no_grad:
 def check_run(model_cls=Zoo, *, kw=KW, no_grad=None, ref_kw=None, opt_kw=None, steps=STEPS, eager=True,
               dtype=torch.float32):
     """All assertions of a run: Adam elementwise within AdamBound; matrices' rails within RailBound,
-    lane energies and weight steps within the drop-in rows of anvil_fast/tolerances.py, and (with the
+    lane energies and weight steps within the drop-in rows of anvil_fast/core/tolerances.py, and (with the
     eager twin) the bf16 rule against the eager-bf16 bank update."""
     bounds, rail_bounds = {}, {}
     worst = {}
@@ -391,7 +391,7 @@ def test_bf16_model_keeps_exact_fp32_masters():
 def test_adam_through_the_triton_kernel(monkeypatch):
     """The same run with Adam in the Triton kernel (the interpreter on CPU; CUDA takes it always):
     the rows no token reached (zero gradient, zero moments, u = 0) must not decay."""
-    import anvil_fast.adam as adam_mod
+    import anvil_fast.kernels.adam as adam_mod
 
     monkeypatch.setattr(adam_mod, "use_triton", lambda t, backend: backend != "torch")
     check_run(steps=3, eager=False)
@@ -490,7 +490,7 @@ def test_anvil_and_adam_with_maps_and_a_replicated_tied_lm_head():
     """AnvilAndAdam with a three-map cascade (maps=) and replicated tied embed/lm_head against
     ReferenceAnvilAndAdam built from the same user table: lm_head's step reads its gradient plus
     embed's transposed, and embed = lm_head^T afterwards."""
-    from anvil_fast.optimizer import AnvilAndAdam
+    from anvil_fast.optim.optimizer import AnvilAndAdam
     from anvil_ref import ANVIL_MAPS, ParamSpec, ReferenceAnvilAndAdam
 
     maps = ANVIL_MAPS[:3]

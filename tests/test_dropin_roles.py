@@ -1,4 +1,4 @@
-"""anvil_fast.roles and the drop-in's routing by what each parameter does (vision models built here
+"""anvil_fast.optim.roles and the drop-in's routing by what each parameter does (vision models built here
 from plain torch modules in the layouts of torchvision and timm; a GPT-2 block with transformers'
 Conv1D layout; the package's own GPT, whose routing is pinned)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import anvil_fast
-from anvil_fast.dropin import DropInAnvil
-from anvil_fast.entry import ANVIL
+from anvil_fast.models import gpt
+from anvil_fast.optim.dropin import DropInAnvil
+from anvil_fast.optim.entry import ANVIL
 from anvil_ref.config import ConfigError
 from anvil_ref.equalizer import lane_energy_shape, reduction_axis
 from anvil_ref.update import shape_lr_multiplier
@@ -166,7 +166,7 @@ class Gpt2Mlp(nn.Module):
 
 # ------------------------------------------------------------------ roles (the observation itself)
 def test_observe_sees_tables_products_orientation_and_io_layers():
-    from anvil_fast.roles import observe
+    from anvil_fast.optim.roles import observe
 
     m = _seeded(TableNet)
     obs = observe(m, torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1)), list(m.parameters()))
@@ -180,7 +180,7 @@ def test_observe_sees_tables_products_orientation_and_io_layers():
 
 
 def test_observe_changes_nothing():
-    from anvil_fast.roles import observe
+    from anvil_fast.optim.roles import observe
 
     m = _seeded(ResNetLike)
     m.train()
@@ -392,20 +392,20 @@ def _gpt_plan(opt):
 def test_package_gpt_routes_are_pinned(size):
     """Written out by hand from the routing the package's training results were made with: every
     hidden matrix banked by shape in layer order, embeddings, head and vectors on Adam."""
-    m = anvil_fast.gpt.build(size)
+    m = gpt.build(size)
     L, d = m.cfg.n_layer, m.cfg.n_embd
     want_banks = {f"bank_{3 * d}x{d}_float32": [f"blocks.{i}.attn.qkv.weight" for i in range(L)],
                   f"bank_{d}x{d}_float32": [f"blocks.{i}.attn.proj.weight" for i in range(L)],
                   f"bank_{4 * d}x{d}_float32": [f"blocks.{i}.mlp.fc.weight" for i in range(L)],
                   f"bank_{d}x{4 * d}_float32": [f"blocks.{i}.mlp.proj.weight" for i in range(L)]}
     x = torch.randint(0, m.cfg.vocab, (2, 9), generator=torch.Generator().manual_seed(0))
-    for opt in (ANVIL(m), ANVIL(anvil_fast.gpt.build(size), example_input=(x[:, :-1], x[:, 1:]))):
+    for opt in (ANVIL(m), ANVIL(gpt.build(size), example_input=(x[:, :-1], x[:, 1:]))):
         banks, adam, reasons = _gpt_plan(opt)
         assert banks == want_banks
         assert set(adam) == {n for n, _ in m.named_parameters()} - {n for ns in want_banks.values() for n in ns}
         assert reasons["wte.weight"] == reasons["wpe.weight"] == "embedding"
         assert reasons["lm_head.weight"] == "output head"
-    m = anvil_fast.gpt.build(size)
+    m = gpt.build(size)
     opt = ANVIL(m)
     m(x[:, :-1], x[:, 1:]).backward()  # the traced first forward keeps the plan
     assert _gpt_plan(opt)[0] == want_banks and "observed forward" in opt.describe()

@@ -76,18 +76,18 @@ def test_bad_input():
 
 
 # =================================================================================================
-# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast equalizer (anvil_fast/equalizer.py),
+# anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast equalizer (anvil_fast/kernels/equalizer.py),
 # unguarded (FAITHFUL) and guarded (SAFE), on tall / wide / square banks: bf16 output within
-# anvil_fast/tolerances.py, lane energy within LANE_ENERGY_ULPS.
+# anvil_fast/core/tolerances.py, lane energy within LANE_ENERGY_ULPS.
 
 @pytest.mark.parametrize("config", ["safe", "faithful"])
 @pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (2, 32, 32)])
 def test_fast_equalizer_matches_reference(config, shape):
     import torch
 
-    from anvil_fast import difftest as D
-    from anvil_fast.cascade import get_config
-    from anvil_fast.tolerances import check_row
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.cascade import get_config
+    from anvil_fast.core.tolerances import check_row
 
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(1)), margin=1.05)
     row, _ = D.equalizer_row(v, shape, "gaussian", get_config(config), compile=False)
@@ -100,9 +100,9 @@ def test_fast_equalizer_matches_reference(config, shape):
 def test_triton_equalizer_matches_reference(shape, triton_dev):
     import torch
 
-    from anvil_fast import difftest as D
-    from anvil_fast.cascade import SAFE
-    from anvil_fast.tolerances import check_row
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.cascade import SAFE
+    from anvil_fast.core.tolerances import check_row
 
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(1)), margin=1.05)
     row, _ = D.equalizer_row(v, shape, "gaussian", SAFE, compile=False, backend="triton", device=triton_dev)
@@ -112,7 +112,7 @@ def test_triton_equalizer_matches_reference(shape, triton_dev):
 def _equalize_both(v, energy, dev, *, guard=True):
     import torch
 
-    from anvil_fast.equalizer import equalize as fast_equalize
+    from anvil_fast.kernels.equalizer import equalize as fast_equalize
 
     red = reduction_axis(v.shape)
     out = []
@@ -131,8 +131,8 @@ def test_triton_equalizer_equals_the_torch_one_up_to_summation_order(guard, trit
     # the guard's verdicts identical (matrix 1 is scaled past the bound, matrix 2 holds a NaN).
     import torch
 
-    from anvil_fast.difftest import err_ulps
-    from anvil_fast.tolerances import LANE_ENERGY_ULPS
+    from anvil_fast.studies.difftest import err_ulps
+    from anvil_fast.core.tolerances import LANE_ENERGY_ULPS
 
     shape = (4, 96, 40)
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(2)), margin=1.05).bfloat16()
@@ -156,7 +156,7 @@ def test_triton_equalizer_does_not_depend_on_the_bank_size(triton_dev):
     # bank (the sharded optimizer equals the one-process run bit for bit only then).
     import torch
 
-    from anvil_fast.equalizer import equalize as fast_equalize
+    from anvil_fast.kernels.equalizer import equalize as fast_equalize
 
     shape = (4, 40, 24)
     v = A.cascade(torch.randn(shape, generator=torch.Generator().manual_seed(3)), margin=1.05).bfloat16().to(triton_dev)
@@ -172,7 +172,7 @@ def test_triton_equalizer_does_not_depend_on_the_bank_size(triton_dev):
 def test_fast_equalizer_has_the_reference_name_and_keyword_only_beta2():
     import inspect
 
-    from anvil_fast import equalizer as FE
+    from anvil_fast.kernels import equalizer as FE
     from anvil_ref import equalizer as RE
 
     for fn in (FE.equalize, RE.equalize):
@@ -183,7 +183,7 @@ def test_fast_equalizer_defaults_to_the_reference_lane_rule():
     # A wide bank: lanes are columns (reduction over rows, axis -2); the default must pick it.
     import torch
 
-    from anvil_fast.equalizer import equalize as fast_equalize
+    from anvil_fast.kernels.equalizer import equalize as fast_equalize
 
     v = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(41)).bfloat16()
     e = torch.ones(2, 1, 5)

@@ -1,4 +1,4 @@
-"""The front-ends' base (anvil_fast.frontend): the learning rate's one path from the param group
+"""The front-ends' base (anvil_fast.optim.frontend): the learning rate's one path from the param group
 to the device's scalars, and the seams the front-ends and the graphs use instead of each other's
 private attributes."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from anvil_fast.entry import ANVIL
+from anvil_fast.optim.entry import ANVIL
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Learning rates no other value of a step takes, so a frame holding one holds the learning rate.
@@ -82,8 +82,8 @@ def _backward(model, seed: int) -> None:
 
 #: param group -> the base (checked, change noticed) -> the drop-in's hand-over -> the inner
 #: optimizer's seam (set, then read once) -> the device step's inbox, from which the device derives
-#: the scalars the kernels read (anvil_fast.frontend's docstring).
-EXPECTED = ["anvil_fast.frontend", "anvil_fast.dropin", "anvil_fast.optimizer", "anvil_fast.device_step"]
+#: the scalars the kernels read (anvil_fast.optim.frontend's docstring).
+EXPECTED = ["anvil_fast.optim.frontend", "anvil_fast.optim.dropin", "anvil_fast.optim.optimizer", "anvil_fast.optim.device_step"]
 
 
 def test_the_learning_rate_passes_through_each_module_once():
@@ -106,16 +106,16 @@ def test_the_learning_rate_passes_through_each_module_once():
 def test_the_path_finder_sees_a_module_that_reads_the_value_back():
     """The tracer reports a second pass through a module (what a front-end reading the inner
     optimizer's values back, beside its hand-over, would show)."""
-    from anvil_fast import dropin
+    from anvil_fast.optim import dropin
 
     def twice():
         dropin._describe_value(LR)  # a drop-in frame holding the value
         torch.tensor(1.0).add(1)
-        check = sys.modules["anvil_fast.frontend"].check_hyperparameters
+        check = sys.modules["anvil_fast.optim.frontend"].check_hyperparameters
         check("adam", dict(lr=LR, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8))
         dropin._describe_value(LR)
 
-    assert lr_path(twice, LR) == ["anvil_fast.dropin", "anvil_fast.frontend", "anvil_fast.dropin"]
+    assert lr_path(twice, LR) == ["anvil_fast.optim.dropin", "anvil_fast.optim.frontend", "anvil_fast.optim.dropin"]
 
 
 def _attribute_chains(path: Path) -> set[str]:
@@ -133,12 +133,12 @@ def _attribute_chains(path: Path) -> set[str]:
 
 
 def test_front_ends_and_graphs_use_the_inner_optimizers_public_seams():
-    fsdp = _attribute_chains(ROOT / "anvil_fast" / "fsdp.py")
+    fsdp = _attribute_chains(ROOT / "anvil_fast" / "optim" / "fsdp.py")
     assert not [c for c in fsdp if c.startswith(("self.local._", "self.local.inner"))], sorted(fsdp)
-    graphs = _attribute_chains(ROOT / "anvil_fast" / "graphs.py")
+    graphs = _attribute_chains(ROOT / "anvil_fast" / "optim" / "graphs.py")
     assert not [c for c in graphs if c.startswith("opt._") or c.startswith("self.opt._")]
     # the drop-in hands its values over through AnvilAndAdam.set_hyperparameters alone
-    src = (ROOT / "anvil_fast" / "dropin.py").read_text()
+    src = (ROOT / "anvil_fast" / "optim" / "dropin.py").read_text()
     tree = ast.parse(src)
     written = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]

@@ -1,4 +1,4 @@
-"""``anvil_fast.ANVIL`` on an FSDP2 model (anvil_fast/fsdp.py) against the single-process drop-in.
+"""``anvil_fast.ANVIL`` on an FSDP2 model (anvil_fast/optim/fsdp.py) against the single-process drop-in.
 
 Ranks are spawned with gloo on the CPU (NCCL on two GPUs for the gpu-marked versions), as in
 tests/test_dropin_reference.py. Every run sets fixed, seeded gradients on ``.grad`` (each rank its
@@ -20,11 +20,11 @@ import os
 import pytest
 import torch
 
-from anvil_fast.dropin import DropInAnvil, plan_routes, classify, named_parameters_of
-from anvil_fast.entry import ANVIL
-from anvil_fast import gpt
-from anvil_fast import tolerances as TOL
-from anvil_fast.fsdp import assign_owners, shard_rows
+from anvil_fast.optim.dropin import DropInAnvil, plan_routes, classify, named_parameters_of
+from anvil_fast.optim.entry import ANVIL
+from anvil_fast.models import gpt
+from anvil_fast.core import tolerances as TOL
+from anvil_fast.optim.fsdp import assign_owners, shard_rows
 
 KW = dict(lr=0.031, adam_lr=0.02, momentum=0.9, fast_beta=0.7, fast_weight=0.6, beta2=0.8, weight_decay=1.5,
           adam_betas=(0.8, 0.9), adam_eps=1e-8, adam_weight_decay=0.3)
@@ -260,7 +260,7 @@ def _rank_refusals(rank: int, world: int, folder: str, rendezvous: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.nn.parallel import DistributedDataParallel
 
-    from anvil_fast.comms import LocalComms
+    from anvil_fast.dist.comms import LocalComms
 
     _init(rank, world, rendezvous)
     out: dict = {}
@@ -360,7 +360,7 @@ def _check_equal(ref: dict, out: dict, world: int, where: str, path: dict | None
     """Every rank's shards are its rows of the whole weights it reports, and the whole weights equal
     the single-process run's: bit for bit (``path`` None), or on a GPU, where a bank's kernels may
     be tuned per bank size (tools/chunk_independence.py), a banked matrix within the drop-in row of
-    anvil_fast/tolerances.py: each step's error is at most DROPIN_STEP_REL of that step (the
+    anvil_fast/core/tolerances.py: each step's error is at most DROPIN_STEP_REL of that step (the
     gradients are fixed, so errors add and do not feed back), hence at most DROPIN_STEP_REL times
     the path's length. Adam is element-wise: bit for bit everywhere."""
     for n, v in ref.items():
@@ -559,9 +559,10 @@ def test_the_factory_builds_the_drop_in_for_plain_tensors_and_both_are_front_end
     import inspect
 
     import anvil_fast
-    from anvil_fast import dropin, entry
-    from anvil_fast.fsdp import FSDPAnvil, holds_dtensors
-    from anvil_fast.frontend import AnvilFrontend
+    from anvil_fast.optim import dropin
+    from anvil_fast.optim import entry
+    from anvil_fast.optim.fsdp import FSDPAnvil, holds_dtensors
+    from anvil_fast.optim.frontend import AnvilFrontend
 
     assert inspect.isfunction(anvil_fast.ANVIL) and anvil_fast.ANVIL is entry.ANVIL
     params = inspect.signature(DropInAnvil).parameters

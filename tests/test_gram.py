@@ -1,8 +1,8 @@
-"""The symmetric Gram kernels (anvil_fast.gram): exactness against float64, exact symmetry, every size,
+"""The symmetric Gram kernels (anvil_fast.kernels.gram): exactness against float64, exact symmetry, every size,
 bad input.
 
 Without CUDA the Triton kernels run in Triton's CPU interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1), with the two interpreter work-arounds of anvil_fast/_triton.py, whose probes are
+TRITON_INTERPRET=1), with the two interpreter work-arounds of anvil_fast/kernels/backend.py, whose probes are
 tested here too. With CUDA the same tests run the compiled kernels (and the gpu-marked ones add the
 native-only cases: 64-bit offsets, production tile sizes).
 
@@ -19,9 +19,9 @@ import math
 import pytest
 import torch
 
-from anvil_fast import gram as G
-from anvil_fast import _triton as T
-from anvil_fast._triton import interpreting, triton_available
+from anvil_fast.kernels import gram as G
+from anvil_fast.kernels import backend as T
+from anvil_fast.kernels.backend import interpreting, triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 
@@ -154,7 +154,7 @@ def test_bad_kernel_name_is_refused():
 
 
 def test_tuner_drops_failures_and_disagreements_and_keeps_the_fastest():
-    from anvil_fast import gram_tune as GT
+    from anvil_fast.kernels import gram_tune as GT
 
     T = G.TileConfig
     ref, slow, fast, ulp, wrong, boom = (T(32, 32, 32, 4, 1, kernel="v1"), T(64, 64, 64, 4, 3), T(64, 64, 64, 4, 3, kernel="tma"),
@@ -187,7 +187,7 @@ def test_tuner_drops_failures_and_disagreements_and_keeps_the_fastest():
 
 
 def test_tuner_caches_per_key_and_steps_aside_when_disabled(monkeypatch):
-    from anvil_fast import gram_tune as GT
+    from anvil_fast.kernels import gram_tune as GT
 
     T = G.TileConfig
     calls = []
@@ -209,7 +209,7 @@ def test_tuner_caches_per_key_and_steps_aside_when_disabled(monkeypatch):
 
 
 def test_tuner_candidates_fit_the_problem(monkeypatch):
-    from anvil_fast import gram_tune as GT
+    from anvil_fast.kernels import gram_tune as GT
 
     big = GT.candidates("gram", GT.ProblemKey("XXT", 768, 768, 768, 64, 0), 132)
     assert any(c.kernel == "tma" and c.per_sm for c in big) and all(c.kernel != "cublas" for c in big)
@@ -240,7 +240,7 @@ def test_torch_fallback_has_the_kernel_semantics():
 def test_batches_beyond_the_launch_limit_are_sliced(monkeypatch, kernel):
     # v1 slices the batch axis of its 2-D grid; the current kernels slice so the flattened
     # (matrix, tile) index stays below _MAX_TILES_PER_LAUNCH. Count the launches to see it happen.
-    from anvil_fast import gram_kernels as K
+    from anvil_fast.kernels import gram_kernels as K
 
     monkeypatch.setattr(T, "MAX_GRID_Y", 2)
     monkeypatch.setattr(G, "_MAX_TILES_PER_LAUNCH", 2)  # 32-tiles of a 20-wide Gram: 1 tile per matrix
@@ -263,7 +263,7 @@ def test_batches_beyond_the_launch_limit_are_sliced(monkeypatch, kernel):
 
 def test_the_v1_loop_and_launch_are_written_once():
     # The lower-tile kernels run one K loop (_lower_tile_product_v1), every v1-style kernel launches
-    # through _launch_v1 (its batch slicing), and the grid limit is defined in _triton alone.
+    # through _launch_v1 (its batch slicing), and the grid limit is defined in backend alone.
     import ast
     from pathlib import Path
 
@@ -281,15 +281,15 @@ def test_the_v1_loop_and_launch_are_written_once():
     assert launched == {"_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_mm_add_kernel_v1", "_sym_mm_add_kernel"}
     assert not launched & {n.value.attr for n in gram if isinstance(n, ast.Subscript)
                            and isinstance(n.value, ast.Attribute)}
-    limits = sorted(p.name for p in src.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+    limits = sorted(p.name for p in src.parent.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
                     if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and "GRID_Y" in t.id for t in n.targets))
-    assert limits == ["_triton.py"]
-    assert "triton" not in (src / "gram_side.py").read_text()  # the Gram side's product is a Gram kernel
+    assert limits == ["backend.py"]
+    assert "triton" not in (src.parent / "core" / "gram_side.py").read_text()  # the Gram side's product is a Gram kernel
 
 
 def test_interpreter_probes_are_consistent():
-    from anvil_fast import _triton as T
-    from anvil_fast import gram_kernels as K
+    from anvil_fast.kernels import backend as T
+    from anvil_fast.kernels import gram_kernels as K
 
     if not interpreting():
         assert not T.dot_f32() and not T.round_fix()
@@ -365,7 +365,7 @@ def test_gpu_production_tiles_and_sizes():
 def test_gpu_every_tuner_candidate_is_exact(shape):
     # The tuner may pick any candidate for some shape: each one (all tile sizes, warps, stages, TMA,
     # persistent grids, cuBLAS for aX_plus_mm) must be exact and symmetric, here compiled for the GPU.
-    from anvil_fast import gram_tune as GT
+    from anvil_fast.kernels import gram_tune as GT
 
     X = torch.randn(shape, generator=torch.Generator().manual_seed(119)).to("cuda").bfloat16()
     # A ragged shape never gets TMA candidates (gram_tune.candidates): there, the pointer ones.
@@ -380,7 +380,7 @@ def test_gpu_every_tuner_candidate_is_exact(shape):
 
 @pytest.mark.gpu
 def test_gpu_tuner_records_and_reuses_its_choice():
-    from anvil_fast import gram_tune as GT
+    from anvil_fast.kernels import gram_tune as GT
 
     GT.reset()
     X = torch.randn(8, 768, 768, generator=torch.Generator().manual_seed(120)).to("cuda").bfloat16()

@@ -100,13 +100,13 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from anvil_fast import difftest as D  # noqa: E402
-from anvil_fast.cascade import (GRAM_SIDE, GRAM_SIDE_RESTARTS, SAFE, CascadeConfig, CascadeWorkspace,  # noqa: E402
+from anvil_fast.studies import difftest as D
+from anvil_fast.core.cascade import (GRAM_SIDE, GRAM_SIDE_RESTARTS, SAFE, CascadeConfig, CascadeWorkspace,  # noqa: E402
                                 cascade_workspace, fast_cascade, fast_gram_side, get_config)
-from anvil_fast.gram import GramInputError, sym_aX_plus_mm  # noqa: E402
-from anvil_fast.gram_side import GRAM_SIDE_MIN_ASPECT, eager_gram_side_cascade, uses_gram_side  # noqa: E402
-from anvil_fast.gram_side_study import STUDY_ALLOWANCE, choose_schedule  # noqa: E402
-from anvil_fast.near_rank1 import EXPLODED, near_rank1, top_singular_value  # noqa: E402
+from anvil_fast.kernels.gram import GramInputError, sym_aX_plus_mm  # noqa: E402
+from anvil_fast.core.gram_side import GRAM_SIDE_MIN_ASPECT, eager_gram_side_cascade, uses_gram_side  # noqa: E402
+from anvil_fast.studies.gram_side_study import STUDY_ALLOWANCE, choose_schedule  # noqa: E402
+from anvil_fast.studies.near_rank1 import EXPLODED, near_rank1, top_singular_value  # noqa: E402
 
 STUDY_JSON = Path(__file__).resolve().parents[1] / "papers" / "data" / "gram_side_study.json"
 
@@ -156,7 +156,7 @@ def test_sym_aX_plus_mm_torch_and_interpreted_kernel():
     assert torch.equal(got, got.mT)  # exactly symmetric
     low = torch.tril(torch.ones(n, n, dtype=torch.bool))
     assert torch.equal(got[:, low], want.bfloat16()[:, low])  # the lower triangle, rounded once
-    from anvil_fast._triton import interpreting
+    from anvil_fast.kernels.backend import interpreting
 
     if interpreting():
         # The kernel sums the same fp32 products in another order (32-wide K tiles): the sums differ by
@@ -172,8 +172,8 @@ def test_sym_aX_plus_mm_torch_and_interpreted_kernel():
 def test_sym_aX_plus_mm_slices_the_batch_at_the_grid_limit(triton_dev, monkeypatch):
     # Grid axis 1 holds the matrix index: with its limit lowered to 2, five matrices take three
     # launches and give the bits of one launch.
-    from anvil_fast import _triton as T
-    from anvil_fast import gram_kernels as K
+    from anvil_fast.kernels import backend as T
+    from anvil_fast.kernels import gram_kernels as K
 
     A = _bf16((5, 40, 40), 3)
     A = ((A.float() + A.float().mT) / 2).bfloat16().to(triton_dev)
@@ -208,8 +208,8 @@ def test_sym_aX_plus_mm_bad_input():
 def test_interpreted_kernels_against_torch_fallback(shape, sched):
     # The kernels sum in another order than the torch fallback, and the Gram side carries a differing
     # last bit into every later product, so the two are two draws of one error: the factor rule.
-    from anvil_fast._triton import interpreting
-    from anvil_fast.tolerances import bf16_bound
+    from anvil_fast.kernels.backend import interpreting
+    from anvil_fast.core.tolerances import bf16_bound
 
     if not interpreting():
         pytest.skip("needs Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)")
@@ -259,7 +259,7 @@ def test_difftest_rule_catches_a_wrong_restart():
     ref = A.cascade(x.bfloat16(), margin=GRAM_SIDE.margin())
     good = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin())
     bad = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin(), restarts=())
-    from anvil_fast.tolerances import bf16_bound
+    from anvil_fast.core.tolerances import bf16_bound
     assert D.rel_err(fast_gram_side(x, backend="torch"), ref) <= bf16_bound(D.rel_err(good, ref))
     # the schedule changes the rounding only, never the math: both are within the rule of each other...
     assert D.rel_err(bad, ref) <= bf16_bound(D.rel_err(good, ref)) or GRAM_SIDE_RESTARTS == ()
@@ -304,7 +304,7 @@ def test_gram_side_gpu():
         y = fast_cascade(x, config=GRAM_SIDE)
         ref = A.cascade(x.cpu().bfloat16(), margin=GRAM_SIDE.margin())
         e = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin())
-        from anvil_fast.tolerances import bf16_bound
+        from anvil_fast.core.tolerances import bf16_bound
         assert D.rel_err(y, ref) <= bf16_bound(D.rel_err(e, ref)), shape
         # the Triton kernels against the same path's torch fallback on the same GPU: one draw of the same error
         t = fast_gram_side(x, backend="torch")
@@ -334,7 +334,7 @@ def test_default_schedule_is_the_studys_choice():
 
 
 def test_cascade_flops_by_hand():
-    from anvil_fast.gram_side import cascade_flops
+    from anvil_fast.core.gram_side import cascade_flops
 
     # m = 8, n = 2, one tile (block >= n: a symmetric product costs a full one), K = 6 maps.
     m, n = 8, 2
@@ -381,7 +381,7 @@ def test_gram_side_cascade_replays_in_a_cuda_graph():
 def test_the_default_configuration_takes_the_gram_side_where_it_wins_on_cuda():
     """bank_config=None: GRAM_SIDE on CUDA banks of aspect >= 2 and short side >= 512 (the medium
     GPT's qkv, fc and mlp.proj), SAFE on square and narrow ones and everywhere on the CPU."""
-    from anvil_fast.cascade import GRAM_SIDE, SAFE, default_config_for
+    from anvil_fast.core.cascade import GRAM_SIDE, SAFE, default_config_for
 
     assert default_config_for((12, 2304, 768), "cuda") is GRAM_SIDE
     assert default_config_for((12, 768, 3072), "cuda") is GRAM_SIDE

@@ -1,4 +1,4 @@
-"""anvil_fast.graphs: bank updates as CUDA graphs, and the check that baked addresses are live.
+"""anvil_fast.optim.graphs: bank updates as CUDA graphs, and the check that baked addresses are live.
 
 On CPU: the address bookkeeping (what a capture bakes; a rebound parameter or state tensor is
 detected and named). On a GPU (gpu marker): capture changes nothing, replays equal the eager
@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast.graphs import (BankUpdateGraphs, GraphUnsupported, StaleGraphError, baked_addresses,
+from anvil_fast.optim.graphs import (BankUpdateGraphs, GraphUnsupported, StaleGraphError, baked_addresses,
                                capture_unsupported_reason, check_addresses, step_tensors)
 from anvil_ref.config import ConfigError
-from anvil_fast.optimizer import AnvilAndAdam
+from anvil_fast.optim.optimizer import AnvilAndAdam
 from tests import optimizer_cases as C
 
 
 def _opt(device="cpu", seed=0):
     import functools
 
-    from anvil_fast.bank import anvil_bank_update
+    from anvil_fast.core.bank import anvil_bank_update
 
     # compile=False: graphs of the eager update (Triton kernels + torch ops); the compiled update's
     # capture runs in the optimizer benchmark and the scaling measurements
@@ -91,7 +91,7 @@ def _fp32_banks(params):
 def _twins(device, fp32_banks):
     import functools
 
-    from anvil_fast.bank import anvil_bank_update
+    from anvil_fast.core.bank import anvil_bank_update
 
     def make():
         params = C.make_params(0, device=device)
@@ -277,7 +277,7 @@ def test_a_step_from_buffers_is_prepare_then_run_over_one_set_of_buffers():
 
 def test_step_graph_address_check_names_rebound_tensors():
     """The StepGraph's check before replay, without a GPU: bookkeeping of a captured plan."""
-    from anvil_fast.graphs import StepGraph, step_addresses
+    from anvil_fast.optim.graphs import StepGraph, step_addresses
 
     opt, _ = _twins("cpu", True)
     opt.grad_buffers()
@@ -300,9 +300,9 @@ def test_step_graph_address_check_names_rebound_tensors():
 
 
 def test_fp32_split_join_are_the_bit_halves():
-    """split_fp32_/join_fp32_ against anvil_fast.update's shift-and-mask definition, on bit
+    """split_fp32_/join_fp32_ against anvil_fast.kernels.update's shift-and-mask definition, on bit
     patterns covering signs, zeros, subnormals, infinities and NaN payloads."""
-    from anvil_fast.update import join_fp32, join_fp32_, split_fp32, split_fp32_
+    from anvil_fast.kernels.update import join_fp32, join_fp32_, split_fp32, split_fp32_
 
     g = torch.Generator().manual_seed(5)
     raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 7, 5), generator=g, dtype=torch.int64).to(torch.int32)
@@ -359,8 +359,8 @@ def test_failed_capture_restores_state_and_steps_eagerly():
 def test_dropin_refuses_a_broadcastable_gradient_before_writing():
     """The drop-in copies gradients into the persistent buffers with copy_, which would broadcast a
     [1, n] gradient over an [m, n] parameter: it is refused, naming the parameter, nothing written."""
-    from anvil_fast.entry import ANVIL
-    from anvil_fast.gpt import GPTConfig, build
+    from anvil_fast.optim.entry import ANVIL
+    from anvil_fast.models.gpt import GPTConfig, build
 
     m = build(GPTConfig(n_layer=1, n_embd=16, n_head=2, ctx=8), seed=0)
     opt = ANVIL(m, bank_config="faithful", compile=False)

@@ -1,4 +1,4 @@
-"""anvil_fast.harness: anyone's orthogonalization judged against the math it declares.
+"""anvil_fast.studies.harness: anyone's orthogonalization judged against the math it declares.
 
 The peer under test is torch's Muon orthogonalization (always installed) and pytorch-optimizer's
 (the test extra); the bugs are planted in the peer's own code path through torch's dispatcher (one
@@ -21,8 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import anvil_ref as R
-from anvil_fast import harness as H
-from anvil_fast import tolerances as T
+from anvil_fast.studies import harness as H
+from anvil_fast.core import tolerances as T
 from anvil_ref import polar as P
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def test_a_slipped_coefficient_in_pytorch_optimizer_fails():
 
 
 def test_the_package_safe_cascade_with_margin_one_explodes_and_fails():
-    from anvil_fast.cascade import SAFE, fast_cascade
+    from anvil_fast.core.cascade import SAFE, fast_cascade
     from anvil_ref.constants import SAFE_MARGIN_SLACK
 
     math_ = dict(coeffs=R.ANVIL_MAPS, normalization="frobenius", margin=SAFE.margin(), eps=R.FROBENIUS_EPS)
@@ -194,9 +194,9 @@ def test_the_device_reference_is_the_float64_reference():
 
 
 def test_the_eager_run_is_the_package_eager_cascade_on_wide_input():
-    # the same roundings as anvil_fast.eager's SAFE floor (fp32 trace, prescale, the fp32 GEMM model),
+    # the same roundings as anvil_fast.core.eager's SAFE floor (fp32 trace, prescale, the fp32 GEMM model),
     # an independent implementation: bit for bit where both multiply from the left
-    from anvil_fast.eager import eager_bf16_cascade
+    from anvil_fast.core.eager import eager_bf16_cascade
 
     x = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(4))
     m = H.DeclaredMath(R.ANVIL_MAPS, normalization="frobenius", margin=1.06, eps=1e-6)
@@ -273,7 +273,7 @@ def test_declared_math_refuses_bad_values():
 # ------------------------------------------------------------------------------ command line, JSON, README
 
 def _cli(capsys, *args):
-    from anvil_fast import difftest as D
+    from anvil_fast.studies import difftest as D
 
     try:
         rc = D.main(list(args))
@@ -299,7 +299,7 @@ def test_cli_judges_an_impl_and_writes_json(tmp_path, capsys):
     assert rc == 0, text + err
     assert "2 rows: 2 ok, 0 FAIL" in text
     data = json.loads(out.read_text())
-    assert data["generated_by"].startswith("python -m anvil_fast.difftest --impl")
+    assert data["generated_by"].startswith("python -m anvil_fast.studies.difftest --impl")
     assert [row["family"] for row in data["rows"]] == ["gaussian", "well_conditioned"]
     assert data["rows"][1]["bound"] > data["rows"][1]["eager"] > 0
 

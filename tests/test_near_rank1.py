@@ -1,6 +1,6 @@
 """Near-rank-1 input: the FAITHFUL configuration reproduces the seed's explosion, SAFE never explodes.
 
-See anvil_fast/cascade.py (mechanism) and anvil_fast/near_rank1.py (the full study). On CPU the fast
+See anvil_fast/core/cascade.py (mechanism) and anvil_fast/studies/near_rank1.py (the full study). On CPU the fast
 path runs with plain-torch kernels and the seed's eager bf16 cascade alongside; on GPU with the Triton
 kernels and cuBLAS.
 """
@@ -12,9 +12,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-from anvil_fast.cascade import FAITHFUL, SAFE, fast_cascade
-from anvil_fast.eager import eager_bf16_cascade
-from anvil_fast.near_rank1 import near_rank1, top_singular_value, trace_error
+from anvil_fast.core.cascade import FAITHFUL, SAFE, fast_cascade
+from anvil_fast.core.eager import eager_bf16_cascade
+from anvil_fast.studies.near_rank1 import near_rank1, top_singular_value, trace_error
 from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_MARGIN, SAFE_MARGIN_SLACK
 from derive_maps.robust import RoundingModel, robust_envelope, safe_u
 
@@ -56,7 +56,7 @@ def _iterate_only(delta: float) -> RoundingModel:
 
 
 def test_interval_analysis_supports_the_slack():
-    # the numbers quoted in anvil_fast/cascade.py (the scalar model's certified bounds on [0, u])
+    # the numbers quoted in anvil_fast/core/cascade.py (the scalar model's certified bounds on [0, u])
     seed_u = 1 / Fraction(FROBENIUS_MARGIN)
     assert robust_envelope(ANVIL_MAPS, 0, seed_u, _iterate_only(0.0)).f_max_certified < 1.001
     # the seed's margin has no room for a 1e-4 perturbation: a perturbation sequence reaches > 20
@@ -73,8 +73,8 @@ def test_safe_is_finite_on_huge_and_tiny_scales(scale_exp):
     # cascade's; at 2**-100 ``eps`` dominates the normalization (d ~ eps), so the output is ~x / eps,
     # tiny but not zero -- an all-zero output fails both asserts
     import anvil_ref as R
-    from anvil_fast.difftest import rel_err
-    from anvil_fast.tolerances import bf16_bound
+    from anvil_fast.studies.difftest import rel_err
+    from anvil_fast.core.tolerances import bf16_bound
 
     x = torch.randn(2, 24, 40, generator=torch.Generator().manual_seed(5)) * 2.0 ** scale_exp
     y = fast_cascade(x, config=SAFE)

@@ -1,9 +1,9 @@
-"""anvil_fast.normalize: the fused SAFE normalization (block partials -> per-matrix s, d -> X s / d)
+"""anvil_fast.kernels.normalize: the fused SAFE normalization (block partials -> per-matrix s, d -> X s / d)
 against float64 and against the plain-torch ``_normalize`` it replaces on CUDA.
 
 Every test takes the ``triton_dev`` fixture (tests/conftest.py): on CPU the kernels run in Triton's
 interpreter (``ROUND_FIX`` / ``WIDEN_FIX`` stand in for its wrong bf16 casts, see
-anvil_fast/_triton.py), on CUDA natively (``pytest -m gpu``). What only the GPU run covers: the
+anvil_fast/kernels/backend.py), on CUDA natively (``pytest -m gpu``). What only the GPU run covers: the
 native casts, the compiled reductions' order, and the kernels' speed (``python -m anvil_fast.bench``)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ LIMIT = 126
 
 
 def _mods():
-    from anvil_fast import normalize as N
-    from anvil_fast.cascade import SAFE, _normalize
+    from anvil_fast.kernels import normalize as N
+    from anvil_fast.core.cascade import SAFE, _normalize
 
     return N, SAFE, _normalize
 
@@ -58,7 +58,7 @@ def test_block_partials_are_exact_max_and_accurate_sums(shape, triton_dev):
 
 @pytest.mark.parametrize("case", ["gaussian", "huge", "tiny", "mixed_blocks", "zero"])
 def test_fused_normalization_matches_plain_torch(case, triton_dev):
-    # The same math as anvil_fast.cascade._normalize; only tr's fp32 summation order differs, so s is
+    # The same math as anvil_fast.core.cascade._normalize; only tr's fp32 summation order differs, so s is
     # bit-identical, d agrees to a few fp32 ulps, and X to one bf16 rounding where d's last bit
     # tips it (the tolerance: |X| < 2, one bf16 ulp there is 2**-7).
     N, SAFE, normalize = _mods()
@@ -124,9 +124,9 @@ def test_partials_checks_shapes(triton_dev):
 def test_launches_sliced_over_the_matrix_axis_give_the_same_bits(triton_dev, monkeypatch):
     # CUDA limits grid axis 1 (the matrix index) to 65535: the element-wise kernels launch in slices
     # of that many matrices. With the limit lowered to 2, five matrices take three launches.
-    from anvil_fast import _triton as T
-    from anvil_fast.equalizer import EqualizerWork
-    from anvil_fast.equalizer import equalize as fast_equalize
+    from anvil_fast.kernels import backend as T
+    from anvil_fast.kernels.equalizer import EqualizerWork
+    from anvil_fast.kernels.equalizer import equalize as fast_equalize
 
     N, SAFE, _ = _mods()
     shape = (5, 24, 40)

@@ -248,17 +248,17 @@ def test_bank_without_reshape_attribute_gets_a_clear_error():
 
 
 # =================================================================================================
-# Fast path: anvil_fast.optimizer.AnvilAndAdam against this reference (anvil_fast section; the
+# Fast path: anvil_fast.optim.optimizer.AnvilAndAdam against this reference (anvil_fast section; the
 # model with every kind of parameter is tests/optimizer_cases.py)
 # =================================================================================================
 import io  # noqa: E402
 
-from anvil_fast.comms import LocalComms, NullComms  # noqa: E402
-from anvil_fast.difftest import err_ulps, rel_err  # noqa: E402
-from anvil_fast.optimizer import AnvilAndAdam as FastAnvilAndAdam  # noqa: E402
-from anvil_fast.optimizer import NonFiniteGradientError  # noqa: E402
+from anvil_fast.dist.comms import LocalComms, NullComms  # noqa: E402
+from anvil_fast.studies.difftest import err_ulps, rel_err  # noqa: E402
+from anvil_fast.optim.optimizer import AnvilAndAdam as FastAnvilAndAdam  # noqa: E402
+from anvil_fast.optim.optimizer import NonFiniteGradientError  # noqa: E402
 from tests import optimizer_cases as C  # noqa: E402
-from anvil_fast import tolerances as TOL  # noqa: E402
+from anvil_fast.core import tolerances as TOL
 
 
 def _fast(config="faithful", params=None, **kw):
@@ -277,7 +277,7 @@ def _bank_delta(opt, label, before):
 def test_fast_step_matches_reference_at_every_step(config):
     """A trajectory covering Adam/non-Adam steps, the sparse update, deferred gathers, a frozen matrix,
     the tie and the untie; at every step fast, eager-bf16 and reference start from the same state."""
-    from anvil_fast.cascade import get_config
+    from anvil_fast.core.cascade import get_config
 
     margin = get_config(config).margin()
     fast, eager = _fast(config), _fast(config, bank_update=C.eager_bank_update)
@@ -350,7 +350,7 @@ def test_fast_step_matches_reference_at_every_step(config):
     assert fast.split_embed and fast.param_states["embed"]["step"] == ref.state["embed"]["step"] == 3
     # and eager's own size, from the table: the bank delta carries the cascade's roundings plus the
     # equalizer's two; on these gaussian gradients (not the well-conditioned family) the small singular
-    # values widen eager's error up to ~1.7x the well-conditioned count (measured, anvil_fast.difftest:
+    # values widen eager's error up to ~1.7x the well-conditioned count (measured, anvil_fast.studies.difftest:
     # 0.0055-0.0082 against 0.0037-0.0048), so 2x that count: 0.0216; measured worst here 0.0103
     bound = 2 * (TOL.CASCADE_ROUNDINGS + 2) ** 0.5 * TOL.RHO
     assert all(v <= bound for v in worst.values()), (worst, bound)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import anvil_ref as A
-from anvil_fast.bank import anvil_bank_update
-from anvil_fast.optimizer import AnvilAndAdam
+from anvil_fast.core.bank import anvil_bank_update
+from anvil_fast.optim.optimizer import AnvilAndAdam
 from anvil_ref.config import ConfigError
 from anvil_ref.maps import load_maps
 from tests import optimizer_cases as C
-from anvil_fast import tolerances as TOL
+from anvil_fast.core import tolerances as TOL
 
 BANK_SHAPE, BANK_RESHAPE = (32, 12), (4, 8, 12)
 
@@ -131,7 +131,7 @@ _TABLE = {"qk_bank": {"optim": "anvil", "comms": "sharded"},
 
 
 def _classify(named, **kw):
-    from anvil_fast.optimizer import classify_params
+    from anvil_fast.optim.optimizer import classify_params
 
     args = dict(scatter_order=None, work_order=None, adam_defaults=A.ADAM_DEFAULTS, anvil_defaults=A.ANVIL_DEFAULTS,
                 world_size=1, rank=0, allow_fp32_banks=False, tie_embeddings=None)
@@ -165,7 +165,7 @@ def test_classify_refuses_before_anything_is_built(named, kw, match):
 
 
 def test_plan_rows_and_new_state_follow_the_parameters_order():
-    from anvil_fast.optimizer import new_param_states, plan_rows
+    from anvil_fast.optim.optimizer import new_param_states, plan_rows
 
     named = [("g", _labelled("gain", (3,))), ("b", _labelled("qk_bank", (32, 12), torch.bfloat16, BANK_RESHAPE)),
              ("e", _labelled("embed", (16, 4)))]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from anvil_fast import adapters as A
-from anvil_fast import harness as H
+from anvil_fast.studies import adapters as A
+from anvil_fast.studies import harness as H
 from papers import orthogonalizers as peers
 
 
@@ -15,7 +15,7 @@ def _data(tmp_path):
     rows = H.judge(impls, shapes=[(2, 24, 16)], families=("gaussian", "well_conditioned", "near_rank1"),
                    near_rank1_count=4, progress=False)
     path = tmp_path / "orthogonalizers.json"
-    H.write_json(H.to_json(rows, command="python -m anvil_fast.difftest --adapter torch-muon,anvil-safe", impls=impls,
+    H.write_json(H.to_json(rows, command="python -m anvil_fast.studies.difftest --adapter torch-muon,anvil-safe", impls=impls,
                            unavailable={"dion-muon": "dion not installed"}), str(path))
     return json.loads(path.read_text()), rows
 
@@ -30,7 +30,7 @@ def test_the_table_renders_the_json(tmp_path):
     assert muon[1] == "24x16" and muon[2] == f"{by['torch-muon', 'well_conditioned'].fast:.3g}"
     assert muon[5] == f"{by['torch-muon', 'gaussian'].polar:.3g}"
     assert "Not run there: dion-muon (dion not installed)" in text
-    assert "generated_by" not in text and "python -m anvil_fast.difftest --adapter torch-muon,anvil-safe" in text
+    assert "generated_by" not in text and "python -m anvil_fast.studies.difftest --adapter torch-muon,anvil-safe" in text
 
 
 def test_the_statements_follow_the_numbers(tmp_path):

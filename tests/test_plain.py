@@ -1,5 +1,5 @@
-"""anvil_fast.plain, the benchmark's baseline: the seed's bank update with library matmuls. On CPU,
-uncompiled, it must be the eager seed chain (anvil_fast.eager) bit for bit, and it must stay within the
+"""anvil_fast.core.plain, the benchmark's baseline: the seed's bank update with library matmuls. On CPU,
+uncompiled, it must be the eager seed chain (anvil_fast.core.eager) bit for bit, and it must stay within the
 table's rule of the float64 reference."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import anvil_ref as R
-from anvil_fast.bank import AnvilBank
-from anvil_fast.cascade import FAITHFUL
-from anvil_fast.difftest import rel_err
-from anvil_fast.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
-from anvil_fast.plain import plain_bank_update, plain_cascade
-from anvil_fast.tolerances import bf16_bound
+from anvil_fast.core.bank import AnvilBank
+from anvil_fast.core.cascade import FAITHFUL
+from anvil_fast.studies.difftest import rel_err
+from anvil_fast.core.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
+from anvil_fast.core.plain import plain_bank_update, plain_cascade
+from anvil_fast.core.tolerances import bf16_bound
 
 
 def _bank(shape, seed):

@@ -1,5 +1,5 @@
 """anvil_ref.polar: any declared odd-quintic iteration in float64, and the polar factor; and the
-derived quantities anvil_fast.tolerances takes from them for a declared iteration."""
+derived quantities anvil_fast.core.tolerances takes from them for a declared iteration."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import anvil_ref as R
-from anvil_fast import tolerances as T
+from anvil_fast.core import tolerances as T
 from anvil_ref import polar as P
 
 KJ = (3.4445, -4.7750, 2.0315)

@@ -114,27 +114,27 @@ def test_rails_bad_input():
 
 # =================================================================================================
 # anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast twin rails + lookahead
-# (anvil_fast/rails.py) on every input family: the bf16 lookahead within anvil_fast/tolerances.py of the
-# reference and the fp32 rails within RAILS_ULPS of the largest term. Full harness: anvil_fast.difftest.
+# (anvil_fast/kernels/rails.py) on every input family: the bf16 lookahead within anvil_fast/core/tolerances.py of the
+# reference and the fp32 rails within RAILS_ULPS of the largest term. Full harness: anvil_fast.studies.difftest.
 
 @pytest.mark.parametrize("family", ["gaussian", "near_rank1", "zero", "huge", "tiny"])
 def test_fast_rails_match_reference(family):
-    from anvil_fast import difftest as D
-    from anvil_fast.cascade import SAFE
-    from anvil_fast.tolerances import check_row
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.cascade import SAFE
+    from anvil_fast.core.tolerances import check_row
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False)
     assert check_row(row, same_backend=True), D.format_table([row])
 
 
-# The fused Triton rails (anvil_fast.rails, SAFE on CUDA), on CPU in Triton's interpreter and on CUDA
+# The fused Triton rails (anvil_fast.kernels.rails, SAFE on CUDA), on CPU in Triton's interpreter and on CUDA
 # (the triton_dev fixture of tests/conftest.py; ROUND_FIX / WIDEN_FIX stand in for the interpreter's
-# wrong bf16 casts, anvil_fast/_triton.py).
+# wrong bf16 casts, anvil_fast/kernels/backend.py).
 @pytest.mark.parametrize("family", ["gaussian", "near_rank1", "zero", "huge", "tiny"])
 def test_fused_rails_match_reference(family, triton_dev):
-    from anvil_fast import difftest as D
-    from anvil_fast.cascade import SAFE
-    from anvil_fast.tolerances import check_row
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.cascade import SAFE
+    from anvil_fast.core.tolerances import check_row
 
     row, _ = D.momentum_row((2, 24, 40), family, SAFE, compile=False, backend="triton", device=triton_dev)
     assert check_row(row, same_backend=triton_dev == "cpu"), D.format_table([row])
@@ -151,8 +151,8 @@ def _rails_inputs(shape, dev, seed=0):
 
 def _run_rails(grad, vel, scalars, *, fused, prescale=True, with_partials=True):
     dev = scalars[0].device
-    from anvil_fast.normalize import NormPartials
-    from anvil_fast.rails import twin_rail as fast_twin_rail
+    from anvil_fast.kernels.normalize import NormPartials
+    from anvil_fast.kernels.rails import twin_rail as fast_twin_rail
 
     shape = tuple(grad.shape)
     v = vel.clone().to(dev)
@@ -170,9 +170,9 @@ def test_fused_rails_equal_the_torch_rails_and_leave_the_partials_of_x(shape, tr
     # Same formula as torch's lerp (fused multiply-add, as torch's vectorized CPU lerp): the rails
     # agree to one fp32 rounding of the largest term, X to one bf16 rounding, and the partials are
     # those block_partials computes from the X written.
-    from anvil_fast.difftest import err_ulps
-    from anvil_fast.normalize import NormPartials, block_partials
-    from anvil_fast.rails import PRESCALE_EXP_LIMIT
+    from anvil_fast.studies.difftest import err_ulps
+    from anvil_fast.kernels.normalize import NormPartials, block_partials
+    from anvil_fast.kernels.rails import PRESCALE_EXP_LIMIT
 
     grad, vel, sc = _rails_inputs(shape, triton_dev, seed=sum(shape))
     vf, xf, pf = _run_rails(grad, vel, sc, fused=True)
@@ -211,7 +211,7 @@ def test_fused_rails_check_their_input(triton_dev):
         _run_rails(grad, vel[:, :, :, :4], sc, fused=True)
     with pytest.raises(ValueError, match="grad"):
         _run_rails(grad.half(), vel, sc, fused=True)
-    from anvil_fast._triton import use_triton
+    from anvil_fast.kernels.backend import use_triton
 
     with pytest.raises(ValueError, match="backend"):
         use_triton(grad, "cuda")
@@ -220,7 +220,7 @@ def test_fused_rails_check_their_input(triton_dev):
 def test_fast_twin_rail_has_the_reference_name_and_keyword_only_rates():
     import inspect
 
-    from anvil_fast import rails as FR
+    from anvil_fast.kernels import rails as FR
     from anvil_ref import rails as RR
 
     for fn in (FR.twin_rail, RR.twin_rail):

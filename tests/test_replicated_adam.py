@@ -1,4 +1,4 @@
-"""anvil_fast.replicated_adam: the small Adam parameters on flat buffers (one all-reduce and one
+"""anvil_fast.optim.replicated_adam: the small Adam parameters on flat buffers (one all-reduce and one
 fused pass per dtype), through the fast optimizer."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast.comms import LocalComms
-from anvil_fast.optimizer import AnvilAndAdam
+from anvil_fast.dist.comms import LocalComms
+from anvil_fast.optim.optimizer import AnvilAndAdam
 from tests import optimizer_cases as C
 
 

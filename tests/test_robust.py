@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from anvil_fast.cascade import fast_cascade
-from anvil_fast.eager import eager_bf16_cascade
+from anvil_fast.core.cascade import fast_cascade
+from anvil_fast.core.eager import eager_bf16_cascade
 from anvil_ref.constants import ANVIL_MAPS, BF16_UNIT_ROUNDOFF, FROBENIUS_MARGIN, SAFE_MARGIN_SLACK
 from derive_maps.errors import DeriveMapsError, parse_real
 from derive_maps.falsify import ADVERSARIAL, FALSIFIER_2X2, padded, search

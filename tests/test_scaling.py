@@ -1,11 +1,11 @@
-"""anvil_fast.scaling on CPU: the seed's 8-way sharding, 8 gloo processes, 20 steps (sharded and
-one-process steps agree; the GPU timings come from `python -m anvil_fast.scaling gpu` on the device)."""
+"""anvil_fast.studies.scaling on CPU: the seed's 8-way sharding, 8 gloo processes, 20 steps (sharded and
+one-process steps agree; the GPU timings come from `python -m anvil_fast.studies.scaling gpu` on the device)."""
 
 from __future__ import annotations
 
 import pytest
 
-from anvil_fast import scaling
+from anvil_fast.studies import scaling
 
 
 @pytest.mark.slow

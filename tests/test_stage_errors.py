@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from anvil_fast.near_rank1 import near_rank1
+from anvil_fast.studies.near_rank1 import near_rank1
 from derive_maps.falsify import FALSIFIER_2X2
 from derive_maps.frontier import exact_set
 from derive_maps.robust import RoundingModel, rounding_model

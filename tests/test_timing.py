@@ -1,4 +1,4 @@
-"""anvil_fast.timing: the package's one set of timers, and the sites that time through it."""
+"""anvil_fast.kernels.timing: the package's one set of timers, and the sites that time through it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import anvil_fast
-from anvil_fast import timing
+from anvil_fast.kernels import timing
 
 ROOT = Path(anvil_fast.__file__).parent
 
@@ -40,7 +40,7 @@ def test_call_times_counts_and_keeps_between_out_of_the_timed_part():
 
 
 def test_timing_imports_only_torch():
-    tree = ast.parse((ROOT / "timing.py").read_text())
+    tree = ast.parse((ROOT / "kernels" / "timing.py").read_text())
     top = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
            for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
            for a in (n.names if isinstance(n, ast.Import) else [n])}
@@ -48,7 +48,7 @@ def test_timing_imports_only_torch():
 
 
 def _sources():
-    return {p: p.read_text() for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py")]}
+    return {p: p.read_text() for p in ROOT.rglob("*.py")}
 
 
 def test_no_module_keeps_a_timer_of_its_own():
@@ -63,7 +63,7 @@ def test_no_module_keeps_a_timer_of_its_own():
             assert not re.search(rf"^def {name}\(", src, re.M), (path, name)
         events = src.count("torch.cuda.Event(enable_timing=True)")
         assert events == (1 if path.name == "cost_measure.py" else 0), (path, events)
-    assert "from .bench" not in (ROOT / "timing.py").read_text()
+    assert "anvil_fast.bench" not in (ROOT / "kernels" / "timing.py").read_text()
 
 
 def test_one_flop_count_and_one_comm_only():
@@ -73,7 +73,7 @@ def test_one_flop_count_and_one_comm_only():
     assert defs == {"map_flops": ["gram_side.py"], "cascade_flops": ["gram_side.py"], "comm_only": ["overlap.py"],
                     "_comm_only": []}
     from anvil_fast.bench import common
-    from anvil_fast.gram_side import map_flops
+    from anvil_fast.core.gram_side import map_flops
 
     f = map_flops((2, 256, 768))
     assert common.flops((2, 256, 768)) == (common.MAPS_PER_CASCADE * f.plain, common.MAPS_PER_CASCADE * f.executed)
@@ -89,10 +89,10 @@ def test_no_module_reaches_into_the_optimizers_step_pieces():
 
 
 def test_comm_only_runs_the_step_collectives_on_one_process():
-    from anvil_fast.banked_gpt import BankedGPT
-    from anvil_fast.comms import LocalComms
-    from anvil_fast.gpt import SIZES
-    from anvil_fast.overlap import comm_only, make_optimizer
+    from anvil_fast.models.banked_gpt import BankedGPT
+    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.models.gpt import SIZES
+    from anvil_fast.optim.overlap import comm_only, make_optimizer
 
     class Counting(LocalComms):
         def __init__(self):

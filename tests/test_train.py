@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from anvil_fast import gpt
+from anvil_fast.models import gpt
 from papers import contenders as K
 from papers import corpus as C
 from papers import stats as S
@@ -397,13 +397,13 @@ def test_lean_anvil_is_available_exactly_when_the_drop_in_takes_rails_dtype(monk
     import anvil_fast
 
     # the drop-in's class says which arguments it takes; anvil_fast.ANVIL builds it
-    monkeypatch.setattr(anvil_fast.dropin, "DropInAnvil", _FakeAnvilWithout)
+    monkeypatch.setattr(anvil_fast.optim.dropin, "DropInAnvil", _FakeAnvilWithout)
     monkeypatch.setattr(anvil_fast, "ANVIL", _FakeAnvilWithout)
     why = K.get("anvil_lean").why_unavailable()
     assert why == "anvil_fast.ANVIL takes no rails_dtype argument in this checkout"
     with pytest.raises(K.Unavailable, match="takes no rails_dtype"):
         K.get("anvil_lean").make(torch.nn.Linear(2, 2), total_steps=5, device=torch.device("cpu"))
-    monkeypatch.setattr(anvil_fast.dropin, "DropInAnvil", _FakeAnvil)
+    monkeypatch.setattr(anvil_fast.optim.dropin, "DropInAnvil", _FakeAnvil)
     monkeypatch.setattr(anvil_fast, "ANVIL", _FakeAnvil)
     assert K.get("anvil_lean").why_unavailable() is None
     (opt,) = K.get("anvil_lean").make(torch.nn.Linear(2, 2), total_steps=5, device=torch.device("cpu"))
@@ -433,7 +433,7 @@ def test_gram_side_contender_trains_the_tiny_model(stdlib):
     256 x 64 and 64 x 256) and learns: 30 steps on the same batches as anvil end finite and below the
     initial validation loss (measured 5.59 -> 2.92), within 0.1 of anvil's (measured: 2.4e-4 apart; the
     path's accuracy is judged in tests/test_gram_side.py, this checks that the contender wires it in)."""
-    from anvil_fast.gram_side import uses_gram_side
+    from anvil_fast.core.gram_side import uses_gram_side
 
     opt = K.get("anvil_gram_side").make(gpt.build("tiny"), total_steps=30, device=torch.device("cpu"))[0]
     banks = list(opt.inner.banks.values())

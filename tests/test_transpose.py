@@ -1,4 +1,4 @@
-"""anvil_fast.transpose: the tied embedding's transpose_add / transpose_copy.
+"""anvil_fast.kernels.transpose: the tied embedding's transpose_add / transpose_copy.
 
 The Triton kernel runs here through the CPU interpreter (``backend="triton"``; conftest sets
 TRITON_INTERPRET=1 without CUDA), and must equal torch's ``dst.add_(src.T)`` / ``dst.copy_(src.T)``
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from anvil_fast.transpose import transpose_add, transpose_copy
+from anvil_fast.kernels.transpose import transpose_add, transpose_copy
 
 # CPU: the kernel through the interpreter (conftest sets TRITON_INTERPRET=1 when there is no CUDA)
 DEV = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -82,16 +82,16 @@ def test_bad_input():
 
 # =================================================================================================
 # anvil_fast vs anvil_ref (owner: the anvil_fast helper). The fast sign-aligned decay + update on the
-# bf16 parameter + uint16 mantissa (anvil_fast/update.py): the fp32 master within UPDATE_ULPS of the
+# bf16 parameter + uint16 mantissa (anvil_fast/kernels/update.py): the fp32 master within UPDATE_ULPS of the
 # exact result (ulps of the largest term), and the int32 join/split bit-exact against
 # anvil_ref.storage for every high half.
 
 def test_fast_update_matches_reference():
     import torch
 
-    from anvil_fast import difftest as D
-    from anvil_fast.cascade import SAFE
-    from anvil_fast.tolerances import check
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.cascade import SAFE
+    from anvil_fast.core.tolerances import check
 
     row = D.update_row(torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(101)), (3, 40, 24), "gaussian", SAFE, compile=False)
     assert check("update", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
@@ -100,7 +100,7 @@ def test_fast_update_matches_reference():
 def test_fast_master_join_split_is_bit_exact():
     import torch
 
-    from anvil_fast import update as F
+    from anvil_fast.kernels import update as F
     from anvil_ref.storage import join_fp32
 
     hi = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
@@ -118,7 +118,7 @@ def test_fast_update_has_the_reference_name_and_keyword_only_gate_and_rates():
 
     import torch
 
-    from anvil_fast import update as F
+    from anvil_fast.kernels import update as F
     from anvil_ref import update as RU
 
     for fn in (F.sign_aligned_update, RU.sign_aligned_update):

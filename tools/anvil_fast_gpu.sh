@@ -30,12 +30,12 @@ timeout "$(budget "${T_BANK:-150}" 110)" python3 -m pytest -v -m gpu -p no:cache
   tests/test_rails.py tests/test_normalize.py tests/test_equalizer.py tests/test_difftest.py tests/test_near_rank1.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
 if [[ -n "$DIFF" ]]; then
   stamp difftest
-  timeout "$(budget 110 160)" python3 -m anvil_fast.difftest --shapes 4x96x96,2x256x768,2x768x768,2x2816x768 \
+  timeout "$(budget 110 160)" python3 -m anvil_fast.studies.difftest --shapes 4x96x96,2x256x768,2x768x768,2x2816x768 \
     2>&1 | tee "$OUT/difftest.log"
 fi
 if [[ -n "$NR1" ]]; then
   stamp near_rank1
-  timeout "$(budget 110 160)" python3 -m anvil_fast.near_rank1 --count 500 2>&1 | tee "$OUT/near_rank1.log"
+  timeout "$(budget 110 160)" python3 -m anvil_fast.studies.near_rank1 --count 500 2>&1 | tee "$OUT/near_rank1.log"
 fi
 stamp bench
 timeout "$(budget "${T_BENCH:-200}" 10)" python3 -m anvil_fast.bench bank --rep-ms 100 ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log"

@@ -18,5 +18,5 @@ timeout "${T_PYTEST:-150}" python3 -m pytest -q -s -m gpu -p no:cacheprovider -r
   tests/test_distributed.py tests/test_graphs.py tests/test_checkpoint.py tests/test_dropin.py \
   tests/test_transpose.py tests/test_bank_scalars.py tests/test_adam.py 2>&1 | tee "$OUT/pytest_optimizer_gpu.log"
 stamp scaling
-timeout "${T_SCALING:-190}" python3 -m anvil_fast.scaling gpu --worlds 1,2 ${SCALING_ARGS} --out "$OUT/scaling_gpu_2ranks.md" 2>&1 | tee "$OUT/scaling.log"
+timeout "${T_SCALING:-190}" python3 -m anvil_fast.studies.scaling gpu --worlds 1,2 ${SCALING_ARGS} --out "$OUT/scaling_gpu_2ranks.md" 2>&1 | tee "$OUT/scaling.log"
 stamp done

@@ -29,7 +29,7 @@ from anvil_ref.progress import Progress  # noqa: E402
 
 
 def _bank(shape, dev, seed, config):
-    from anvil_fast.bank import AnvilBank
+    from anvil_fast.core.bank import AnvilBank
 
     g = torch.Generator().manual_seed(seed)
     p = (0.02 * torch.randn(shape, generator=g)).bfloat16().to(dev)
@@ -43,7 +43,7 @@ def _bank(shape, dev, seed, config):
 
 
 def _halves(bank, config):
-    from anvil_fast.bank import AnvilBank
+    from anvil_fast.core.bank import AnvilBank
 
     c = bank.p_slice.shape[0] // 2
     out = []
@@ -59,10 +59,10 @@ def _halves(bank, config):
 
 def phases(bank, compile_post=None) -> dict[str, torch.Tensor]:
     """Run one update phase by phase, returning a copy of each phase's output."""
-    from anvil_fast.cascade import cascade_workspace
-    from anvil_fast.equalizer import equalize
-    from anvil_fast.rails import twin_rail
-    from anvil_fast.update import sign_aligned_update
+    from anvil_fast.core.cascade import cascade_workspace
+    from anvil_fast.kernels.equalizer import equalize
+    from anvil_fast.kernels.rails import twin_rail
+    from anvil_fast.kernels.update import sign_aligned_update
 
     ws, cfg, out = bank.workspace, bank.config, {}
     ready = twin_rail(bank.grad, bank.velocity, momentum=bank.momentum, fast_beta=bank.fast_beta,
@@ -108,7 +108,7 @@ def _bank_shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def main(argv=None) -> int:
-    from anvil_fast.cascade import CONFIGS, get_config
+    from anvil_fast.core.cascade import CONFIGS, get_config
 
     ap = argparse.ArgumentParser(prog="python tools/chunk_independence.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", type=_bank_shapes, default="24x768x768,24x3072x768,72x256x768",

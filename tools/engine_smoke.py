@@ -27,10 +27,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         return 2
-    import anvil_fast
+    from anvil_fast.models import gpt
     from anvil_fast import ANVIL
 
-    m = anvil_fast.gpt.build(a.size, seed=0, device="cuda")
+    m = gpt.build(a.size, seed=0, device="cuda")
     m2 = copy.deepcopy(m)
     o1, o2 = ANVIL(m), ANVIL(m2, cuda_graphs=False)
     e = o1.engine

@@ -36,7 +36,7 @@ def digest(tensors) -> str:
 
 
 def bank_rows(shapes, dev):
-    from anvil_fast.bank import AnvilBank, anvil_bank_update
+    from anvil_fast.core.bank import AnvilBank, anvil_bank_update
 
     for config in ("safe", "faithful"):
         for shape in shapes:
@@ -53,7 +53,7 @@ def bank_rows(shapes, dev):
 
 def dropin_rows(size, dev):
     from anvil_fast import ANVIL
-    from anvil_fast.gpt import build
+    from anvil_fast.models.gpt import build
 
     for kw in ({}, {"cuda_graphs": False}) if dev.type == "cuda" else ({},):
         model = build(size, seed=0, device=dev)

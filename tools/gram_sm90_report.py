@@ -1,9 +1,9 @@
-"""Compile every tuning candidate of anvil_fast.gram for sm_90a on a machine WITHOUT a GPU and print
+"""Compile every tuning candidate of anvil_fast.kernels.gram for sm_90a on a machine WITHOUT a GPU and print
 each kernel's registers, stack (spills), shared memory and instruction mix (wgmma, TMA, cp.async).
 
     python tools/gram_sm90_report.py [gram] [baa] [mm] [rails]
 
-(``rails``: the element-wise kernels of anvil_fast.rails, anvil_fast.normalize and anvil_fast.equalizer.)
+(``rails``: the element-wise kernels of anvil_fast.kernels.rails, anvil_fast.kernels.normalize and anvil_fast.kernels.equalizer.)
 
 Why: the device time is scarce; compile errors, register spills and shared-memory overflows of a
 candidate are visible before any GPU run. The kernels go through Triton's own JIT specialization
@@ -81,9 +81,9 @@ class _Compile:
 
 
 def elementwise() -> None:
-    from anvil_fast import equalizer as EQ
-    from anvil_fast import normalize as N
-    from anvil_fast import rails as RL
+    from anvil_fast.kernels import equalizer as EQ
+    from anvil_fast.kernels import normalize as N
+    from anvil_fast.kernels import rails as RL
 
     for mod, name in ((RL, "_rails_kernel"), (N, "_partials_kernel"), (N, "_finalize_kernel"), (N, "_scale_kernel"),
                       (EQ, "_lane_power_kernel"), (EQ, "_equalizer_stats_kernel"), (EQ, "_equalizer_apply_kernel")):
@@ -109,9 +109,9 @@ def main(which: list[str]) -> None:
     driver.set_active(_Sm90Stub())
     if "rails" in which:
         elementwise()
-    from anvil_fast import gram as G
-    from anvil_fast import gram_kernels as K
-    from anvil_fast import gram_tune as GT
+    from anvil_fast.kernels import gram as G
+    from anvil_fast.kernels import gram_kernels as K
+    from anvil_fast.kernels import gram_tune as GT
 
     G.use_triton = lambda t, backend, error=None: True  # CPU tensors stand in for CUDA ones; nothing is launched
     for name in ("_gram_kernel", "_ba_plus_caa_kernel", "_mm_add_kernel"):

@@ -16,7 +16,7 @@
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
-#   orthogonalizers  python -m anvil_fast.difftest --adapter all on the bank shapes (the paper's table of
+#   orthogonalizers  python -m anvil_fast.studies.difftest --adapter all on the bank shapes (the paper's table of
 #           other libraries' orthogonalizations): wheels from .whl, dion from .peers/dion; JSON (rewritten
 #           after every row) and log (a line per row) into $OUT (copy them to results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
@@ -68,9 +68,9 @@ for stage in ${STAGES:-suite bench}; do
              timeout "${T_CHUNK:-150}" python3 tools/chunk_independence.py --no-progress --config gram_side \
                --shapes 24x2816x768,24x3072x768,24x768x3072,72x256x768 2>&1 | tee "$OUT/chunk_gram_side.txt"; } | tail -4 ;;
     gramside) timeout "${T_GRAMSIDE_BENCH:-240}" python3 -m anvil_fast.bench bank --rep-ms 50 2>&1 | tee "$OUT/bench_bank.log" | tail -14
-             timeout 150 python3 -m anvil_fast.difftest --no-progress --device cuda --configs gram_side,safe \
+             timeout 150 python3 -m anvil_fast.studies.difftest --no-progress --device cuda --configs gram_side,safe \
                --shapes 2x256x768,2x768x768,2x2816x768,2x3072x768,2x768x3072 2>&1 | tee "$OUT/difftest_gram_side.log" | tail -3
-             timeout 150 python3 -m anvil_fast.near_rank1 --no-progress --count 500 --shapes 256x768,2816x768,3072x768,768x3072 \
+             timeout 150 python3 -m anvil_fast.studies.near_rank1 --no-progress --count 500 --shapes 256x768,2816x768,3072x768,768x3072 \
                --paths fp64,fast-safe,fast-gram-side 2>&1 | tee "$OUT/near_rank1_gram_side.log" | tail -8 ;;
     contenders) timeout "${T_CONTENDERS:-300}" python3 -m papers.train --size small --seeds 0 1 2 --clip 0 \
              --contenders ${TRAIN_CONTENDERS:-anvil_lean} --jobs "${TRAIN_JOBS:-3}" --timing-steps 0 \
@@ -91,14 +91,14 @@ for stage in ${STAGES:-suite bench}; do
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "orthogonalizers: the wheels in .whl did not install"
            fi
-           PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-260}" python3 -m anvil_fast.difftest --adapter all \
+           PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-260}" python3 -m anvil_fast.studies.difftest --adapter all \
              --shapes 4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096 --families gaussian,well_conditioned,near_rank1 \
              --near-rank1-count 8 --time-reps 10 --time-limit $(( ${T_ORTHO:-260} - 60 )) \
              --json "$OUT/orthogonalizers.json" > "$OUT/orthogonalizers.log" 2>&1; echo "rc=$?" >> "$OUT/orthogonalizers.log"
            tail -5 "$OUT/orthogonalizers.log" ;;
     nothinglost) timeout "${T_CHUNK:-90}" python3 tools/chunk_independence.py --no-progress > "$OUT/chunk_safe.txt" 2>&1
              tail -3 "$OUT/chunk_safe.txt"
-             timeout "${T_NR1:-150}" python3 -m anvil_fast.near_rank1 --no-progress --device cuda --count 500 \
+             timeout "${T_NR1:-150}" python3 -m anvil_fast.studies.near_rank1 --no-progress --device cuda --count 500 \
                --paths fp64,fast-safe 2>&1 | tee "$OUT/near_rank1_safe.log" | tail -6
              timeout "${T_OPTBENCH:-100}" python3 -m anvil_fast.bench optimizer 2>&1 | tee "$OUT/bench_optimizer.log" | tail -10 ;;
     peers) if ls .whl/*.whl > /dev/null 2>&1; then

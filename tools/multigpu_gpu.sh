@@ -19,23 +19,23 @@ stamp pytest
 timeout "${T_PYTEST:-180}" python3 -m pytest -q -s -m gpu -p no:cacheprovider -rs tests/test_train_step.py \
   tests/test_cost_model.py 2>&1 | tee "$OUT/pytest_multigpu.log"
 stamp measure
-timeout "${T_MEASURE:-420}" python3 -m anvil_fast.cost_model measure --worlds 1,2,4,8 --out "$OUT/cost_model_h200.json" \
+timeout "${T_MEASURE:-420}" python3 -m anvil_fast.studies.cost_model measure --worlds 1,2,4,8 --out "$OUT/cost_model_h200.json" \
   2>&1 | tee "$OUT/measure.log"
 stamp train_step
-timeout "${T_TRAIN:-300}" python3 -m anvil_fast.train_step --worlds "$WORLDS" --out "$OUT/train_step_h200.md" \
+timeout "${T_TRAIN:-300}" python3 -m anvil_fast.studies.train_step --worlds "$WORLDS" --out "$OUT/train_step_h200.md" \
   2>&1 | tee "$OUT/train_step.log"
 stamp train_step_graphs
-timeout "${T_TRAIN:-300}" python3 -m anvil_fast.train_step --worlds "$WORLDS" --graphs --profile "$OUT/profile" \
+timeout "${T_TRAIN:-300}" python3 -m anvil_fast.studies.train_step --worlds "$WORLDS" --graphs --profile "$OUT/profile" \
   --out "$OUT/train_step_h200_graphs.md" 2>&1 | tee "$OUT/train_step_graphs.log"
 if [ -n "$ORDERS" ]; then  # e.g. ORDERS="forward mixed": the other work orders, with CUDA graphs
   for order in $ORDERS; do
     stamp "train_step_$order"
-    timeout "${T_TRAIN:-300}" python3 -m anvil_fast.train_step --worlds "$WORLDS" --graphs --work-order "$order" \
+    timeout "${T_TRAIN:-300}" python3 -m anvil_fast.studies.train_step --worlds "$WORLDS" --graphs --work-order "$order" \
       --out "$OUT/train_step_h200_graphs_$order.md" 2>&1 | tee "$OUT/train_step_graphs_$order.log"
   done
 fi
 stamp predict
-python3 -m anvil_fast.cost_model predict --data "$OUT/cost_model_h200.json" \
+python3 -m anvil_fast.studies.cost_model predict --data "$OUT/cost_model_h200.json" \
   --validate results/anvil_optimizer_h200/run4/scaling_gpu_2ranks.json results/anvil_optimizer_h200/run5/scaling_gpu_2ranks.json \
   --validate-train "$OUT/train_step_h200.json" --out "$OUT/cost_model_predictions.md" 2>&1 | tee "$OUT/predict.log"
 stamp done

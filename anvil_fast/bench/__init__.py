@@ -1,4 +1,4 @@
-"""Benchmarks of the fast path: ``python -m anvil_fast.bench <command>`` (a table, never a test).
+"""anvil_fast.bench: benchmarks of the fast path, ``python -m anvil_fast.bench <command>`` (a table, never a test).
 
 ===========  =============================================================================================
 command      what it times (module)
@@ -19,8 +19,8 @@ command      what it times (module)
 ===========  =============================================================================================
 
 What the commands share -- the measured peaks, the element-wise bytes, a table writer -- is
-:mod:`anvil_fast.bench.common`; timers come from :mod:`anvil_fast.timing`, the FLOP count from
-:func:`anvil_fast.gram_side.map_flops`.
+:mod:`anvil_fast.bench.common`; timers come from :mod:`anvil_fast.kernels.timing`, the FLOP count from
+:func:`anvil_fast.core.gram_side.map_flops`.
 
 A new benchmark is a module of this package with ``add_args(parser)``, ``run(namespace) -> exit
 code`` (exit code 2 where the device it needs is missing) and a one-line ``SUMMARY`` for ``--help``,

@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from anvil_fast.bench import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """``python -m anvil_fast.bench bank``: one ANVIL bank update on bf16 banks, side by side in one run
 with the baselines (the seed's update with a torch.compile'd plain-matmul cascade, eagerly launched
 and captured in a CUDA graph), against the roofline measured in the same run. Also prints every
-per-shape tuning decision of :mod:`anvil_fast.gram_tune` (each candidate's time, made during the
+per-shape tuning decision of :mod:`anvil_fast.kernels.gram_tune` (each candidate's time, made during the
 warm-up, outside every timed region) and a phase table: each phase of the update captured alone,
 and one map's kernels next to cuBLAS; then the Gram-side table (GRAM_SIDE next to SAFE,
 :func:`gram_side_rows`).
@@ -29,9 +29,9 @@ import torch
 
 from anvil_ref.constants import ANVIL_DEFAULTS, RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
-from ..gram_side import map_flops
-from ..timing import do_bench_ms
-from .common import ELEMENTWISE_BYTES, flops, graphed, kernel_us, measure_peaks
+from anvil_fast.core.gram_side import map_flops
+from anvil_fast.kernels.timing import do_bench_ms
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, graphed, kernel_us, measure_peaks
 
 SHAPES = ((8, 256, 768), (8, 768, 768), (8, 2816, 768), (64, 768, 768), (24, 2816, 768))
 #: do_bench's warm-up per measurement (ms).
@@ -46,7 +46,7 @@ def _bench(fn: Callable[[], object], *, rep_ms: int) -> float:
 
 
 def _make_bank(shape, config, seed=0):
-    from ..bank import AnvilBank
+    from anvil_fast.core.bank import AnvilBank
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     p = (0.02 * torch.randn(shape, device="cuda", generator=g)).bfloat16()
@@ -58,10 +58,10 @@ def _make_bank(shape, config, seed=0):
 
 
 def bank_rows(shapes, *, rep_ms: int) -> list[dict]:
-    from ..bank import anvil_bank_update
-    from ..cascade import FAITHFUL, SAFE, cascade_workspace
-    from ..plain import plain_bank_update, plain_cascade
-    from ..rails import twin_rail
+    from anvil_fast.core.bank import anvil_bank_update
+    from anvil_fast.core.cascade import FAITHFUL, SAFE, cascade_workspace
+    from anvil_fast.core.plain import plain_bank_update, plain_cascade
+    from anvil_fast.kernels.rails import twin_rail
 
     from anvil_ref.progress import Progress
 
@@ -109,11 +109,11 @@ def _phases(bank, *, rep_ms: int) -> dict:
     equalizer + update) and of one map's three kernels against cuBLAS doing the same job."""
     from anvil_ref.cascade import is_tall
 
-    from ..cascade import cascade_workspace
-    from ..equalizer import equalize
-    from ..gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
-    from ..rails import twin_rail
-    from ..update import sign_aligned_update
+    from anvil_fast.core.cascade import cascade_workspace
+    from anvil_fast.kernels.equalizer import equalize
+    from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+    from anvil_fast.kernels.rails import twin_rail
+    from anvil_fast.kernels.update import sign_aligned_update
 
     b, ws = bank, bank.workspace
     r = {}
@@ -208,10 +208,10 @@ def gram_side_rows(shapes, *, rep_ms: int) -> list[dict]:
     """SAFE next to GRAM_SIDE per shape, graphed: the cascade phase (normalization + maps, after the
     rails) with the Gram side forced whatever the dispatch rule says, and the whole bank update with
     the dispatch rule (GRAM_SIDE's update is SAFE's where it does not pick the Gram side)."""
-    from ..bank import anvil_bank_update
-    from ..cascade import GRAM_SIDE, SAFE, cascade_workspace, gram_side_workspace
-    from ..gram_side import cascade_flops, uses_gram_side
-    from ..rails import twin_rail
+    from anvil_fast.core.bank import anvil_bank_update
+    from anvil_fast.core.cascade import GRAM_SIDE, SAFE, cascade_workspace, gram_side_workspace
+    from anvil_fast.core.gram_side import cascade_flops, uses_gram_side
+    from anvil_fast.kernels.rails import twin_rail
 
     rows = []
     for shape in shapes:
@@ -247,7 +247,7 @@ def format_gram_side(rows) -> str:
                      f"{r['gram_side_casc']:>9.3f} {r['safe_casc'] / r['gram_side_casc']:>5.2f} | "
                      f"{r['safe_update']:>8.3f} {r['gram_side_update']:>8.3f} "
                      f"{r['safe_update'] / r['gram_side_update']:>5.2f}")
-    lines.append("Gram side (GRAM_SIDE, anvil_fast.gram_side) next to SAFE, ms, graphed. casc = normalization + maps "
+    lines.append("Gram side (GRAM_SIDE, anvil_fast.core.gram_side) next to SAFE, ms, graphed. casc = normalization + maps "
                  "after the rails, the Gram side forced on every shape; upd = whole bank update with the dispatch "
                  "rule (gram? = uses_gram_side); FLOPs x = SAFE's / the Gram side's (cascade_flops); x = SAFE / Gram "
                  "side. The dispatch threshold should sit where casc x crosses 1.")
@@ -270,8 +270,8 @@ def run(a: argparse.Namespace) -> int:
     tflops, gbs = measure_peaks()
     import triton
 
-    from ..gram import kernel_mode
-    from ..gram_tune import report_lines, tuning_enabled
+    from anvil_fast.kernels.gram import kernel_mode
+    from anvil_fast.kernels.gram_tune import report_lines, tuning_enabled
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"bf16 8192^3 matmul {tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s (read + write); "

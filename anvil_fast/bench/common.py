@@ -1,12 +1,12 @@
 """What every benchmark of :mod:`anvil_fast.bench` shares: the measured peaks, the element-wise
 bytes of a bank update, the cascade's FLOPs per bank and the table writer.
 
-Timers are the package's (:mod:`anvil_fast.timing`: ``do_bench_ms`` for kernels against the
+Timers are the package's (:mod:`anvil_fast.kernels.timing`: ``do_bench_ms`` for kernels against the
 roofline, ``median_ms`` and ``call_times`` for steps); :func:`graphed` turns a step into the replay
 of a CUDA graph of it; :func:`kernel_us` is the tuner's own timer
-(:func:`anvil_fast.gram_tune.time_us`), so a kernel's time in a benchmark table is the quantity the
+(:func:`anvil_fast.kernels.gram_tune.time_us`), so a kernel's time in a benchmark table is the quantity the
 tuner compared when it chose the kernel's configuration. FLOPs are the package's one count
-(:func:`anvil_fast.gram_side.map_flops`).
+(:func:`anvil_fast.core.gram_side.map_flops`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 from anvil_ref.constants import ANVIL_MAPS
 
-from ..gram_side import SYMMETRIC_BLOCK, map_flops
-from ..capture import capture
-from ..gram_tune import time_us as kernel_us
-from ..timing import do_bench_ms
+from anvil_fast.core.gram_side import SYMMETRIC_BLOCK, map_flops
+from anvil_fast.kernels.capture import capture
+from anvil_fast.kernels.gram_tune import time_us as kernel_us
+from anvil_fast.kernels.timing import do_bench_ms
 
 #: Bytes per element the element-wise phases of one bank update move: rails 20 B, normalization
 #: 4 B (read and write X; its partials come from the rails), equalizer 6 B, update 14 B.

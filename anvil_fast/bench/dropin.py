@@ -1,5 +1,5 @@
 """``python -m anvil_fast.bench dropin``: the optimizer step of the drop-in ``anvil_fast.ANVIL`` on the
-package's GPT (:func:`anvil_fast.gpt.build`, fp32 parameters), side by side in one run with
+package's GPT (:func:`anvil_fast.models.gpt.build`, fp32 parameters), side by side in one run with
 ``torch.optim.Muon`` (the blocks' 2-D weights, the matrices ANVIL banks) + fused ``torch.optim.AdamW``
 (the rest) and with fused AdamW alone.
 
@@ -33,9 +33,9 @@ import torch
 from anvil_ref.constants import ADAM_DEFAULTS
 from anvil_ref.progress import Progress
 
-from ..gpt import GPTConfig
-from ..timing import call_times
-from .common import ELEMENTWISE_BYTES, flops, graphed, measure_peaks
+from anvil_fast.models.gpt import GPTConfig
+from anvil_fast.kernels.timing import call_times
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, graphed, measure_peaks
 
 VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "anvil_lean", "muon_adamw", "adamw")
 VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cuda_graphs=True",
@@ -61,7 +61,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _model(size: str, device):
-    from ..gpt import build
+    from anvil_fast.models.gpt import build
 
     return build(SMOKE if size == "smoke" else size, seed=0, device=device)
 
@@ -80,7 +80,7 @@ def make_variant(name: str, model, device) -> Callable[[], object]:
     """The variant's optimizer over ``model``; returns its ``step``."""
     fused = dict(fused=True) if device.type == "cuda" else {}
     if name.startswith("anvil"):
-        from ..entry import ANVIL
+        from anvil_fast.optim.entry import ANVIL
 
         kw = {"anvil_graphs": dict(cuda_graphs=True), "anvil_eager": dict(cuda_graphs=False),
               "anvil_lean": dict(rails_dtype=torch.bfloat16)}.get(name, {})
@@ -108,7 +108,7 @@ def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min
             ) -> tuple[float, float, int]:
     """(median device ms per call from CUDA events (CPU: wall ms), median host ms per call, calls)
     of back-to-back calls for ``rep_ms`` after ``warmup`` untimed ones
-    (:func:`anvil_fast.timing.call_times`)."""
+    (:func:`anvil_fast.kernels.timing.call_times`)."""
     for _ in range(warmup):
         fn()
     dev, host = call_times(fn, device, rep_ms=rep_ms, min_calls=min_calls)
@@ -137,11 +137,11 @@ def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
 
 def phases(opt, device, *, rep_ms: float, warmup: int, min_calls: int = 5) -> list[tuple[str, float, float | None]]:
     """(phase, eager ms, graphed ms or None) for each phase of the default ANVIL step, each alone
-    (:mod:`anvil_fast.device_step`: host part, check, scalars, banks on one stream and on the lanes,
+    (:mod:`anvil_fast.optim.device_step`: host part, check, scalars, banks on one stream and on the lanes,
     Adam, and the whole device part)."""
     eng = opt.engine
     if eng is None:
-        raise ValueError("the phase table is the one-process step's (anvil_fast.device_step)")
+        raise ValueError("the phase table is the one-process step's (anvil_fast.optim.device_step)")
     eng.collect()
     eng.upload()
     lanes = eng.lanes

@@ -2,10 +2,10 @@
 
 Spawns ``--worlds`` ranks (NCCL on GPUs when there are enough, else gloo on the CPU), shards a GPT
 of ``--size`` with ``fully_shard`` (one unit per block and the root), sets fixed seeded gradients and
-times ``opt.step()`` with its phases (:attr:`anvil_fast.fsdp.FSDPAnvil.timings`, which synchronize
+times ``opt.step()`` with its phases (:attr:`anvil_fast.optim.fsdp.FSDPAnvil.timings`, which synchronize
 the device between phases): ``exchange`` is both all-to-alls, ``update`` the owners' bank updates
 and Adam, ``prepare`` the gradient flags and their all-reduce. ``MB/step`` is what all ranks send
-(measured, and the formula of :meth:`~anvil_fast.fsdp.FSDPAnvil.comm_bytes`); ``single ms`` is the
+(measured, and the formula of :meth:`~anvil_fast.optim.fsdp.FSDPAnvil.comm_bytes`); ``single ms`` is the
 single-process drop-in's step on one device for the same model. On a CPU the times are an
 indication only (gloo, and the ranks share the cores).
 """
@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from anvil_fast.timing import call_times
+from anvil_fast.kernels.timing import call_times
 from anvil_ref.progress import Progress
 
 WARMUP = 3
@@ -32,7 +32,7 @@ def _grads(model, seed: int) -> dict[str, torch.Tensor]:
 
 def _time_steps(opt, set_grads, steps: int, device: torch.device) -> float:
     """Mean seconds of ``steps`` calls of ``opt.step()``, each issued with the device idle and its
-    gradients set outside the timed part (:func:`anvil_fast.timing.call_times`: the step's span on
+    gradients set outside the timed part (:func:`anvil_fast.kernels.timing.call_times`: the step's span on
     the device by CUDA events, the wall clock on CPU), after the warm-up steps."""
     for _ in range(WARMUP):  # first-step allocations, lazy initializations, CUDA graph captures
         set_grads()
@@ -48,9 +48,9 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from anvil_fast import gpt
-    from anvil_fast.entry import ANVIL
-    from anvil_fast.fsdp import shard_rows
+    from anvil_fast.models import gpt
+    from anvil_fast.optim.entry import ANVIL
+    from anvil_fast.optim.fsdp import shard_rows
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -91,9 +91,9 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
 
 
 def single_process_step(size: str, dtype: torch.dtype, steps: int, device: torch.device) -> float:
-    from anvil_fast import gpt
-    from anvil_fast.comms import LocalComms
-    from anvil_fast.entry import ANVIL
+    from anvil_fast.models import gpt
+    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.optim.entry import ANVIL
 
     model = gpt.build(size, device=device).to(dtype)
     opt = ANVIL(model, comms=LocalComms())
@@ -119,7 +119,7 @@ SUMMARY = "ANVIL on an FSDP2 (fully_shard) GPT: step time, its phases and bytes 
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--size", default="tiny", help="anvil_fast.gpt size (default: %(default)s)")
+    ap.add_argument("--size", default="tiny", help="anvil_fast.models.gpt size (default: %(default)s)")
     ap.add_argument("--worlds", default="1,2", help="comma-separated rank counts (default: %(default)s)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the model's dtype (default: %(default)s)")

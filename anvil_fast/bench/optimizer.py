@@ -24,7 +24,7 @@ they are untied. Every first dimension is divisible by 8, as the seed's 8-GPU sh
 Measured variants (one GPU, world size 1; each the median of ``triton.testing.do_bench``, CUDA
 events, L2 flushed between repetitions, after a warm-up that includes compilation and capture):
 
-* ``anvil_fast``: :class:`~anvil_fast.optimizer.AnvilAndAdam` with the bank updates in CUDA graphs,
+* ``anvil_fast``: :class:`~anvil_fast.optim.optimizer.AnvilAndAdam` with the bank updates in CUDA graphs,
   an Adam step (``do_adam=True``) with untied embeddings -- the same parameter updates as the
   baseline -- and, for reference, the tied Adam step, the non-Adam step (ANVIL only; the seed
   alternates the two) and the Adam step without CUDA graphs;
@@ -49,8 +49,8 @@ import torch
 
 from anvil_ref.constants import ADAM_DEFAULTS, EMBED_LABEL, LM_HEAD_LABEL, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
-from ..timing import do_bench_ms
-from .common import ELEMENTWISE_BYTES, flops, measure_peaks
+from anvil_fast.kernels.timing import do_bench_ms
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, measure_peaks
 
 #: do_bench's warm-up per variant (ms).
 WARMUP_MS = 100
@@ -128,7 +128,7 @@ def _bench(fn: Callable[[], object], rep_ms: int) -> float:
 
 
 def fast_optimizer(layout: Layout, device, *, comms=None, graphs: bool = True, untie: bool = True, seed: int = 0):
-    from ..optimizer import AnvilAndAdam
+    from anvil_fast.optim.optimizer import AnvilAndAdam
 
     params = make_params(layout, device, seed=seed)
     opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms)

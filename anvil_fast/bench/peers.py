@@ -1,5 +1,5 @@
 """``python -m anvil_fast.bench peers``: the drop-in ``anvil_fast.ANVIL``'s step next to every installed
-peer, each with its documented configuration, on the package's GPT (:func:`anvil_fast.gpt.build`, fp32
+peer, each with its documented configuration, on the package's GPT (:func:`anvil_fast.models.gpt.build`, fp32
 parameters), each contender at each size in its own time-boxed process.
 
 Contenders (:data:`CONTENDERS`, in the order they run):
@@ -110,7 +110,7 @@ import torch
 
 from anvil_ref.cli_args import name_list, positive_int
 
-from ..timing import call_times
+from anvil_fast.kernels.timing import call_times
 
 #: One line for ``python -m anvil_fast.bench --help``.
 SUMMARY = ("the drop-in ANVIL's step next to every installed peer (dion, heavyball, emerging-optimizers, "
@@ -225,7 +225,7 @@ def _lean_check() -> str | None:
 
     import anvil_fast
 
-    if "rails_dtype" not in inspect.signature(anvil_fast.dropin.DropInAnvil).parameters:
+    if "rails_dtype" not in inspect.signature(anvil_fast.optim.dropin.DropInAnvil).parameters:
         return "anvil_fast.ANVIL has no rails_dtype keyword"
     return None
 
@@ -378,7 +378,7 @@ def _anvil_source() -> str:
 
 # ====================================================================================== the measurement
 def build_model(size: str, device):
-    from ..gpt import GPTConfig, build
+    from anvil_fast.models.gpt import GPTConfig, build
 
     # the drop-in benchmark's smoke GPT (one block, width unequal to the context), written out here so
     # a peer's process does not import that benchmark's kernels
@@ -749,7 +749,7 @@ def _write_outputs(out: Path, data: dict) -> None:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    from ..gpt import SIZES
+    from anvil_fast.models.gpt import SIZES
 
     ap.add_argument("--sizes", type=name_list((*SIZES, "smoke"), what="size"), default=None,
                     help="comma-separated GPT sizes (default small,medium; --device cpu: smoke)")

@@ -1,5 +1,5 @@
 """Runs torch's generic optimizer tests against anvil_fast.ANVIL's drop-in class
-(anvil_fast.dropin.DropInAnvil, what anvil_fast.ANVIL builds for these plain tensors: torch's tests
+(anvil_fast.optim.dropin.DropInAnvil, what anvil_fast.ANVIL builds for these plain tensors: torch's tests
 take an optimizer class), with torch's AdamW and Muon as controls: optim_db is cut to those three
 before test_optim.py is imported.
 
@@ -19,8 +19,8 @@ sys.path.insert(0, os.environ.get("ANVIL_ROOT", os.path.join(os.path.dirname(__f
 
 from torch.testing._internal import common_optimizers as C  # noqa: E402
 
-from anvil_fast.dropin import DropInAnvil  # noqa: E402
-from anvil_fast.optimizer import NonFiniteGradientError  # noqa: E402
+from anvil_fast.optim.dropin import DropInAnvil  # noqa: E402
+from anvil_fast.optim.optimizer import NonFiniteGradientError  # noqa: E402
 
 
 def anvil_inputs(device, dtype=None):

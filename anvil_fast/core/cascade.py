@@ -1,0 +1,358 @@
+"""The fast ANVIL cascade: Frobenius normalization and the six quintic maps on bf16 banks
+(seed: ``anvil_cascade`` after the rails; reference: :mod:`anvil_ref.cascade`).
+
+Per matrix, with ``G`` = :func:`~anvil_fast.kernels.gram.XTX` for tall X (rows > cols) and
+:func:`~anvil_fast.kernels.gram.XXT` otherwise::
+
+    A = G(X)                                   on the unnormalized X (the seed's free norm)
+    d = margin * sqrt(tr) + eps                tr: see the configurations below
+    X <- bf16(X / d),  A <- bf16(A / d**2)     the first Gram is rescaled, not recomputed
+    for (a, b, c) in maps:
+        A <- G(X)                              (not for the first map)
+        B <- ba_plus_cAA(A, alpha=c, beta=b)   B = b A + c A^2
+        X <- a X + X B  (tall)  |  a X + B X  (wide/square)
+
+Three configurations (:class:`CascadeConfig`):
+
+``FAITHFUL`` -- the seed's operations and roundings: the trace is read off the bf16-rounded first
+Gram; ``a X + X B`` is one ``baddbmm``, or ``bmm`` then ``add_`` (two roundings) for banks with more
+than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-1 input (below).
+
+``SAFE`` (the default) -- the same math with four changes, each measured in NOTES.md:
+
+1. the trace is the fp32 sum of squares of the bf16 X (not the bf16-rounded Gram diagonal);
+2. the normalization prescales X by an exact power of two per matrix (eps with it) and takes the
+   first Gram of the normalized X_1 instead of rescaling the unnormalized one (so no finite input
+   can overflow it); the rails clamp the lookahead to bf16's finite range before the cast;
+3. the margin is ``FROBENIUS_MARGIN * (1 + SAFE_MARGIN_SLACK)``;
+4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.kernels.gram.aX_plus_mm`: one rounding, no extra
+   pass over X), and the equalizer's guard is on (:mod:`anvil_fast.kernels.equalizer`).
+
+``GRAM_SIDE`` -- SAFE, with the maps run on the short side (``A_{k+1} = Q_k A_k Q_k``, restarted at
+GRAM_SIDE_RESTARTS) for banks whose aspect ratio makes it pay: :mod:`anvil_fast.core.gram_side`.
+
+In SAFE the twin rails, the normalization and the equalizer run as Triton kernels on CUDA
+(``triton_elementwise``; :mod:`anvil_fast.kernels.rails`, :mod:`anvil_fast.kernels.normalize`,
+:mod:`anvil_fast.kernels.equalizer`): the same operations, with fp32 sums in another (fixed) order -- for
+speed (fewer passes over memory) and so that a matrix's update does not depend on how many
+matrices share its bank (the compiled equalizer's did).
+
+Why SAFE exists. A rank-1 matrix has ``sigma_max = ||X||_F``, so after the normalization
+``sigma_max / d = 1 / margin`` -- exactly the end of the interval the maps are designed for. There
+every partial composite ``p_k o ... o p_1`` attains its maximum, and those maxima lie on the rising
+arms of the next maps (past their local minima), so the composite is steep: in exact arithmetic
+``F(s (1 + 1e-5)) = 1.004``, ``F(s (1 + 3e-5)) = 1.04``, ``F(s (1 + 6e-5)) = 1.44`` and
+``F(s (1 + 1e-4)) = 6.4`` at ``s = 1/1.05``, and past that each map's ``c x**5`` compounds up to 1e15
+and inf. The seed's trace is a sum of bf16-rounded diagonal entries, whose relative error is about
+``2**-8 / sqrt(3 n)`` (1.4e-4 for n = 768): roughly a third of the time it rounds down by more than
+the ~5e-5 the composite tolerates, and the output explodes. With the fp32 trace the remaining
+perturbation (roundings of A_1, X_1 and of every later iterate) is ~1e-5 and smaller, and
+SAFE_MARGIN_SLACK = 2**-7 moves the rank-1 point to ``s (1 - 2**-7)``. That this slack suffices is
+measured (the near-rank-1 study, :mod:`anvil_fast.studies.near_rank1`), not certified. A scalar model in
+which every iterate is perturbed by a relative 4e-3 (~ one bf16 ulp) of its own singular value keeps
+ANVIL_MAPS' output below 1.0052 at this slack (:mod:`derive_maps.robust`, outward-rounded interval
+arithmetic), but that is a statement about the model: a bf16 rounding of a matrix moves every
+singular value by up to ``2**-8 ||X||_F``, not ``2**-8 sigma``, and B = bA + cA^2 carries the
+rounding of one singular direction into the others. The certificates of :mod:`derive_maps.robust`
+name the inputs they hold for: with every rounding at its worst case, for diagonal inputs (each
+rounding relative to the value it carries) ANVIL_MAPS needs a slack of 2**-6
+(``python -m derive_maps robust anvil --inputs diagonal --slack 1/64``), and for general matrices,
+whose roundings couple the singular directions, no slack it was checked at is enough (the ANVIL row
+of ``papers/data/frontier.json``). The Gram-side configuration is another computation, outside
+those models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from anvil_ref.cascade import is_tall
+from anvil_ref.constants import ANVIL_MAPS, FROBENIUS_EPS, FROBENIUS_MARGIN, SAFE_MARGIN_SLACK, SPLIT_BADDBMM_MIN_ROWS
+from anvil_ref.gram_side import check_restarts
+from anvil_ref.maps import MapsLike, load_maps
+
+from anvil_fast.kernels.compiled import maybe_compiled, want_compile
+from anvil_fast.kernels.backend import use_triton
+from anvil_fast.kernels.equalizer import EqualizerWork
+from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA, sym_aX_plus_mm
+from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, restart_product, uses_gram_side
+from anvil_fast.kernels.normalize import NormPartials, block_partials, normalize_from_partials
+from anvil_fast.kernels.rails import BF16_MAX, PRESCALE_EXP_LIMIT
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    """How the fast path runs the cascade (and whether the equalizer guards its output)."""
+
+    name: str
+    fp32_trace: bool  #: trace from the fp32 sum of squares of X (else the bf16 Gram's diagonal)
+    prescale: bool  #: exact power-of-two prescale in the normalization (eps scaled alike); needs fp32_trace
+    margin_slack: float  #: margin = FROBENIUS_MARGIN * (1 + margin_slack)
+    fused_axb: bool  #: a*X + X@B as one kernel, one rounding (else the seed's baddbmm / bmm + add_)
+    guard: bool  #: the equalizer zeroes (and counts) matrices whose update is non-finite or exploded
+    #: the twin rails, the normalization and the equalizer as Triton kernels (:mod:`anvil_fast.kernels.rails`,
+    #: :mod:`anvil_fast.kernels.normalize`, :mod:`anvil_fast.kernels.equalizer`) where they can run (else the seed's
+    #: compiled torch code)
+    triton_elementwise: bool = False
+    #: the Gram-side cascade's restart schedule (map numbers, 1-based; :mod:`anvil_fast.core.gram_side`), run
+    #: on banks whose shape passes :func:`anvil_fast.core.gram_side.uses_gram_side`; None: never
+    gram_side: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.prescale and not self.fp32_trace:
+            raise ValueError(f"config {self.name!r}: prescale takes the first Gram after the normalization, "
+                             "so the trace must come from X (set fp32_trace=True)")
+        if self.triton_elementwise and not self.prescale:
+            raise ValueError(f"config {self.name!r}: the fused normalization kernels implement the prescaled "
+                             "one (set prescale=True, or triton_elementwise=False)")
+        if self.gram_side is not None:
+            if not (self.prescale and self.fused_axb):
+                raise ValueError(f"config {self.name!r}: the Gram side keeps SAFE's prescaled normalization and "
+                                 "one-rounding products (set prescale=True and fused_axb=True)")
+            if not isinstance(self.gram_side, tuple):
+                raise ValueError(f"config {self.name!r}: gram_side must be a tuple of map numbers, "
+                                 f"got {self.gram_side!r}")
+
+    def margin(self, base: float = FROBENIUS_MARGIN) -> float:
+        return base * (1.0 + self.margin_slack)
+
+
+FAITHFUL = CascadeConfig("faithful", fp32_trace=False, prescale=False, margin_slack=0.0, fused_axb=False, guard=False)
+SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True, guard=True,
+                    triton_elementwise=True)
+#: SAFE with the maps run on the short side of tall and wide banks (:mod:`anvil_fast.core.gram_side`).
+GRAM_SIDE = CascadeConfig("gram_side", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True,
+                          guard=True, triton_elementwise=True, gram_side=GRAM_SIDE_RESTARTS)
+DEFAULT_CONFIG = SAFE
+CONFIGS = {c.name: c for c in (FAITHFUL, SAFE, GRAM_SIDE)}
+
+
+def default_config_for(chunk_shape: tuple[int, int, int], device) -> CascadeConfig:
+    """A bank's configuration when none is asked for: GRAM_SIDE where its dispatch rule sends the
+    bank on CUDA (:func:`anvil_fast.core.gram_side.uses_gram_side`: aspect >= 2 and short side >= 512,
+    where the H200's bank benchmark measured the Gram side's update faster, and its difftest,
+    near-rank-1 study and training runs held it to SAFE's quality), else SAFE (DEFAULT_CONFIG).
+    Elsewhere (the CPU) always SAFE: the Gram side's speed there is unmeasured."""
+    if torch.device(device).type == "cuda" and uses_gram_side(chunk_shape, device=device):
+        return GRAM_SIDE
+    return DEFAULT_CONFIG
+
+
+def get_config(config: CascadeConfig | str) -> CascadeConfig:
+    if isinstance(config, CascadeConfig):
+        return config
+    try:
+        return CONFIGS[config]
+    except KeyError:
+        raise ValueError(f"config: expected one of {sorted(CONFIGS)} or a CascadeConfig, got {config!r}") from None
+
+
+@dataclass
+class CascadeWorkspace:
+    """Persistent buffers of one bank's cascade (allocated once, written in place: fixed addresses
+    for CUDA graphs). X and C are the ping-pong iterates, A the Gram, B the polynomial, scale the
+    prescale factor per matrix, partials the fused normalization's block partials and denominators,
+    equalizer the Triton equalizer's buffers (used by the bank update)."""
+
+    X: Tensor
+    C: Tensor
+    A: Tensor
+    B: Tensor
+    scale: Tensor = field(repr=False)
+    partials: NormPartials | None = field(default=None, repr=False)
+    equalizer: EqualizerWork | None = field(default=None, repr=False)
+    #: the Gram side's square buffers (:class:`anvil_fast.core.gram_side.GramSideWork`), allocated at its first run
+    gram_side: object | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, ...], device) -> "CascadeWorkspace":
+        if len(shape) != 3:
+            raise ValueError(f"a bank chunk must be [chunk, rows, cols], got {tuple(shape)}")
+        k = shape[-1] if is_tall(shape) else shape[-2]
+        bf = dict(dtype=torch.bfloat16, device=device)
+        return cls(X=torch.empty(shape, **bf), C=torch.empty(shape, **bf), A=torch.empty((shape[0], k, k), **bf),
+                   B=torch.empty((shape[0], k, k), **bf),
+                   scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device),
+                   partials=NormPartials.for_shape(tuple(shape), device),
+                   equalizer=EqualizerWork.for_shape(tuple(shape), device))
+
+
+def _normalize(X: Tensor, A: Tensor, scale: Tensor, fp32_trace: bool, prescale: bool, margin: float,
+               eps: float) -> None:
+    xf = X.float()
+    if prescale:
+        # An exact power of two per matrix (2**e <= max|X| < 2**(e+1)): scaling by it rounds nothing,
+        # so X_1 below has the same bits as without it wherever nothing over- or underflows, and the
+        # fp32 trace can never overflow. eps is scaled alike to keep d's meaning in X's units.
+        e = torch.floor(torch.log2(xf.abs().amax(dim=(-2, -1), keepdim=True)))
+        s = torch.exp2(-e.clamp(-PRESCALE_EXP_LIMIT, PRESCALE_EXP_LIMIT))
+        scale.copy_(s)
+        xf = xf * s
+    else:
+        s = 1.0
+        scale.fill_(1.0)
+    if fp32_trace:
+        tr = xf.square().sum(dim=(-2, -1), keepdim=True)
+    else:
+        tr = A.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None]
+    d = tr.sqrt() * margin + eps * s
+    X.copy_(xf / d)
+    if not prescale:
+        A.copy_(A.float() / d.square())
+
+
+def _safe_cast(x: Tensor, x_out: Tensor, prescale: bool) -> None:
+    x_out.copy_(x.float().clamp(-BF16_MAX, BF16_MAX) if prescale else x)
+
+
+def normalize_workspace(ws: CascadeWorkspace, cfg: CascadeConfig, *, margin: float, eps: float, backend: str,
+                        compile: bool | None, partials_ready: bool) -> None:
+    """The configuration's Frobenius normalization of ``ws.X`` in place (``ws.scale``: the prescale
+    factor; FAITHFUL also rescales the first Gram already in ``ws.A``)."""
+    X = ws.X
+    if cfg.triton_elementwise and use_triton(X, backend):
+        if ws.partials is None:
+            ws.partials = NormPartials.for_shape(tuple(X.shape), X.device)
+        if not partials_ready:
+            block_partials(X, ws.partials, limit=PRESCALE_EXP_LIMIT)
+        normalize_from_partials(X, ws.scale, ws.partials, margin=cfg.margin(margin), eps=float(eps),
+                                limit=PRESCALE_EXP_LIMIT)
+    else:
+        norm = maybe_compiled(_normalize, want_compile(compile, X))
+        norm(X, ws.A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
+
+
+def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
+                      split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
+                      backend: str = "auto", compile: bool | None = None, partials_ready: bool = False) -> Tensor:
+    """Run the cascade on ``ws.X`` (bf16; the config's prescale is applied here and its factor left in
+    ``ws.scale``); returns the buffer (``ws.X`` or ``ws.C``) holding the result. ``split``: the seed's two-kernel
+    ``a X + X B`` (default: rows > SPLIT_BADDBMM_MIN_ROWS); ignored when the config fuses it.
+    ``partials_ready``: ``ws.partials`` already holds the partials of this X (the fused rails wrote
+    them), so the fused normalization skips its own pass over X."""
+    cfg = get_config(config)
+    maps_ = load_maps(maps)
+    X, C, A, B = ws.X, ws.C, ws.A, ws.B
+    if cfg.gram_side is not None:
+
+        if uses_gram_side(X.shape, device=X.device):
+            return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
+                                       compile=compile, partials_ready=partials_ready)
+    tall = is_tall(X.shape)
+    gram = XTX if tall else XXT
+    if split is None:
+        split = X.shape[-2] > SPLIT_BADDBMM_MIN_ROWS
+    if not cfg.prescale:
+        gram(X, out=A, backend=backend)  # the seed's free norm: the trace of the unnormalized Gram
+    normalize_workspace(ws, cfg, margin=margin, eps=eps, backend=backend, compile=compile,
+                        partials_ready=partials_ready)
+    for k, (a, b, c) in enumerate(maps_):
+        if k > 0 or cfg.prescale:
+            # With the prescale the first Gram is taken of the normalized X_1: the unnormalized X
+            # may be huge (its Gram overflows past ~1e19) and the fp32 trace does not need it.
+            gram(X, out=A, backend=backend)
+        ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
+        if cfg.fused_axb:
+            if tall:
+                aX_plus_mm(X, X, B, a=a, out=C, backend=backend)
+            else:
+                aX_plus_mm(X, B, X, a=a, out=C, backend=backend)
+        elif split:
+            torch.bmm(X, B, out=C) if tall else torch.bmm(B, X, out=C)
+            C.add_(X, alpha=a)
+        else:
+            torch.baddbmm(X, X, B, beta=a, out=C) if tall else torch.baddbmm(X, B, X, beta=a, out=C)
+        X, C = C, X
+    return X
+
+
+def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
+                 split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
+                 backend: str = "auto", compile: bool | None = None) -> Tensor:
+    """The fast cascade of ``x`` ([..., rows, cols], any float dtype; cast to bf16 as the seed casts
+    its fp32 lookahead). Returns a new bf16 tensor of x's shape. ``margin`` is the base margin (the
+    SAFE config widens it by SAFE_MARGIN_SLACK)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
+        raise ValueError(f"x: expected a floating-point tensor [..., rows, cols], got "
+                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
+    if x.shape[-1] == 0 or x.shape[-2] == 0:
+        raise ValueError(f"x: matrices must have at least one row and one column, got {tuple(x.shape)}")
+    cfg = get_config(config)
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, *x.shape[-2:])
+    ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
+    maybe_compiled(_safe_cast, want_compile(compile, x))(x3, ws.X, cfg.prescale)
+    y = cascade_workspace(ws, maps=maps, config=cfg, split=split, margin=margin, eps=eps, backend=backend,
+                          compile=compile)
+    return y.reshape(*lead, *y.shape[-2:])
+
+
+# The Gram-side driver (anvil_fast.core.gram_side holds its kernel, buffers and rules): here, next to the
+# standard one, because it shares the workspace and the normalization and cascade_workspace dispatches to it.
+
+def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = "gram_side",
+                        margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS, backend: str = "auto",
+                        compile: bool | None = None, partials_ready: bool = False) -> Tensor:
+    """The Gram-side cascade of ``ws.X`` (module docstring) with the configuration's restart
+    schedule; same contract as :func:`anvil_fast.core.cascade.cascade_workspace` (returns the buffer,
+    ``ws.X`` or ``ws.C``, that holds the result)."""
+    cfg = get_config(config)
+    if cfg.gram_side is None:
+        raise ValueError(f"config {cfg.name!r} has no Gram-side restart schedule (gram_side=None)")
+    maps_ = load_maps(maps)
+    sched = check_restarts(cfg.gram_side, len(maps_))
+    X0, C, A, B = ws.X, ws.C, ws.A, ws.B
+    if ws.gram_side is None or tuple(ws.gram_side.R.shape) != tuple(A.shape):
+        ws.gram_side = GramSideWork.for_workspace(ws)
+    P, Rk, R2 = ws.gram_side.P, ws.gram_side.R, ws.gram_side.R2
+    tall = is_tall(X0.shape)
+    gram = XTX if tall else XXT
+    normalize_workspace(ws, cfg, margin=margin, eps=eps, backend=backend, compile=compile,
+                        partials_ready=partials_ready)
+    gram(X0, out=A, backend=backend)
+    fresh = True
+    for k, (a, b, c) in enumerate(maps_, start=1):
+        if k in sched:
+            restart_product(X0, Rk, C, tall, backend)
+            X0, C = C, X0
+            gram(X0, out=A, backend=backend)
+            fresh = True
+        ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
+        if fresh:
+            Rk.copy_(B)
+            # Q = a I + B, the diagonal added in fp32 and rounded once: a bf16 tensor's in-place
+            # ``add_(a)`` first rounds the scalar a to bf16, a bias of up to 2**-9 on every eigenvalue
+            # of Q that the accumulated R never loses (measured: 3x the error with one restart).
+            diag = Rk.diagonal(dim1=-2, dim2=-1)
+            diag.copy_(diag.float() + a)
+            fresh = False
+        else:
+            aX_plus_mm(Rk, Rk, B, a=a, out=R2, backend=backend) if tall else \
+                aX_plus_mm(Rk, B, Rk, a=a, out=R2, backend=backend)
+            Rk, R2 = R2, Rk
+        if k < len(maps_) and k + 1 not in sched:
+            aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
+            sym_aX_plus_mm(P, B, P, a=a, out=A, backend=backend)
+    restart_product(X0, Rk, C, tall, backend)
+    return C
+
+
+def fast_gram_side(x: Tensor, *, restarts=None, maps: MapsLike = ANVIL_MAPS, margin: float = FROBENIUS_MARGIN,
+                   eps: float = FROBENIUS_EPS, backend: str = "auto", compile: bool | None = None) -> Tensor:
+    """The Gram-side cascade of ``x`` ([..., rows, cols], any float dtype, cast to bf16 as
+    :func:`anvil_fast.core.cascade.fast_cascade` does) whatever its shape (no dispatch rule), with
+    ``restarts`` (default: GRAM_SIDE's schedule). Returns a new bf16 tensor of x's shape."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or 0 in x.shape[-2:]:
+        raise ValueError(f"x: expected a floating-point tensor [..., rows, cols] with rows, cols >= 1, got "
+                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
+    cfg = GRAM_SIDE if restarts is None else dataclasses.replace(GRAM_SIDE, gram_side=tuple(restarts))
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, *x.shape[-2:])
+    ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
+    _safe_cast(x3, ws.X, True)
+    y = gram_side_workspace(ws, maps=maps, config=cfg, margin=margin, eps=eps, backend=backend, compile=compile)
+    return y.reshape(*lead, *y.shape[-2:])

@@ -1,0 +1,278 @@
+"""Per-shape choice of the Gram kernels' launch configuration, made at the first call on a GPU.
+
+Why a tuner and not a size heuristic: the first H200 sweep (NOTES.md) showed the best tile shape,
+warp count and pipeline depth change with the problem (a 64-tile K=128 config was 5x faster than the
+128-tile default on 8x256x768 and 20% slower on 64x768x768), and whether TMA loads or a persistent
+grid pay cannot be predicted from the FLOP count of a kernel whose K loop is only 6-12 steps long.
+So each new problem key (kernel, sizes, batch, device) gets a short list of candidates, and
+
+1. every candidate runs once and its output is compared with the v1 kernels' (the reference that was
+   validated on the H200 first): a candidate that raises (a compile error of this Triton version, a
+   shared-memory overflow) or disagrees beyond bf16 rounding is dropped and recorded, never used;
+2. the survivors are timed as CUDA-graph replays of back-to-back launches (GPU time only: the
+   host's launch cost is not what a captured bank update pays), the fastest is kept for the process.
+
+Tuning never runs while a CUDA graph is being captured (the untuned default runs instead; the
+capture helpers warm up first, so real captures see tuned shapes), costs nothing on later calls,
+and is skipped with ``ANVIL_FAST_TUNE=0``. :data:`RECORDS` keeps every decision (the benchmark
+prints it). Every candidate computes fp32 sums of the same bf16 products in the same K order and
+rounds once; :data:`RECORDS` also says whether each one was bit-identical to the reference.
+
+Candidates for the symmetric kernels are square tiles only (the mirrored store needs them); cuBLAS
+is a candidate for ``aX_plus_mm`` alone, because a library Gram or ``A@A`` is not guaranteed to be
+exactly symmetric.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .backend import num_sms
+from .timing import median_ms, timer
+
+
+class TileConfig(NamedTuple):
+    """Launch parameters of one kernel call. The symmetric kernels use square BLOCK_M x BLOCK_M
+    tiles (BLOCK_N is ignored there).
+
+    ``kernel``: ``"ptr"`` (pointer loads), ``"tma"`` (TMA descriptors; used only where the problem
+    tiles exactly and the views are 16-byte aligned, else the pointer path runs), ``"v1"`` (the first
+    kernels) or ``"cublas"`` (``aX_plus_mm`` only: ``torch.baddbmm``, the same one-rounding math).
+    ``per_sm``: 0 launches one program per tile; k > 0 launches a persistent grid of k programs per
+    SM that walk the tiles.
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+    GROUP_M: int = 8
+    kernel: str = "ptr"
+    per_sm: int = 0
+
+    def describe(self) -> str:
+        if self.kernel == "cublas":
+            return "cublas"
+        p = f" p{self.per_sm}" if self.per_sm else ""
+        return (f"{self.kernel} {self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} w{self.num_warps} "
+                f"s{self.num_stages}{p}")
+
+
+class ProblemKey(NamedTuple):
+    """What a tuned choice is remembered by: the operation (``"XXT"``, ``"XTX"``, ``"ba_plus_cAA"``,
+    ``"mm_add"``), the product's sizes ``[m, k] @ [k, n]`` per matrix (a Gram of an ``n x k`` operand
+    has ``m = n``; ``A @ A`` has ``m = n = k``), the batch, and the CUDA device index."""
+
+    op: str
+    m: int
+    n: int
+    k: int
+    batch: int
+    device: int | None
+
+    def flops(self) -> int:
+        """FLOPs of the full products (the symmetric kernels execute about half of a Gram's)."""
+        return 2 * self.m * self.n * self.k * self.batch
+
+    def describe(self) -> str:
+        return f"{self.op} m={self.m} n={self.n} k={self.k} batch={self.batch}"
+
+
+T = TileConfig
+
+SYM_CANDIDATES: tuple[TileConfig, ...] = (
+    T(128, 128, 64, 8, 4, kernel="ptr"),
+    T(128, 128, 64, 4, 3, kernel="ptr"),
+    T(64, 64, 128, 4, 3, kernel="ptr"),
+    T(128, 128, 64, 8, 4, kernel="tma"),
+    T(128, 128, 64, 8, 3, kernel="tma"),
+    T(128, 128, 64, 4, 3, kernel="tma"),
+    T(128, 128, 64, 4, 2, kernel="tma"),
+    T(128, 128, 128, 8, 2, kernel="tma"),
+    T(64, 64, 128, 4, 3, kernel="tma"),
+    T(64, 64, 64, 4, 4, kernel="tma"),
+    T(128, 128, 64, 8, 4, kernel="tma", per_sm=1),
+    T(128, 128, 64, 4, 3, kernel="tma", per_sm=2),
+    T(128, 128, 64, 4, 2, kernel="tma", per_sm=2),
+)
+
+MM_CANDIDATES: tuple[TileConfig, ...] = (  # (no pointer 128 x 256: it spills; v1 times that shape)
+    T(128, 128, 64, 8, 4, kernel="ptr"),
+    T(64, 128, 64, 4, 4, kernel="ptr"),
+    T(128, 256, 64, 8, 3, kernel="tma"),
+    T(256, 128, 64, 8, 3, kernel="tma"),
+    T(128, 128, 64, 8, 4, kernel="tma"),
+    T(128, 128, 64, 4, 3, kernel="tma"),
+    T(64, 128, 64, 4, 4, kernel="tma"),
+    T(128, 256, 64, 8, 3, kernel="tma", per_sm=1),
+    T(128, 128, 64, 4, 3, kernel="tma", per_sm=2),
+    T(0, 0, 0, 0, 0, kernel="cublas"),
+)
+
+#: Every tuning decision of this process: dicts with key, results [(config, us | None, note)], chosen.
+RECORDS: list[dict] = []
+_CHOICES: dict[ProblemKey, TileConfig] = {}
+
+
+#: Problems below this many FLOPs (of the full product) keep the untuned default: a few microseconds
+#: of work, where launch cost dominates and tuning would only add its own time (and tests' time).
+MIN_TUNE_FLOPS = 2 ** 28
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("ANVIL_FAST_TUNE", "1") != "0"
+
+
+def cublas_allowed() -> bool:
+    """``ANVIL_FAST_TUNE_CUBLAS=1`` adds cuBLAS to the candidates (off by default). Every Triton
+    candidate was bit-identical to v1 on the H200 (NOTES.md), so the tuner's choice among them never
+    changes a result; cuBLAS sums in another order (a bf16 ulp in ~0.1% of entries), so with it the
+    bits of a shape where it wins depend on the timing -- and on the bank's size, so a sharded bank
+    would no longer reproduce the one-process result bit for bit. It won one key in five banks, by
+    8% of one kernel (anvil_fast/NOTES.md), which is not worth that."""
+    return os.environ.get("ANVIL_FAST_TUNE_CUBLAS", "0") == "1"
+
+
+def _even(kind: str, cfg: TileConfig, key: ProblemKey) -> bool:
+    if kind == "mm_add":
+        return key.m % cfg.BLOCK_M == 0 and key.n % cfg.BLOCK_N == 0 and key.k % cfg.BLOCK_K == 0
+    return key.n % cfg.BLOCK_M == 0 and key.k % cfg.BLOCK_K == 0  # square tiles of the symmetric output
+
+
+def _tiles(kind: str, cfg: TileConfig, key: ProblemKey) -> int:
+    if kind == "mm_add":
+        return -(-key.m // cfg.BLOCK_M) * -(-key.n // cfg.BLOCK_N) * key.batch
+    t = -(-key.n // cfg.BLOCK_M)
+    return t * (t + 1) // 2 * key.batch  # lower tiles only
+
+
+def candidates(kind: str, key: ProblemKey, sms: int) -> list[TileConfig]:
+    """The candidates that differ for this problem: TMA only where it applies (else it would run the
+    pointer path again), persistent grids only where there are more tiles than programs, no tile
+    more than twice the problem's side, no configuration that spills registers (sm_90a resource
+    report of each candidate, compiled with ``tools/gram_sm90_report.py``)."""
+    out = []
+    side = min(key.m, key.n)
+    for c in (MM_CANDIDATES if kind == "mm_add" else SYM_CANDIDATES):
+        if c.kernel == "cublas":
+            if cublas_allowed():
+                out.append(c)
+            continue
+        if min(c.BLOCK_M, c.BLOCK_N if kind == "mm_add" else c.BLOCK_M) > max(64, 2 * side):
+            continue
+        if c.kernel == "tma" and not _even(kind, c, key):
+            continue
+        if c.per_sm and _tiles(kind, c, key) <= c.per_sm * sms:
+            continue
+        if kind == "ba_plus_cAA" and c.BLOCK_M >= 128 and c.num_warps < 8:
+            continue  # 128 x 128 fp32 accumulator + the epilogue's A tile on 4 warps spills registers
+        out.append(c)
+    return out
+
+
+def time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
+    """GPU time of one ``fn()``: replays of a CUDA graph of back-to-back calls (event timing of
+    eager calls if capture fails), median of 5 (:func:`anvil_fast.kernels.timing.median_ms`). The benchmarks time kernels with it too
+    (:mod:`anvil_fast.bench.common`), so their tables show what the tuner compared."""
+    torch.cuda.synchronize()
+    timed = timer("cuda")
+    reps = int(min(200, max(3, target_ms / max(timed(fn), 1e-3))))
+    run: Callable[[], None]
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        run = g.replay
+    except Exception:  # pragma: no cover - depends on the device
+        def run():
+            for _ in range(reps):
+                fn()
+    # no barrier: a rank tunes alone, whatever the others do
+    return 1000.0 * median_ms(run, n=5, warmup=1, device="cuda", barrier=False) / reps
+
+
+def _agrees(y: Tensor, ref: Tensor) -> tuple[bool, str]:
+    if torch.equal(y, ref):
+        return True, "bitwise"
+    yf, rf = y.float(), ref.float()
+    if not torch.equal(torch.isnan(yf), torch.isnan(rf)):
+        return False, "NaN pattern differs"
+    yf, rf = torch.nan_to_num(yf), torch.nan_to_num(rf)
+    # Different fp32 summation orders then one rounding: a bf16 ulp here and there (2**-8 relative);
+    # a broken kernel is off by O(1) of the largest entry.
+    err = (yf - rf).abs().max().item()
+    scale = rf.abs().max().item()
+    ndiff = int((yf != rf).sum().item())
+    ok = err <= 2.0 ** -6 * max(scale, 1e-30)
+    return ok, f"{ndiff} entries differ, max |diff| {err:.3g} (max |ref| {scale:.3g})"
+
+
+def tune(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out: Tensor, reference: TileConfig, *,
+         cands: list[TileConfig] | None = None, timer: Callable[[Callable[[], None]], float] = time_us,
+         sync: Callable[[], None] | None = None) -> tuple[TileConfig, dict]:
+    """Run, check and time every candidate (and the reference) on this call's tensors; return the
+    fastest agreeing one and the record. ``launch(cfg)`` computes the call into ``out``; ``cands``
+    defaults to :func:`candidates`; ``timer`` and ``sync`` are replaceable for tests."""
+    sync = sync or torch.cuda.synchronize
+    launch(reference)
+    sync()
+    ref = out.clone()
+    results = []
+    if cands is None:
+        cands = candidates(kind, key, num_sms(out.device.index))
+    for cfg in [reference, *cands]:
+        try:
+            launch(cfg)
+            sync()
+            ok, note = _agrees(out, ref)
+            us = timer(lambda c=cfg: launch(c)) if ok else None
+            if not ok:
+                note = "REJECTED (disagrees with v1): " + note
+        except Exception as e:  # a candidate this Triton/GPU cannot build or run is skipped, visibly
+            us, note = None, f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        results.append((cfg, us, note))
+    timed = [(us, cfg) for cfg, us, _ in results if us is not None]
+    best = min(timed, key=lambda t: t[0])[1] if timed else reference
+    return best, {"kind": kind, "key": key, "results": results, "chosen": best}
+
+
+def choose(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out: Tensor,
+           default: TileConfig) -> TileConfig:
+    """The configuration for ``key``: the tuned one, tuning now if the key is new (not while a CUDA
+    graph is being captured, not below MIN_TUNE_FLOPS, and not with ``ANVIL_FAST_TUNE=0``: then
+    ``default``)."""
+    got = _CHOICES.get(key)
+    if got is not None:
+        return got
+    if (not tuning_enabled() or key.flops() < MIN_TUNE_FLOPS
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+        return default
+    best, record = tune(kind, key, launch, out, default)
+    _CHOICES[key] = best
+    RECORDS.append(record)
+    return best
+
+
+def reset() -> None:
+    """Forget every tuned choice (the next call of each shape tunes again)."""
+    _CHOICES.clear()
+    RECORDS.clear()
+
+
+def report_lines() -> list[str]:
+    """One block per tuned key: every candidate's time (us) or why it was dropped, the choice."""
+    lines = []
+    for r in RECORDS:
+        base = next((us for c, us, _ in r["results"] if c.kernel == "v1" and us is not None), None)
+        lines.append(f"tune {r['key'].describe()}: chosen {r['chosen'].describe()}")
+        for cfg, us, note in r["results"]:
+            t = f"{us:8.1f} us" if us is not None else "       -   "
+            rel = f"  x{base / us:4.2f} vs v1" if (us and base) else ""
+            lines.append(f"    {cfg.describe():<28} {t}{rel}  {note}")
+    return lines

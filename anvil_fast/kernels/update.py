@@ -1,0 +1,139 @@
+"""Sign-aligned decay and the parameter update on a bf16 parameter with a uint16 mantissa
+(seed: ``AnvilAndAdam._sign_aligned_decay_update``; reference: :mod:`anvil_ref.update` for the math,
+:mod:`anvil_ref.storage` for the bits).
+
+The fp32 master weight is the bit pattern ``(p << 16) | mantissa``: ``p`` is the bf16 parameter the
+model reads (the master truncated), ``mantissa`` its low half. One step, all in fp32 and in the seed's
+order::
+
+    W   = master(p, mantissa)
+    on  = (gate * W >= 0)                       gate: the slow rail (fp32)
+    W' = W - W * on * eff_wd * eff_lr - U * eff_lr
+    p, mantissa <- high and low halves of W'
+
+so the master is exact fp32 and the bf16 parameter is always its truncation.
+
+Why not the seed's shifts: the seed widens to uint32 and shifts (``p.to(uint32) << 16``), and torch
+on the CPU implements no shifts for uint32. This module forms the same bit pattern with int32
+arithmetic that both devices implement and that cannot overflow::
+
+    raw = int32(int16 view of p) * 65536 + (int32(int16 view of mantissa) & 0xFFFF)
+    hi  = raw >> 16                (arithmetic shift: back to the signed 16-bit pattern)
+    lo  = raw & 0xFFFF, wrapped to int16 by subtracting 65536 when bit 15 is set
+
+``raw`` is the two's-complement int32 whose bits are ``(p << 16) | mantissa``; viewing it as float32
+gives the master. Tests check it against :func:`anvil_ref.storage.join_fp32` / ``split_fp32`` on all
+16-bit halves that matter (signs, zeros, subnormals, infinities, NaN payloads).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+from .compiled import maybe_compiled, want_compile
+
+
+def join_fp32(p16: Tensor, m16: Tensor) -> Tensor:
+    """fp32 master from the int16 views of the parameter and the mantissa (bit-exact;
+    :func:`anvil_ref.storage.join_fp32` in int32 arithmetic that ``torch.compile`` and both devices run)."""
+    raw = p16.to(torch.int32) * 65536 + (m16.to(torch.int32) & 0xFFFF)
+    return raw.view(torch.float32)
+
+
+def split_fp32(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) int16 halves of an fp32 tensor's bit pattern (:func:`anvil_ref.storage.split_fp32`)."""
+    raw = w.view(torch.int32)
+    hi = (raw >> 16).to(torch.int16)
+    lo = raw & 0xFFFF
+    lo = (lo - ((lo >> 15) << 16)).to(torch.int16)
+    return hi, lo
+
+
+def _halves(master: Tensor) -> tuple[Tensor, Tensor]:
+    # An fp32's bit pattern, little-endian, is the int16 pair (low half, high half): the halves are
+    # strided int16 views, so splitting and joining are two plain copies each (one pass over the
+    # bytes, no integer arithmetic) instead of the shift-and-mask form above.
+    pairs = master.view(torch.int16).view(*master.shape, 2)
+    return pairs[..., 1], pairs[..., 0]
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def split_fp32_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """``hi``/``lo`` (bf16, uint16) = the high/low 16 bits of fp32 ``master`` (exact), in place: the
+    drop-in's split of an fp32 parameter into a bank's parameter and mantissa."""
+    h, l_ = _halves(master) if _LITTLE_ENDIAN else split_fp32(master)
+    hi.view(torch.int16).copy_(h)
+    lo.view(torch.int16).copy_(l_)
+
+
+def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
+    """fp32 ``master`` = the bit pattern ``(hi << 16) | lo`` (exact)."""
+    if not _LITTLE_ENDIAN:  # pragma: no cover - every CUDA host is little-endian
+        master.copy_(join_fp32(hi.view(torch.int16), lo.view(torch.int16)))
+        return
+    h, l_ = _halves(master)
+    h.copy_(hi.view(torch.int16))
+    l_.copy_(lo.view(torch.int16))
+
+
+def _decayed(w: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor, gate_src: Tensor) -> Tensor:
+    """W' from the fp32 master W, in the seed's order of operations."""
+    wd_factor = wd_tensor.to(torch.float32)
+    lr_factor = lr_tensor.to(torch.float32)
+    aligned = (gate_src.float() * w) >= 0
+    return w - (w * aligned * wd_factor * lr_factor) - (update.float() * lr_factor)
+
+
+def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
+                               gate_src: Tensor, active: Tensor | None = None) -> None:
+    w = join_fp32(p16, m16)
+    w_new = _decayed(w, update, wd_tensor, lr_tensor, gate_src)
+    if active is not None:
+        w_new = torch.where(active != 0, w_new, w)
+    hi, lo = split_fp32(w_new)
+    p16.copy_(hi)
+    m16.copy_(lo)
+
+
+def _sign_aligned_decay_update_fp32(w32: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
+                                    gate_src: Tensor, active: Tensor | None = None) -> None:
+    # The same expression on the float32 master itself: the bf16 + mantissa form's join and split
+    # are exact bit copies, so both write the same bits; this one skips the two passes over halves.
+    w_new = _decayed(w32, update, wd_tensor, lr_tensor, gate_src)
+    w32.copy_(w_new if active is None else torch.where(active != 0, w_new, w32))
+
+
+def _int16_view(t: Tensor, name: str) -> Tensor:
+    if t.dtype not in (torch.bfloat16, torch.uint16, torch.int16, torch.float16):
+        raise ValueError(f"{name}: expected a 16-bit tensor (bf16 parameter / uint16 mantissa), got {t.dtype}")
+    return t.view(torch.int16)
+
+
+def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, gate: Tensor, eff_lr: Tensor,
+                        eff_wd: Tensor, active: Tensor | None = None, compile: bool | None = None) -> None:
+    """:func:`anvil_ref.update.sign_aligned_update` in place on the fp32 master ``W``:
+    ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr``. The master is either ``p`` itself
+    (a float32 parameter slice, ``mantissa=None``) or the pair ``p`` (the bf16 parameter slice, or
+    its uint16 view) + ``mantissa`` (uint16, the low halves: the seed's storage). ``eff_wd`` is a
+    0-D fp32 tensor, ``eff_lr`` ``[chunk, 1, 1]`` fp32, ``gate`` fp32 like ``p``. ``active``: an
+    optional ``[chunk, 1, 1]`` int32 device mask; a matrix whose entry is 0 keeps its master bit
+    for bit (a member without a gradient, or a step the device refused). The gate and the two
+    rates are keyword-only: each pair has the same type, so a positional swap would run and be
+    wrong."""
+    if p.shape != update.shape or p.shape != gate.shape or (mantissa is not None and p.shape != mantissa.shape):
+        raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa "
+                         f"{None if mantissa is None else tuple(mantissa.shape)}, update {tuple(update.shape)}, "
+                         f"gate {tuple(gate.shape)}")
+    c = want_compile(compile, p)
+    if mantissa is None:
+        if p.dtype != torch.float32:
+            raise ValueError(f"p: without a mantissa the master must be the float32 parameter itself, got {p.dtype}")
+        maybe_compiled(_sign_aligned_decay_update_fp32, c)(p, update, eff_wd, eff_lr, gate, active)
+        return
+    p16, m16 = _int16_view(p, "p"), _int16_view(mantissa, "mantissa")
+    maybe_compiled(_sign_aligned_decay_update, c)(p16, m16, update, eff_wd, eff_lr, gate, active)
