@@ -10,7 +10,7 @@ package and the layers below it, never one above (``tests/test_layout.py`` reads
   machinery they share. Nothing of the package below it.
 * ``core``: one bank's update as the seed orders it, built from kernels, and the forms it is judged
   against (eager bf16, plain matmuls, the tolerance table).
-* ``dist``: collectives and a process launcher; no optimizer code, so an optimizer's schedule and a
+* ``parallel``: collectives and a process launcher; no optimizer code, so an optimizer's schedule and a
   study's ranks share them.
 * ``optim``: the optimizers a user constructs (the ``ANVIL`` factory, its two front-ends and their
   one base, ``AnvilAndAdam``) and everything one of their steps runs.
@@ -60,9 +60,9 @@ module                         concept
 ``core.eager``                 the seed's math in eager bf16 torch (the difftest's second floor)
 ``core.plain``                 the benchmark's baseline: the seed's update with library matmuls
 ``core.tolerances``            THE tolerance table of fast against reference (its derivations inside)
-**dist**
-``dist.comms``                 the collectives (NCCL, gloo, one process)
-``dist.distributed``           a launcher of ranks for tests and studies, and replica digests
+**parallel**
+``parallel.comms``             the collectives (NCCL, gloo, one process)
+``parallel.distributed``       a launcher of ranks for tests and studies, and replica digests
 **optim**
 ``optim.frontend``             ``AnvilFrontend``: the front-ends' one base (param groups, hyperparameter
                                checks, describe, step counters, state-dict hooks)
@@ -127,7 +127,7 @@ Where new work goes:
 import importlib
 
 #: The layer packages, bottom first: a module imports only its own package and those before it.
-LAYERS = ("kernels", "core", "dist", "optim", "models", "bench", "studies")
+LAYERS = ("kernels", "core", "parallel", "optim", "models", "bench", "studies")
 
 # Imported on first use, so ``import anvil_fast`` stays light (no Triton, no compile).
 _LAZY = {"ANVIL": ".optim.entry", "AnvilFrontend": ".optim.frontend",

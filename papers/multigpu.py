@@ -86,7 +86,10 @@ def table_validation() -> str:
                      f"{r['nocomm_error']:+.0%} | {m['comm_ms']:.3f} | {b['low_ms']:.3f} .. {b['high_ms']:.3f} | "
                      f"{m['step_ms']:.3f} | {'yes' if r['inside'] else 'no'} |")
     return "\n".join(lines) + "\n\n*Source: the timing tables of " + ", ".join(
-        f"`{r['path']}/scaling_gpu_2ranks.md`" for r in runs) + f" (`{runs[0]['command'].split(' --out')[0]}`).*"
+        f"`{r['path']}/scaling_gpu_2ranks.md`" for r in runs) + (
+        f" (the scaling study, `python -m anvil_fast.studies.scaling gpu"
+        f"{runs[0]['command'].split(' gpu', 1)[1].split(' --out')[0]}`; each table's first line quotes the "
+        "command as it was run).*")
 
 
 def table_prediction() -> str:

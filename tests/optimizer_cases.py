@@ -16,7 +16,7 @@ import torch
 
 import anvil_ref as A
 from anvil_ref import ParamSpec, ReferenceAnvilAndAdam
-from anvil_fast.dist.comms import Comms
+from anvil_fast.parallel.comms import Comms
 
 TABLE = {
     "qk_bank": {"optim": "anvil", "comms": "sharded"},

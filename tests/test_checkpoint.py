@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from anvil_fast.dist.comms import NullComms
+from anvil_fast.parallel.comms import NullComms
 from anvil_fast.optim.optimizer import AnvilAndAdam
 from anvil_ref.config import ConfigError
 from tests import optimizer_cases as C

@@ -1,4 +1,4 @@
-"""anvil_fast.dist.comms in one process: LocalComms (the world-size-1 schedule), NullComms (the timing
+"""anvil_fast.parallel.comms in one process: LocalComms (the world-size-1 schedule), NullComms (the timing
 stand-in), handles, and the choice of backend. The process-group backends (gloo here, NCCL on the
 GPU machine) are exercised in tests/test_distributed.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast.dist.comms import DONE, Handle, LocalComms, NullComms, resolve_comms
+from anvil_fast.parallel.comms import DONE, Handle, LocalComms, NullComms, resolve_comms
 
 
 def test_local_comms_is_the_world_size_one_case():

@@ -114,7 +114,7 @@ def test_read_scaling_run_reads_the_runs_record():
     run = C.read_scaling_run(RUN5)
     assert run["rows"] == {1: dict(step_ms=8.521, nocomm_ms=8.347, comm_ms=0.0, anvil_only_ms=8.083),
                            2: dict(step_ms=8.896, nocomm_ms=13.17, comm_ms=2.227, anvil_only_ms=8.486)}
-    assert run["command"].startswith("python -m anvil_fast.studies.scaling gpu --worlds 1,2")
+    assert run["command"].startswith("python -m anvil_fast.scaling gpu --worlds 1,2")  # as it was run
     with pytest.raises(ValueError, match="not JSON"):
         C.read_scaling_run(RUN5.replace(".json", ".md"))
     with pytest.raises(ValueError, match="not a 'anvil_fast.train_step/1' record"):

@@ -431,21 +431,20 @@ def test_fp32_model_state_is_at_adamw_memory():
 
 
 # ----------------------------------------------------------------------------------------------- memory
-def _held_bytes(opt) -> tuple[int, int]:
-    """(bytes of every tensor the optimizer holds besides the parameters, bytes of its lane
-    energies), each storage counted once."""
-    seen, total, lanes = set(), 0, 0
+def _held_storages(opt) -> tuple[list[int], int]:
+    """(the byte size of every storage the optimizer holds besides the parameters', each counted
+    once; bytes of its lane energies)."""
+    seen, sizes, lanes = set(), [], 0
     param_storage = {p.untyped_storage().data_ptr() for p in opt.inner.params.values()}
 
     def add(t):
-        nonlocal total
         if not isinstance(t, torch.Tensor):
             return
         key = t.untyped_storage().data_ptr()
         if key in seen or key in param_storage:
             return
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        sizes.append(t.untyped_storage().nbytes())
 
     inner = opt.inner
     for st in inner.param_states.values():
@@ -464,7 +463,13 @@ def _held_bytes(opt) -> tuple[int, int]:
             add(getattr(g, k))
     for t in (inner.built_grad_buffers or {}).values():
         add(t)
-    return total, lanes
+    return sizes, lanes
+
+
+def _held_bytes(opt) -> tuple[int, int]:
+    """(bytes of every tensor the optimizer holds besides the parameters, bytes of its lane energies)."""
+    sizes, lanes = _held_storages(opt)
+    return sum(sizes), lanes
 
 
 @pytest.mark.parametrize("lean", [False, True], ids=["fp32_rails", "bf16_rails"])

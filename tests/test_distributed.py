@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from anvil_fast.dist.distributed import all_digests, replica_digest, spawn
+from anvil_fast.parallel.distributed import all_digests, replica_digest, spawn
 from tests import optimizer_cases as C
 
 WORLD = 2
@@ -79,7 +79,7 @@ def _state_equal(dist_opt, single) -> dict[str, bool]:
 
 def _session(rank: int, world: int, device: str, compile_banks: bool) -> dict:
     import anvil_ref as A
-    from anvil_fast.dist.comms import DistComms, LocalComms
+    from anvil_fast.parallel.comms import DistComms, LocalComms
     from anvil_fast.studies.difftest import rel_err
     from anvil_fast.optim.optimizer import NonFiniteGradientError
     from anvil_fast.core import tolerances as TOL

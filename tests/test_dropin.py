@@ -743,7 +743,7 @@ def test_bad_input():
 def _two_rank_session(rank, world_size):
     """On each rank: its own data; step 2 has a NaN on rank 1 only; step 3 leaves blocks.1.q.weight
     (a member of a bank split over both ranks) without a gradient."""
-    from anvil_fast.dist.distributed import all_digests
+    from anvil_fast.parallel.distributed import all_digests
 
     torch.manual_seed(0)
     m = TinyLM()
@@ -773,7 +773,7 @@ def _two_rank_session(rank, world_size):
 
 @pytest.mark.distributed
 def test_two_ranks_skip_together_and_leave_gradless_members_alone():
-    from anvil_fast.dist.distributed import spawn
+    from anvil_fast.parallel.distributed import spawn
 
     res = spawn(_two_rank_session, 2)
     for out in res:

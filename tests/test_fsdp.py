@@ -260,7 +260,7 @@ def _rank_refusals(rank: int, world: int, folder: str, rendezvous: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.nn.parallel import DistributedDataParallel
 
-    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.parallel.comms import LocalComms
 
     _init(rank, world, rendezvous)
     out: dict = {}

@@ -17,7 +17,7 @@ import anvil_fast
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ROOT / "anvil_fast"
 #: The layers a library module may stand in: everything below the benchmarks and the studies.
-LIBRARY = ("kernels", "core", "dist", "optim", "models")
+LIBRARY = ("kernels", "core", "parallel", "optim", "models")
 
 
 def module_name(path: Path) -> str:
@@ -108,7 +108,7 @@ def test_the_module_map_lists_every_module_with_its_package():
     assert not stale, f"the module map names modules that do not exist: {stale}"
 
 
-@pytest.mark.parametrize("layer", ["kernels", "core", "dist", "optim", "models", "bench", "studies"])
+@pytest.mark.parametrize("layer", ["kernels", "core", "parallel", "optim", "models", "bench", "studies"])
 def test_every_layer_says_what_it_holds(layer):
     doc = ast.get_docstring(ast.parse((FAST / layer / "__init__.py").read_text()))
     assert doc and doc.startswith(f"anvil_fast.{layer}:"), layer

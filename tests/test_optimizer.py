@@ -253,7 +253,7 @@ def test_bank_without_reshape_attribute_gets_a_clear_error():
 # =================================================================================================
 import io  # noqa: E402
 
-from anvil_fast.dist.comms import LocalComms, NullComms  # noqa: E402
+from anvil_fast.parallel.comms import LocalComms, NullComms  # noqa: E402
 from anvil_fast.studies.difftest import err_ulps, rel_err  # noqa: E402
 from anvil_fast.optim.optimizer import AnvilAndAdam as FastAnvilAndAdam  # noqa: E402
 from anvil_fast.optim.optimizer import NonFiniteGradientError  # noqa: E402

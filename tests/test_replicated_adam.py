@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anvil_fast.dist.comms import LocalComms
+from anvil_fast.parallel.comms import LocalComms
 from anvil_fast.optim.optimizer import AnvilAndAdam
 from tests import optimizer_cases as C
 

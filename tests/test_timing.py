@@ -90,7 +90,7 @@ def test_no_module_reaches_into_the_optimizers_step_pieces():
 
 def test_comm_only_runs_the_step_collectives_on_one_process():
     from anvil_fast.models.banked_gpt import BankedGPT
-    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.parallel.comms import LocalComms
     from anvil_fast.models.gpt import SIZES
     from anvil_fast.optim.overlap import comm_only, make_optimizer
 

@@ -9,7 +9,7 @@ import torch
 from anvil_fast.models import banked_gpt as BG
 from anvil_fast.optim import overlap as OV
 from anvil_fast.studies import train_step as TS
-from anvil_fast.dist.distributed import all_digests, replica_digest, spawn
+from anvil_fast.parallel.distributed import all_digests, replica_digest, spawn
 from anvil_fast.models.gpt import SIZES, GPTConfig
 
 WORLD = 2
@@ -165,7 +165,7 @@ def test_cpu_smoke_table(tmp_path):
 
 
 def test_each_reduce_is_launched_once_per_step():
-    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.parallel.comms import LocalComms
 
     class Counting(LocalComms):
         calls = 0

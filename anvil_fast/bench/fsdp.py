@@ -92,7 +92,7 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
 
 def single_process_step(size: str, dtype: torch.dtype, steps: int, device: torch.device) -> float:
     from anvil_fast.models import gpt
-    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.parallel.comms import LocalComms
     from anvil_fast.optim.entry import ANVIL
 
     model = gpt.build(size, device=device).to(dtype)

@@ -4,5 +4,5 @@
 Adam, the step as CUDA graphs, the one-process device step); the front-ends ``frontend`` (their one
 base and the ``ANVIL`` factory), ``dropin`` and ``fsdp``; ``roles`` (what a parameter does in a
 traced forward); ``overlap`` (a step whose reduce-scatters are launched from the backward pass).
-Imports kernels, core and dist; never a model, a benchmark or a study.
+Imports kernels, core and parallel; never a model, a benchmark or a study.
 """

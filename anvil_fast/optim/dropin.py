@@ -518,7 +518,7 @@ def refuse_ddp_with_own_averaging(params, world_size: int) -> None:
         raise ConfigError(
             f"the model is wrapped in DistributedDataParallel, which averages every gradient across the ranks in "
             f"backward, and ANVIL on {world_size} ranks averages them again itself: pass the unwrapped model "
-            "(ddp_model.module) and drop DDP, or pass comms=anvil_fast.dist.comms.LocalComms() to let every rank run "
+            "(ddp_model.module) and drop DDP, or pass comms=anvil_fast.parallel.comms.LocalComms() to let every rank run "
             "the whole update on DDP's averaged gradients")
 
 
@@ -657,7 +657,7 @@ class DropInAnvil(AnvilFrontend):
         elif _routes is None:
             self._unobserved = self._why_unobservable(model)
 
-        from anvil_fast.dist.comms import resolve_comms
+        from anvil_fast.parallel.comms import resolve_comms
 
         self.comms = resolve_comms(comms)
         refuse_ddp_with_own_averaging(params, self.comms.world_size)

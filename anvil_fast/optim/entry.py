@@ -213,7 +213,7 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
         shard_min_numel: Adam parameters at least this large are sharded (the others share flat
             buffers and one fused launch; reading gradients in place, one launch serves every Adam
             parameter where it lives, so none is put on the flat buffers).
-        comms: a :class:`~anvil_fast.dist.comms.Comms`, a process group, or None (the default group if
+        comms: a :class:`~anvil_fast.parallel.comms.Comms`, a process group, or None (the default group if
             torch.distributed is initialized, else one process).
         bank_config, maps: the bank update's cascade configuration and map set.
         cuda_graphs: None (default): on CUDA, replay each step's device part (the check, the

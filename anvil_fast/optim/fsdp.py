@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from anvil_ref.config import ConfigError
 from anvil_ref.constants import ADAM_DEFAULTS, ANVIL_DEFAULTS
 
-from anvil_fast.dist.comms import LocalComms
+from anvil_fast.parallel.comms import LocalComms
 from .dropin import (HEAD_NAMES, BankPlan, DropInAnvil, classify, holds_dtensors, merged_state_keys,
                      named_parameters_of, plan_routes, refuse_ddp_with_own_averaging, refuse_dtensors_in)
 from .frontend import AnvilFrontend, check_options, hyperparameter_groups

@@ -26,7 +26,7 @@ stream in enqueue order and ``Handle.wait()`` is a stream wait:
    update's ``update()`` at its place.
 3. Finish: wait for lm_head's gather, then (tied) ``embed = lm_head^T`` (``transpose_copy``), the
    sparse update's ``finish()``, then wait for every gather not deferred. Deferred gathers come back
-   as :class:`~anvil_fast.dist.comms.Handle` objects the caller waits before reading the parameter.
+   as :class:`~anvil_fast.parallel.comms.Handle` objects the caller waits before reading the parameter.
 
 The gradients come from ``.grad`` (:meth:`~AnvilAndAdam.step`) or from persistent buffers at fixed
 addresses (:meth:`~AnvilAndAdam.grad_buffers`, :meth:`~AnvilAndAdam.step_from_buffers`: what a CUDA
@@ -77,7 +77,7 @@ from anvil_ref.equalizer import lane_energy_shape
 
 from anvil_fast.kernels.adam import adam_row, adam_update_
 from anvil_fast.kernels.bank_scalars import ADAM_COLUMNS, BankScalarStaging
-from anvil_fast.dist.comms import DONE, Comms, Handle, resolve_comms
+from anvil_fast.parallel.comms import DONE, Comms, Handle, resolve_comms
 from .replicated_adam import ReplicatedAdam
 from anvil_fast.kernels.transpose import transpose_add, transpose_copy
 
@@ -276,7 +276,7 @@ class AnvilAndAdam:
         bank_update: ``f(bank)`` running one bank's update eagerly; default
             ``anvil_fast.core.bank.anvil_bank_update`` (:meth:`use_cuda_graphs` captures it per bank;
             :meth:`update_bank` runs whichever a step uses).
-        comms: a :class:`~anvil_fast.dist.comms.Comms`, a process group, or None (the default group when
+        comms: a :class:`~anvil_fast.parallel.comms.Comms`, a process group, or None (the default group when
             torch.distributed is initialized, else one process).
         check_finite: check every gradient the step reads for NaN/inf first (one host sync per step).
         tie_embeddings: treat ``embed``/``lm_head`` as tied until :meth:`copy_lm_state_to_embed`;

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from anvil_ref.config import ConfigError
 
-from anvil_fast.dist.comms import Handle
+from anvil_fast.parallel.comms import Handle
 
 WAIT_MODES = ("prehook", "end")
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from anvil_fast.kernels.adam import fused_adam_
-from anvil_fast.dist.comms import Comms, Handle
+from anvil_fast.parallel.comms import Comms, Handle
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ReplicatedAdam:
         members: ``(label, param, state, row)`` for each replicated parameter, in optimizer order;
             ``state`` holds ``exp_avg``/``exp_avg_sq`` (re-pointed here), ``row`` its table row.
         device: the parameters' device.
-        comms: the optimizer's :class:`~anvil_fast.dist.comms.Comms`.
+        comms: the optimizer's :class:`~anvil_fast.parallel.comms.Comms`.
     """
 
     def __init__(self, members: list[tuple[str, Tensor, dict, int]], device: torch.device, comms: Comms):

@@ -66,7 +66,7 @@ def measure_training(worlds: list[int], *, n: int, device, size: str, group_laye
     :mod:`anvil_fast.kernels.timing`'s per-call timers: they split one call into its phases."""
     import torch
 
-    from anvil_fast.dist.comms import LocalComms, NullComms
+    from anvil_fast.parallel.comms import LocalComms, NullComms
     from anvil_fast.models.gpt import SIZES
     from anvil_fast.models.banked_gpt import BankedGPT, batch, check_batch
     from anvil_fast.optim.overlap import make_optimizer, sequential_step
@@ -135,7 +135,7 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
     import torch
 
     from anvil_fast.bench.optimizer import SCATTER, WORK, make_grads, make_params, step_fn, table_of
-    from anvil_fast.dist.comms import LocalComms, NullComms
+    from anvil_fast.parallel.comms import LocalComms, NullComms
     from anvil_fast.optim.optimizer import AnvilAndAdam
     from anvil_fast.kernels.timing import median_ms
 
@@ -168,7 +168,7 @@ def collective_rank(rank: int, world: int, kinds: list[str], sizes: list[int], n
     """One rank's ms per collective kind and message size (the slowest rank's is the point)."""
     import torch
 
-    from anvil_fast.dist.comms import DistComms
+    from anvil_fast.parallel.comms import DistComms
     from anvil_fast.kernels.timing import median_ms
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")

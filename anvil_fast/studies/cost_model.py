@@ -2,7 +2,7 @@
 
 ``python -m anvil_fast.studies.cost_model measure --out results/cost_model/h200.json``
     On one GPU, for each layout (:data:`LAYOUTS`) and world size ``w`` of ``--worlds``: the
-    optimizer exactly as rank 0 of ``w`` holds it (:class:`~anvil_fast.dist.comms.NullComms`: its shards,
+    optimizer exactly as rank 0 of ``w`` holds it (:class:`~anvil_fast.parallel.comms.NullComms`: its shards,
     nothing moved) and the time of every piece of its step -- each bank's update on its
     ``n / w`` matrices, each sharded Adam parameter's update on its rows, the replicated Adam pass --
     the whole step without communication, and the host's time to issue it. The same for the
@@ -378,7 +378,7 @@ def measure(a: argparse.Namespace) -> int:
     import torch
 
     from . import cost_measure as M
-    from anvil_fast.dist.distributed import spawn
+    from anvil_fast.parallel.distributed import spawn
 
     cuda = a.device == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -40,7 +40,7 @@ from anvil_ref.cli_args import add_progress_flags, positive_int, positive_int_li
 
 from anvil_fast.bench.common import emit_table
 from anvil_fast.bench.optimizer import SCATTER, WORK, gpt2_small_layout, make_params, table_of
-from anvil_fast.dist.distributed import all_digests, replica_digest, spawn
+from anvil_fast.parallel.distributed import all_digests, replica_digest, spawn
 from anvil_fast.optim.overlap import comm_only
 from .study_runs import SCALING, write_record
 from anvil_fast.kernels.timing import median_ms
@@ -127,7 +127,7 @@ def _cpu_rank(rank: int, world: int) -> dict:
     from anvil_ref import ReferenceAnvilAndAdam
     from anvil_ref.optimizer import ParamSpec
 
-    from anvil_fast.dist.comms import LocalComms
+    from anvil_fast.parallel.comms import LocalComms
 
     layout = gpt2_small_layout(**SMALL)
     res = {}
@@ -208,7 +208,7 @@ def run_cpu(a: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- GPU
 def _gpu_rank(rank: int, world: int, steps: int, n_time: int, graphs: bool = False) -> dict:
     from anvil_fast.bench.optimizer import make_grads, step_fn
-    from anvil_fast.dist.comms import LocalComms, NullComms
+    from anvil_fast.parallel.comms import LocalComms, NullComms
 
     dev = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False

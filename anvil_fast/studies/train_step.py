@@ -3,7 +3,7 @@
 ``python -m anvil_fast.studies.train_step --device cuda --worlds 1,2``: forward + backward + :class:`~anvil_fast.optim.optimizer.AnvilAndAdam` step of a GPT whose
 hidden matrices live in banks (:class:`~anvil_fast.models.banked_gpt.BankedGPT`, a size of
 :mod:`anvil_fast.models.gpt`; GPT-2 small by default), on one process per rank
-(:func:`anvil_fast.dist.distributed.spawn`: NCCL on CUDA, gloo on CPU), at the same *global* batch at
+(:func:`anvil_fast.parallel.distributed.spawn`: NCCL on CUDA, gloo on CPU), at the same *global* batch at
 every world size (per-rank batch = global / world). The schedule is
 :class:`~anvil_fast.optim.overlap.OverlappedStep`'s (:mod:`anvil_fast.optim.overlap`: each reduce-scatter
 launched from the backward pass, the gathers waited in a forward pre-hook or at the step's end).
@@ -14,7 +14,7 @@ benchmark checks it bit for bit on the same gradients (:func:`paired_check`).
 
 Per world size the table reports (per step in steady state, slowest rank): the overlapped step
 (both waits), the non-overlapped step, the step with communication skipped
-(:class:`~anvil_fast.dist.comms.NullComms`: the same shards and kernels, nothing moved), the collectives
+(:class:`~anvil_fast.parallel.comms.NullComms`: the same shards and kernels, nothing moved), the collectives
 alone (:func:`~anvil_fast.optim.overlap.comm_only`: the same reduce-scatters, all-reduce and all-gathers,
 in order, no compute), and ``hidden = (t_nocomm + t_comm - t_step) / t_comm``. ``--out T.md`` also
 writes the timings as JSON beside it (``T.json``, :mod:`anvil_fast.studies.study_runs`), which the cost
@@ -93,7 +93,7 @@ def paired_check(fresh: Callable[[], tuple[BankedGPT, object]], *, mode: str, st
     backward pass's own run-to-run variation (atomics in a GPU attention backward, for one) out of
     the comparison, which is then of the schedules alone. Adam on odd steps. Returns every rank's
     digests of A's and of B's parameters (a collective when distributed)."""
-    from anvil_fast.dist.distributed import all_digests, replica_digest
+    from anvil_fast.parallel.distributed import all_digests, replica_digest
 
     ma, oa = fresh()
     mb, ob = fresh()
@@ -132,7 +132,7 @@ def _steady_ms(fn, n: int, warmup: int, device, *, blocks: int = 3) -> float:
 
 
 def _rank(rank: int, world: int, a: dict) -> dict:
-    from anvil_fast.dist.comms import LocalComms, NullComms
+    from anvil_fast.parallel.comms import LocalComms, NullComms
 
     dev = torch.device("cuda", rank) if a["device"] == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
@@ -294,7 +294,7 @@ def settings(a: argparse.Namespace) -> dict:
 
 
 def run(a: argparse.Namespace) -> int:
-    from anvil_fast.dist.distributed import spawn
+    from anvil_fast.parallel.distributed import spawn
 
     try:
         s = settings(a)

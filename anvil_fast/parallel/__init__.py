@@ -1,4 +1,4 @@
-"""anvil_fast.dist: the collectives (NCCL, gloo, one process) and a process launcher.
+"""anvil_fast.parallel: the collectives (NCCL, gloo, one process) and a process launcher.
 
 No optimizer code: ``comms`` is what an optimizer's schedule calls, ``distributed`` starts ranks for
 tests and studies and compares their replicas.
