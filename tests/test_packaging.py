@@ -104,7 +104,10 @@ def test_no_installed_package_imports_the_test_folder():
 def test_setup_cfg_declares_the_packages_and_extras():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    pkgs = {s.strip() for s in cfg["options"]["packages"].split(",")}
+    # setuptools' own reader: a multi-line value splits on lines only, so a comma list broken across
+    # lines reads as one bogus package name; configparser alone would not see it
+    from setuptools.config.setupcfg import read_configuration
+    pkgs = set(read_configuration(ROOT / "setup.cfg")["options"]["packages"])
     assert {"anvil_ref", "anvil_fast", "derive_maps"} <= pkgs
     # every sub-package is declared too, or an installed package lacks it
     subpackages = {".".join(p.parent.relative_to(ROOT).parts) for top in ("anvil_ref", "anvil_fast", "derive_maps")
