@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import anvil_fast
 from anvil_fast.kernels import timing
@@ -38,6 +39,36 @@ def test_call_times_counts_and_keeps_between_out_of_the_timed_part():
     with pytest.raises(ValueError, match="n or rep_ms"):
         timing.call_times(lambda: None, "cpu", n=2, rep_ms=1.0)
 
+
+
+def test_a_lead_needs_a_cuda_device_and_a_positive_time():
+    with pytest.raises(ValueError, match="lead_ms needs a CUDA device"):
+        timing.call_times(lambda: None, "cpu", n=2, lead_ms=1.0)
+    with pytest.raises(ValueError, match="CUDA device"):
+        timing.busy(1.0, "cpu")
+
+
+@pytest.mark.gpu
+def test_a_lead_hides_the_host_issue_time_of_a_host_bound_call():
+    # 400 tiny launches: the host needs far longer to issue them than the device to run them, so
+    # from an idle device the events span the host's issue time; with the host ahead they span the
+    # device work alone, which is a small fraction of it
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.zeros(16, device="cuda")
+
+    def many():
+        for _ in range(400):
+            x.add_(1.0)
+
+    many()
+    idle = timing.call_times(many, "cuda", n=10)
+    ahead = timing.call_times(many, "cuda", n=10, lead_ms=4 * max(idle.host_ms) + 1.0)
+    idle_ms, ahead_ms = sorted(idle.device_ms)[5], sorted(ahead.device_ms)[5]
+    assert ahead_ms < 0.5 * idle_ms, (idle_ms, ahead_ms, idle.host_ms)
+    # busy() queues about the time asked for
+    t = timing.timer("cuda")(lambda: timing.busy(2.0, "cuda"))
+    assert 1.5 <= t <= 3.0, t
 
 def test_timing_imports_only_torch():
     tree = ast.parse((ROOT / "kernels" / "timing.py").read_text())

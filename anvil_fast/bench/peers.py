@@ -41,7 +41,15 @@ does not); build the optimizer; run ``--warmup`` steps (compilation, autotuning,
 then ``--steps`` timed steps. Before every step the fixed gradient is copied into ``p.grad`` (a fresh
 tensor where the optimizer cleared it, as a backward pass would allocate), outside the timed region.
 
-* ms/step: median over the timed steps of a CUDA event pair around ``opt.step()`` alone (CPU: wall time);
+* ms/step: median over the timed steps of a CUDA event pair around ``opt.step()`` alone (CPU: wall time),
+  each step called with the device idle (the gradients' copies are done by then): a step whose host
+  part outlasts its device work is timed at its host's pace, as in a loop whose forward and backward
+  leave the host no lead;
+* ms/step, host ahead: the same steps again, each called while :func:`anvil_fast.kernels.timing.busy`
+  keeps the device busy for :data:`LEAD_FACTOR` times the host ms plus :data:`LEAD_MIN_MS`, so the
+  whole step is queued before the device reaches it: the step's device time when the host runs ahead
+  (a training loop whose backward pass keeps the device busy while the host issues the step); CUDA
+  only. The two columns differ by the host issue time an idle device waits out;
 * host ms/step: median wall time of the ``opt.step()`` call on the host, without a synchronization;
 * resident MiB: ``memory_allocated`` after the warm-up, gradients in place, minus the baseline;
 * peak MiB: ``max_memory_allocated`` over the timed steps minus the baseline;
@@ -54,7 +62,7 @@ tensor where the optimizer cleared it, as a backward pass would allocate), outsi
   polar factor gives 1 / 1 / 1; a step that is not an orthogonalization shows its spread.
 * first step s: the first step's wall time (compilation, autotuning, the spread's step);
 * x fastest peer: this row's ms / the fastest ``peer`` row's ms at the same size (``adamw`` and ANVIL's
-  own rows are not peers).
+  own rows are not peers), for each of the two ms columns (the fastest peer of each column).
 
 The memory columns are CUDA's allocator counters: absent on CPU, where ``--device cpu`` (the
 ``smoke`` GPT) runs everything else, so a test can run the command end to end; its times mean nothing.
@@ -120,6 +128,10 @@ SUMMARY = ("the drop-in ANVIL's step next to every installed peer (dion, heavyba
 GRAD_SCALE = 1e-3
 #: Seeds: the model's initialization, the fixed gradients.
 MODEL_SEED, GRAD_SEED = 0, 1
+#: The host-ahead timing's lead: the device is kept busy for LEAD_FACTOR times the step's host ms
+#: (the larger of its median and 90th percentile) plus LEAD_MIN_MS before each step, so the host has
+#: issued the whole step before the device reaches it even when one call is slower than the median.
+LEAD_FACTOR, LEAD_MIN_MS = 2.0, 0.5
 #: The matrices whose update's singular values are reported: the first block's attention output
 #: projection (square) and its MLP's first matrix (4:1).
 PROBES = {"attn.proj": "blocks.0.attn.proj.weight", "mlp.fc": "blocks.0.mlp.fc.weight"}
@@ -435,6 +447,12 @@ def time_steps(opt, params, fixed, device, *, warmup: int, steps: int, phase=lam
         out["peak"] = torch.cuda.max_memory_allocated()
         out["reserved"] = torch.cuda.memory_reserved()
     out.update(ms=statistics.median(dev), ms_min=min(dev), host_ms=statistics.median(host))
+    if cuda:
+        phase(f"{steps} timed steps, host ahead")
+        lead = LEAD_FACTOR * max(out["host_ms"], statistics.quantiles(host, n=10)[-1]) + LEAD_MIN_MS
+        load_gradients(params, fixed)
+        ahead, _ = call_times(opt.step, device, n=steps, between=lambda: load_gradients(params, fixed), lead_ms=lead)
+        out.update(ms_ahead=statistics.median(ahead), lead_ms=lead)
     return out
 
 
@@ -490,6 +508,7 @@ def measure(c: Contender, size: str, device, *, warmup: int, steps: int, phase=l
 
     t = time_steps(opt, params, fixed, device, warmup=warmup, steps=steps, phase=phase, after_first=first_step_done)
     row.update(ms=t["ms"], ms_min=t["ms_min"], host_ms=t["host_ms"], steps=t["steps"],
+               ms_ahead=t.get("ms_ahead"), lead_ms=t.get("lead_ms"),
                first_step_s=t["first_step_s"], warmup_s=t["warmup_s"])
     if cuda:
         row.update(resident_mib=(t["allocated"] - base[0]) / MIB, peak_mib=(t["peak"] - base[0]) / MIB,
@@ -605,14 +624,15 @@ def plan(names: list[str], sizes: list[str]) -> list[tuple[str, str]]:
     return [(n, s) for s in sizes for n in first] + [(n, s) for n in last for s in sizes]
 
 
-def fastest_peers(rows: list[dict]) -> dict[str, dict]:
-    """size -> the fastest ``peer`` row that ran (``contender``, ``label``, ``ms``)."""
+def fastest_peers(rows: list[dict], key: str = "ms") -> dict[str, dict]:
+    """size -> the fastest ``peer`` row that ran and has a ``key`` time (``contender``, ``label``, ``ms``:
+    that time)."""
     best: dict[str, dict] = {}
     for r in rows:
-        if r.get("kind") == "peer" and r.get("status") == "ok":
+        if r.get("kind") == "peer" and r.get("status") == "ok" and r.get(key) is not None:
             b = best.get(r["size"])
-            if b is None or r["ms"] < b["ms"]:
-                best[r["size"]] = dict(contender=r["contender"], label=r["label"], ms=r["ms"])
+            if b is None or r[key] < b["ms"]:
+                best[r["size"]] = dict(contender=r["contender"], label=r["label"], ms=r[key])
     return best
 
 
@@ -634,6 +654,7 @@ def render_markdown(data: dict) -> str:
     env = data.get("environment") or {}
     s = data["settings"]
     best = fastest_peers(data["rows"])
+    best_ahead = fastest_peers(data["rows"], "ms_ahead")
     lines = ["<!-- generated by `python -m anvil_fast.bench peers` from peers.json beside this file "
              "(`--from peers.json` re-renders it): do not edit -->",
              f"# The drop-in's step next to its peers: {env.get('device', '?')}",
@@ -643,29 +664,37 @@ def render_markdown(data: dict) -> str:
              f"process, run budget {s['budget_s']:g} s. Command: `{data['command']}`", ""]
     for size in s["sizes"]:
         rows = [r for r in data["rows"] if r["size"] == size]
-        b = best.get(size)
+        b, ba = best.get(size), best_ahead.get(size)
         n = next((r["parameters"] for r in rows if r.get("parameters")), None)
         lines += [f"## {size} GPT" + (f" ({n:,} parameters)" if n else ""), "",
-                  "| contender | ms/step | x fastest peer | host ms | resident MiB | peak MiB | reserved MiB | "
+                  "| contender | ms/step | x fastest peer | ms/step, host ahead | x fastest peer, host ahead | host ms "
+                  "| resident MiB | peak MiB | reserved MiB | "
                   + " | ".join(f"spread {k} min / mean / max" for k in PROBES) + " | first step s | status |",
-                  "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PROBES) + "---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PROBES) + "---:|---|"]
         for r in rows:
             ok = r["status"] == "ok"
             ratio = f"{r['ms'] / b['ms']:.2f}" if ok and b else ""
+            ratio_ahead = f"{r['ms_ahead'] / ba['ms']:.2f}" if ok and ba and r.get("ms_ahead") is not None else ""
             status = "ok" if ok else f"{r['status']}: {r.get('detail', '')}".rstrip(": ")
-            lines.append(f"| {r['label']} | {_fmt(r.get('ms'), '.3f')} | {ratio} | {_fmt(r.get('host_ms'), '.3f')} | "
+            lines.append(f"| {r['label']} | {_fmt(r.get('ms'), '.3f')} | {ratio} | {_fmt(r.get('ms_ahead'), '.3f')} | "
+                         f"{ratio_ahead} | {_fmt(r.get('host_ms'), '.3f')} | "
                          f"{_fmt(r.get('resident_mib'), '.1f')} | {_fmt(r.get('peak_mib'), '.1f')} | "
                          f"{_fmt(r.get('reserved_mib'), '.1f')} | "
                          + " | ".join(_spread_cell(r.get("spread"), k) for k in PROBES)
                          + f" | {_fmt(r.get('first_step_s'), '.1f')} | {status} |")
-        lines += ["", f"Fastest peer: {b['label']}, {b['ms']:.3f} ms/step." if b else "Fastest peer: none ran.", ""]
-    lines += ["ms/step: median of CUDA events around `opt.step()` (CPU: wall time); host ms: median wall time of "
+        lines += ["", f"Fastest peer: {b['label']}, {b['ms']:.3f} ms/step." if b else "Fastest peer: none ran."]
+        if ba:
+            lines += ["", f"Fastest peer, host ahead: {ba['label']}, {ba['ms']:.3f} ms/step."]
+        lines += [""]
+    lines += ["ms/step: median of CUDA events around `opt.step()` called with the device idle (CPU: wall time); "
+              "ms/step, host ahead: the same with the device kept busy until the host has issued the whole step "
+              "(the step's device time when the host runs ahead, as behind a backward pass); host ms: median wall time of "
               "the call without a synchronization; resident: `memory_allocated` after the warm-up minus the "
               "baseline taken with the model and its gradients in place, before the optimizer; peak: "
               "`max_memory_allocated` over the timed steps minus that baseline; reserved: the `memory_reserved` "
               "delta (graph pools); spread: singular values of one fresh step's weight change over their RMS "
               "(a polar factor gives 1 / 1 / 1); first step s: wall time of the first step (compilation, autotuning); "
-              "x fastest peer: ms / the fastest peer's ms at that size "
+              "x fastest peer: ms / the fastest peer's ms at that size, for each ms column "
               "(AdamW alone and ANVIL's rows are not peers). `python -m anvil_fast.bench peers --help` has the "
               "method."]
     return "\n".join(lines) + "\n"
@@ -708,6 +737,11 @@ def readme_sentence(data, *, where: str = "results/h200_peers/") -> str:
         peer = (f"the fastest peer measured beside it, {b['label']}, {b['ms']:.3f} ms"
                 + (f" ({anvil['ms'] / b['ms']:.2f}x ANVIL's time over the peer's)" if anvil and
                    anvil["status"] == "ok" else "")) if b else "no peer ran"
+        ba = fastest_peers(d["rows"], "ms_ahead").get(size)
+        if anvil and anvil["status"] == "ok" and anvil.get("ms_ahead") is not None and ba:
+            peer += (f"; with the host ahead of the device (the step queued behind other device work, as after a "
+                     f"backward pass) {anvil['ms_ahead']:.3f} ms, the fastest peer {ba['label']}, {ba['ms']:.3f} ms "
+                     f"({anvil['ms_ahead'] / ba['ms']:.2f}x)")
         untimed = [f"{r['label']} ({r['status']})" for r in d["rows"]
                    if r["size"] == size and r.get("kind") == "peer" and r["status"] != "ok"]
         where_clause = f" (`{w}`)" if len(runs) > 1 else ""
