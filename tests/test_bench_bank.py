@@ -83,3 +83,37 @@ def test_one_small_bank_is_measured_end_to_end():
     (g,) = B.gram_side_rows([(2, 128, 512)], rep_ms=5)
     assert all(math.isfinite(g[k]) and g[k] > 0 for k in ("safe_casc", "gram_side_casc", "safe_update",
                                                           "gram_side_update"))
+
+
+def test_the_peer_table_gives_each_time_over_safe_and_names_a_failure():
+    rows = [dict(shape=SHAPE, name="anvil SAFE", ms=0.40, mode="graphed",
+                 gaussian=dict(err_polar=0.30, sigma_min=0.70, sigma_max=1.10),
+                 decaying=dict(err_polar=0.35, sigma_min=0.60, sigma_max=1.12)),
+            dict(shape=SHAPE, name="gram-newton-schulz GramNewtonSchulz", ms=0.30, mode="its own compile",
+                 gaussian=dict(err_polar=0.20, sigma_min=0.80, sigma_max=1.05),
+                 decaying=dict(err_polar=0.25, sigma_min=0.75, sigma_max=1.06)),
+            dict(shape=SHAPE, name="gram-newton-schulz StandardNewtonSchulz", error="ImportError: no quack")]
+    table = B.format_peers(rows)
+    gns = [ln for ln in table.splitlines() if "GramNewtonSchulz" in ln][0]
+    assert " 0.300   0.75 |" in gns and "0.2000  0.800..1.050" in gns, gns
+    assert "StandardNewtonSchulz  failed: ImportError: no quack" in table
+
+
+def test_the_peer_shapes_are_the_small_and_medium_layouts_banks():
+    from anvil_fast.bench.optimizer import gpt2_small_layout
+
+    small = [v[1] for v in gpt2_small_layout().values() if v[1] is not None]
+    medium = [v[1] for v in gpt2_small_layout(n_layer=24, width=1024, heads=8, hidden=4096).values()
+              if v[1] is not None]
+    assert list(B.PEER_SHAPES) == small + medium
+
+
+@pytest.mark.gpu
+def test_the_orthogonalizers_are_timed_and_judged_on_one_bank():
+    rows = B.peer_rows([(2, 256, 512)], rep_ms=5)
+    safe = next(r for r in rows if r["name"] == "anvil SAFE")
+    assert safe["ms"] > 0 and 0 < safe["gaussian"]["err_polar"] < 0.5, safe
+    assert 0.5 < safe["gaussian"]["sigma_min"] <= safe["gaussian"]["sigma_max"] < 1.5, safe
+    # a function that returns its input is far from the polar factor: the column can fail
+    (bad,) = B.peer_rows([(2, 256, 512)], rep_ms=5, fns={"identity": lambda x: x.clone()})
+    assert bad["gaussian"]["err_polar"] > 0.5, bad

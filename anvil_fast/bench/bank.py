@@ -254,9 +254,122 @@ def format_gram_side(rows) -> str:
     return "\n".join(lines)
 
 
+
+# ====================================================================================== orthogonalizers side by side
+def _layout_shapes(n_layer: int, width: int, hidden: int, heads: int, head_dim: int = 128):
+    return ((n_layer * heads, 2 * head_dim, width), (2 * n_layer, width, width), (2 * n_layer, hidden, width))
+
+
+#: The bank shapes of the GPT-2 small (12 x 768) and medium (24 x 1024) layouts
+#: (:func:`anvil_fast.bench.optimizer.gpt2_small_layout`: [Q; K] head groups, V and O, the MLP pair).
+PEER_SHAPES = _layout_shapes(12, 768, 3072, 6) + _layout_shapes(24, 1024, 4096, 8)
+#: Matrices of a bank whose output is compared with float64 (every matrix of a smaller bank).
+ACCURACY_MATRICES = 4
+#: The inputs the accuracy columns average over: gaussian entries, and singular values (k+1)^-1.5
+#: (a decaying spectrum, like a gradient's) with random singular vectors.
+ACCURACY_FAMILIES = ("gaussian", "decaying")
+
+
+def _family(shape, family: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    c, m, n = shape
+    if family == "gaussian":
+        return torch.randn(shape, device="cuda", generator=g)
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(c, m, k, device="cuda", generator=g))
+    v, _ = torch.linalg.qr(torch.randn(c, n, k, device="cuda", generator=g))
+    s = torch.arange(1, k + 1, device="cuda", dtype=torch.float32).pow(-1.5)
+    return (u * s) @ v.mT
+
+
+def orthogonalizers() -> dict[str, Callable]:
+    """name -> a function of a bf16 bank [c, m, n] returning its orthogonalization (a new tensor):
+    the package's SAFE and GRAM_SIDE cascades and, where ``gram_newton_schulz`` imports (its CUDA
+    kernels need ``quack-kernels`` on a Hopper or newer GPU), Dao AI Lab's ``GramNewtonSchulz`` and
+    ``StandardNewtonSchulz`` with their defaults (Polar Express coefficients, fp16, the Gram
+    iteration's restart at its default position, ``torch.compile(mode="reduce-overhead")``)."""
+    from anvil_fast.core.cascade import GRAM_SIDE, SAFE, fast_cascade
+
+    def anvil(cfg):
+        return lambda x: fast_cascade(x, config=cfg)
+
+    out = {"anvil SAFE": anvil(SAFE), "anvil GRAM_SIDE": anvil(GRAM_SIDE)}
+    try:
+        from gram_newton_schulz import GramNewtonSchulz, StandardNewtonSchulz
+    except ImportError:
+        return out
+    out["gram-newton-schulz GramNewtonSchulz"] = GramNewtonSchulz()
+    out["gram-newton-schulz StandardNewtonSchulz"] = StandardNewtonSchulz()
+    return out
+
+
+def _accuracy(y: torch.Tensor, x: torch.Tensor) -> dict:
+    """Relative Frobenius distance of ``y`` from the polar factor of ``x`` (float64, per matrix,
+    the mean), and the range of ``y``'s singular values over the matrices."""
+    x64, y64 = x.double(), y.double()
+    u, _, vh = torch.linalg.svd(x64, full_matrices=False)
+    q = u @ vh
+    err = ((y64 - q).norm(dim=(-2, -1)) / q.norm(dim=(-2, -1))).mean()
+    sv = torch.linalg.svdvals(y64)
+    return dict(err_polar=float(err), sigma_min=float(sv.min()), sigma_max=float(sv.max()))
+
+
+def peer_rows(shapes, *, rep_ms: int, fns: dict[str, Callable] | None = None) -> list[dict]:
+    """Per bank shape and orthogonalizer: the call's time (``do_bench``, median; each function as
+    its library runs it: the package's cascades captured in a CUDA graph, gram-newton-schulz
+    compiled with its own CUDA graphs) and its accuracy on :data:`ACCURACY_FAMILIES` (the first
+    :data:`ACCURACY_MATRICES` matrices of a bank of each, from the same bf16 input for all)."""
+    fns = orthogonalizers() if fns is None else fns
+    rows = []
+    for shape in shapes:
+        x = _family(shape, "gaussian").bfloat16()
+        acc_in = {fam: _family((min(shape[0], ACCURACY_MATRICES), *shape[1:]), fam, seed=1).bfloat16()
+                  for fam in ACCURACY_FAMILIES}
+        for name, f in fns.items():
+            r = {"shape": shape, "name": name}
+            try:
+                for fam, xa in acc_in.items():
+                    r[fam] = _accuracy(f(xa).float(), xa.float())
+                f(x)  # compilation, autotuning and workspaces outside the timed part
+                if name.startswith("anvil"):
+                    r["ms"], r["mode"] = _bench(graphed(lambda: f(x)), rep_ms=rep_ms), "graphed"
+                else:
+                    r["ms"], r["mode"] = _bench(lambda: f(x), rep_ms=rep_ms), "its own compile"
+            except Exception as e:  # one failing orthogonalizer must not hide the others
+                r["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(r)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_peers(rows) -> str:
+    head = (f"{'shape':<14} {'orthogonalizer':<40} {'ms':>7} {'x SAFE':>6} | "
+            + " | ".join(f"{fam + ' err':>13} {'sigma min..max':>14}" for fam in ACCURACY_FAMILIES))
+    lines = [head, "-" * len(head)]
+    safe = {r["shape"]: r.get("ms") for r in rows if r["name"] == "anvil SAFE"}
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "error" in r:
+            lines.append(f"{shape:<14} {r['name']:<40} failed: {r['error']}")
+            continue
+        ratio = f"{r['ms'] / safe[r['shape']]:>6.2f}" if safe.get(r["shape"]) else f"{'':>6}"
+        cells = " | ".join(f"{r[fam]['err_polar']:>13.4f} {r[fam]['sigma_min']:>6.3f}..{r[fam]['sigma_max']:<6.3f}"
+                           for fam in ACCURACY_FAMILIES)
+        lines.append(f"{shape:<14} {r['name']:<40} {r['ms']:>7.3f} {ratio} | {cells}")
+    lines.append("Orthogonalizers on the bank shapes of the GPT-2 small and medium layouts (the normalization and the "
+                 "maps of one bf16 bank; no rails, equalizer or update), ms per call (median of do_bench; the "
+                 "package's cascades graphed, gram-newton-schulz as it compiles itself); x SAFE = ms / SAFE's ms; "
+                 "err = mean relative Frobenius distance from the polar factor UV^T (float64) over "
+                 f"{ACCURACY_MATRICES} matrices of each input family; sigma = range of the output's singular values "
+                 "(ANVIL's maps aim at a band around 1, not at 1: their err counts that band).")
+    return "\n".join(lines)
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
+    ap.add_argument("--peer-shapes", default=",".join("x".join(map(str, s)) for s in PEER_SHAPES),
+                    help="shapes of the orthogonalizers' table (SAFE, GRAM_SIDE, gram-newton-schulz; '' skips it; "
+                         "default: %(default)s)")
     ap.add_argument("--gram-side-shapes", default=",".join("x".join(map(str, s)) for s in GRAM_SIDE_SHAPES),
                     help="shapes of the Gram-side table ('' skips it; default: %(default)s)")
 
@@ -279,8 +392,11 @@ def run(a: argparse.Namespace) -> int:
     rows = bank_rows(shapes, rep_ms=a.rep_ms)
     gs_shapes = [tuple(int(v) for v in s.split("x")) for s in a.gram_side_shapes.split(",") if s]
     gs_rows = gram_side_rows(gs_shapes, rep_ms=a.rep_ms) if gs_shapes else []
+    peer_shapes = [tuple(int(v) for v in s.split("x")) for s in a.peer_shapes.split(",") if s]
+    p_rows = peer_rows(peer_shapes, rep_ms=a.rep_ms) if peer_shapes else []
     for part in (lambda: "\n".join(report_lines()), lambda: format_phases(rows, tflops, gbs),
-                 lambda: format_bank(rows, tflops, gbs), lambda: format_gram_side(gs_rows) if gs_rows else ""):
+                 lambda: format_bank(rows, tflops, gbs), lambda: format_gram_side(gs_rows) if gs_rows else "",
+                 lambda: format_peers(p_rows) if p_rows else ""):
         try:
             print(part(), flush=True)
         except Exception as e:  # pragma: no cover - one failing table must not hide the others
@@ -289,4 +405,4 @@ def run(a: argparse.Namespace) -> int:
 
 
 __all__ = ["SHAPES", "add_args", "run", "bank_rows", "format_bank", "format_phases", "GRAM_SIDE_SHAPES",
-           "gram_side_rows", "format_gram_side"]
+           "gram_side_rows", "format_gram_side", "PEER_SHAPES", "orthogonalizers", "peer_rows", "format_peers"]

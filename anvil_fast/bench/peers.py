@@ -20,6 +20,12 @@ name                   what is built (the split and the arguments its documentat
 ``pytorch_optimizer``  ``pytorch_optimizer.Muon`` with its ``use_muon`` groups (its docstring's
                        example: matrices lr 0.02, the rest lr 3e-4, betas (0.9, 0.95))
 ``emerging``           NVIDIA emerging-optimizers ``Muon`` (its defaults) + the same fused AdamW
+``gram_ns``            Dao AI Lab gram-newton-schulz ``Muon`` (its defaults: Gram Newton-Schulz on
+                       quack's symmetric GEMMs in fp16, Polar Express coefficients, one restart placed
+                       by its own tuner; lr 0.02) on the blocks' matrices, with a torch ``AdamW``
+                       (lr 3e-4, weight decay 0.01) as its ``scalar_optimizer`` (CUDA only)
+``gram_ns_standard``   the same ``Muon`` with ``ns_algorithm="standard_newton_schulz"`` (its quack
+                       kernels, no Gram iteration)
 ``adamw``              fused ``torch.optim.AdamW`` alone, the package's Adam settings (a reference:
                        element-wise work only, so never the "fastest peer")
 ``heavyball``          heavyball ``SplitOpt([Muon lr 0.02, AdamW lr 1e-3])`` (its README), compiled
@@ -121,8 +127,8 @@ from anvil_ref.cli_args import name_list, positive_int
 from anvil_fast.kernels.timing import call_times
 
 #: One line for ``python -m anvil_fast.bench --help``.
-SUMMARY = ("the drop-in ANVIL's step next to every installed peer (dion, heavyball, emerging-optimizers, "
-           "pytorch-optimizer, torch Muon, AdamW), each in its own time-boxed process")
+SUMMARY = ("the drop-in ANVIL's step next to every installed peer (dion, gram-newton-schulz, heavyball, "
+           "emerging-optimizers, pytorch-optimizer, torch Muon, AdamW), each in its own time-boxed process")
 
 #: Standard deviation of the fixed random gradients (the drop-in benchmark's).
 GRAD_SCALE = 1e-3
@@ -282,6 +288,19 @@ def _emerging(model, device, warmup):
     return Chain(Muon(hidden), _companion_adamw(head + rest, device))
 
 
+def _gram_ns(model, device, warmup, algorithm: str = "gram_newton_schulz"):
+    from gram_newton_schulz import Muon
+
+    hidden, head, rest = split_params(model)
+    # its scalar optimizer is stepped inside its own torch.compile: the plain (foreach) AdamW
+    return Muon(hidden, lr=0.02, ns_algorithm=algorithm,
+                scalar_optimizer=torch.optim.AdamW(head + rest, lr=3e-4, weight_decay=0.01))
+
+
+def _gram_ns_standard(model, device, warmup):
+    return _gram_ns(model, device, warmup, algorithm="standard_newton_schulz")
+
+
 def _adamw(model, device, warmup):
     from anvil_ref.constants import ADAM_DEFAULTS
 
@@ -317,6 +336,11 @@ CONTENDERS: list[Contender] = [
               modules=("pytorch_optimizer",), distribution="pytorch-optimizer"),
     Contender("emerging", "NVIDIA emerging-optimizers Muon + fused AdamW", "peer", _emerging,
               modules=("emerging_optimizers",), distribution="emerging-optimizers"),
+    Contender("gram_ns", "Dao AI Lab gram-newton-schulz Muon (Gram NS, quack kernels)", "peer", _gram_ns,
+              modules=("gram_newton_schulz", "quack"), distribution="gram-newton-schulz", needs_cuda=True),
+    Contender("gram_ns_standard", "Dao AI Lab gram-newton-schulz Muon, standard NS (quack kernels)", "peer",
+              _gram_ns_standard, modules=("gram_newton_schulz", "quack"), distribution="gram-newton-schulz",
+              needs_cuda=True),
     Contender("adamw", "fused torch.optim.AdamW alone", "reference", _adamw),
     Contender("heavyball", "heavyball SplitOpt(Muon, AdamW), its default compile", "peer", _heavyball,
               modules=("heavyball",), distribution="heavyball", last=True),
