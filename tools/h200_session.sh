@@ -21,6 +21,8 @@
 #           after every row) and log (a line per row) into $OUT (copy them to results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
+#   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
+#           on the GPT-2 small and medium banks; .gns from tools/gns_bundle.sh carried)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
@@ -35,6 +37,22 @@ pack() {
   fi
 }
 [ "$1" = pack ] && { OUT=${OUT:-/tmp/h200_out}; pack; exit 0; }
+# the peers' wheels (.whl) and gram-newton-schulz's bundle (.gns, built by tools/gns_bundle.sh: its large
+# libs wheel travels unpacked and xz-compressed) into /tmp/site, once per call
+install_peers() {
+  [ -n "${PEERS_INSTALLED:-}" ] && return 0
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || echo "the wheels in .whl did not install"
+  fi
+  if [ -f .gns/libs_base.tar.xz ]; then
+    { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .gns/*.whl && tar xJf .gns/libs_base.tar.xz -C /tmp/site; } || echo "the bundle in .gns did not install"
+  fi
+  # --target skips .pth files: the cutlass DSL's python packages go on the path by hand
+  export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages
+  PEERS_INSTALLED=1
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -87,10 +105,7 @@ for stage in ${STAGES:-suite bench}; do
                > "$OUT/fp_after.log" 2>&1
              diff "$OUT/fp_before.txt" "$OUT/fp_after.txt" > "$OUT/fp_diff.txt" && echo "fingerprint: identical" \
                || { echo "fingerprint: differs"; cat "$OUT/fp_diff.txt"; } ;;
-    orthogonalizers) if ls .whl/*.whl > /dev/null 2>&1; then
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-               .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "orthogonalizers: the wheels in .whl did not install"
-           fi
+    orthogonalizers) install_peers
            PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-260}" python3 -m anvil_fast.studies.difftest --adapter all \
              --shapes 4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096 --families gaussian,well_conditioned,near_rank1 \
              --near-rank1-count 8 --time-reps 10 --time-limit $(( ${T_ORTHO:-260} - 60 )) \
@@ -101,10 +116,10 @@ for stage in ${STAGES:-suite bench}; do
              timeout "${T_NR1:-150}" python3 -m anvil_fast.studies.near_rank1 --no-progress --device cuda --count 500 \
                --paths fp64,fast-safe 2>&1 | tee "$OUT/near_rank1_safe.log" | tail -6
              timeout "${T_OPTBENCH:-100}" python3 -m anvil_fast.bench optimizer 2>&1 | tee "$OUT/bench_optimizer.log" | tail -10 ;;
-    peers) if ls .whl/*.whl > /dev/null 2>&1; then
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-               .whl/*.whl && export PYTHONPATH=.:/tmp/site || echo "peers: the wheels in .whl did not install"
-           fi
+    orthopeers) install_peers
+           timeout "${T_ORTHOPEERS:-300}" python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 \
+             --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
+    peers) install_peers
            timeout "${T_PEERS:-580}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
              --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}" 2>&1 \
              | tee "$OUT/bench_peers.log" | grep -E "^  |stopped|error" ;;

@@ -338,6 +338,8 @@ def peer_rows(shapes, *, rep_ms: int, fns: dict[str, Callable] | None = None) ->
             except Exception as e:  # one failing orthogonalizer must not hide the others
                 r["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(r)
+            print(f"  {'x'.join(map(str, shape))} {name}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"]),
+                  flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -365,7 +367,8 @@ def format_peers(rows) -> str:
     return "\n".join(lines)
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                    help="shapes of the bank table ('' skips it; default: %(default)s)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     ap.add_argument("--peer-shapes", default=",".join("x".join(map(str, s)) for s in PEER_SHAPES),
                     help="shapes of the orthogonalizers' table (SAFE, GRAM_SIDE, gram-newton-schulz; '' skips it; "
@@ -378,7 +381,7 @@ def run(a: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("anvil_fast.bench bank: needs a CUDA device (timings come only from GPU runs)")
         return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
     torch.backends.cuda.matmul.allow_tf32 = False
     tflops, gbs = measure_peaks()
     import triton
@@ -394,8 +397,9 @@ def run(a: argparse.Namespace) -> int:
     gs_rows = gram_side_rows(gs_shapes, rep_ms=a.rep_ms) if gs_shapes else []
     peer_shapes = [tuple(int(v) for v in s.split("x")) for s in a.peer_shapes.split(",") if s]
     p_rows = peer_rows(peer_shapes, rep_ms=a.rep_ms) if peer_shapes else []
-    for part in (lambda: "\n".join(report_lines()), lambda: format_phases(rows, tflops, gbs),
-                 lambda: format_bank(rows, tflops, gbs), lambda: format_gram_side(gs_rows) if gs_rows else "",
+    for part in (lambda: "\n".join(report_lines()), lambda: format_phases(rows, tflops, gbs) if rows else "",
+                 lambda: format_bank(rows, tflops, gbs) if rows else "",
+                 lambda: format_gram_side(gs_rows) if gs_rows else "",
                  lambda: format_peers(p_rows) if p_rows else ""):
         try:
             print(part(), flush=True)
