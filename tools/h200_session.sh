@@ -26,7 +26,7 @@
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
-# TRAIN_ARGS adds arguments to every training stage; T_<STAGE> overrides a stage's time limit.
+# TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
 # `bash tools/h200_session.sh pack` only packs $OUT (after a run cut short by an outer timeout).
 set -o pipefail
 # the device returns at most 8 files: past 7, everything but stages.txt travels in one tarball
@@ -121,7 +121,7 @@ for stage in ${STAGES:-suite bench}; do
              --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
     peers) install_peers
            timeout "${T_PEERS:-580}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
-             --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}" 2>&1 \
+             --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}" ${PEERS_ARGS:-} 2>&1 \
              | tee "$OUT/bench_peers.log" | grep -E "^  |stopped|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
