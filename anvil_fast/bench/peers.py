@@ -241,9 +241,9 @@ def _anvil_lean(model, device, warmup):
 def _lean_check() -> str | None:
     import inspect
 
-    import anvil_fast
+    from anvil_fast.optim.dropin import DropInAnvil
 
-    if "rails_dtype" not in inspect.signature(anvil_fast.optim.dropin.DropInAnvil).parameters:
+    if "rails_dtype" not in inspect.signature(DropInAnvil).parameters:
         return "anvil_fast.ANVIL has no rails_dtype keyword"
     return None
 
