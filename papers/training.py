@@ -22,6 +22,8 @@ import json
 import math
 from pathlib import Path
 
+from anvil_ref.constants import RAIL_RULE, RAIL_SCALED_REFERENCE_STEPS
+from anvil_ref.rails import rail_steps
 from papers import protocol as P
 from papers import stats as S
 from papers.markdown import md_table
@@ -539,6 +541,12 @@ def values() -> dict[str, str]:
             "train_grid": ", ".join(f"{p.factor:g}^{k}" if k else "1" for k in p.offsets),
             "train_lr_centers": ", ".join(f"{n} {v:g}" for n, v in p.lr_centers),
             "train_adam_center": f"{p.adam_center:g}",
+            "train_wd_centers": ", ".join(f"{n} {v:g}" for n, v in p.wd_centers),
+            "train_rail_rule": RAIL_RULE, "train_rail_reference": f"{RAIL_SCALED_REFERENCE_STEPS:,}",
+            "train_rail_steps": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, RAIL_RULE)),
+            "train_rail_steps_scaled": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, "scaled")),
+            "train_equal_time": ", ".join(n for n in p.equal_time if n != p.time_reference),
+            "train_time_reference": p.time_reference,
             "train_tuned": ", ".join(p.tuned), "train_borrows": ", ".join(f"{a} (from {b})" for a, b in p.borrows),
             "train_chosen": _chosen_text(runs) or "(no sweep yet)",
             "train_jobs": ("no run yet" if not g else "one at a time in the runs below" if jobs == 1 else f"up to {jobs} at once in the runs below"),
@@ -583,4 +591,5 @@ def figures() -> dict:
 
     return {"train_loss": loss,
             "train_sweep_lr": lambda: figure_sweep(load(), "lr"),
-            "train_sweep_adam": lambda: figure_sweep(load(), "adam_lr")}
+            "train_sweep_adam": lambda: figure_sweep(load(), "adam_lr"),
+            "train_sweep_wd": lambda: figure_sweep(load(), "weight_decay")}
