@@ -26,6 +26,10 @@ name               optimizer
                    embeddings and the head without weight decay (dion's README). Used when ``dion``
                    is importable, else from ``.peers/dion`` under the repository root; absent
                    otherwise (:func:`find_dion` says why).
+``normuon``        microsoft/dion's ``dion.NorMuon`` at its documented defaults (lr 0.01, momentum 0.95
+                   without Nesterov, ``muon_beta2`` 0.95, weight decay 0.01 without the cautious
+                   mask, spectral-norm scaling, Polar Express) on the matrices, with dion's AdamW
+                   groups as for ``dion``; from the same source as ``dion``.
 ``anvil``          ``anvil_fast.ANVIL(model, rails="record", total_steps=steps)``: SAFE (the default
                    bank configuration) with the record's twin rails.
 ``anvil_lean``     the same with ``rails_dtype=torch.bfloat16`` (the rails kept in bf16); absent
@@ -35,9 +39,19 @@ name               optimizer
                    wide banks, :mod:`anvil_fast.core.gram_side`; SAFE elsewhere).
 ``anvil_derived``  the same with ``maps="anvil_express"``.
 ``anvil_polar``    the same with ``maps="polar_express_paper6"``.
-``anvil_nesterov`` the same with ``rails="nesterov"`` (plain Nesterov momentum, no twin rails).
+``anvil_nesterov`` the same with ``rails="nesterov"`` (plain Nesterov momentum 0.95, no twin rails:
+                   changes the momentum schedule too; ``anvil_one_rail`` is the clean ablation).
+``anvil_one_rail`` the record's momentum schedule with ``w = 1`` throughout (:class:`RailSchedule`).
+``anvil_rails_scaled`` the record's rails at steps scaled to the run (:class:`RailSchedule`, rule
+                   ``"scaled"`` of :func:`anvil_ref.rails.rail_steps`).
+``anvil_no_equalizer`` ``beta2=1``: the lane energy stays at 0, every gain equal, the equalizer the
+                   identity.
+``anvil_decoupled`` the decay without its sign gate (:class:`DecoupledDecay`).
 ``anvil_defaults`` ``anvil_fast.ANVIL(model)``, every argument at its default (the CI contender).
 =================  =================================================================================
+
+Weight decay: the matrices' ``weight_decay`` is tuned by the protocol like the two rates (centres
+papers/protocol.py ``WD_CENTERS``); the Adam side's decay stays each contender's own.
 
 Default learning rates (a run outside the tuning protocol): ``lr`` at the centre of the
 protocol's grid (papers/protocol.py ``LR_CENTERS``); ``adam_lr`` at the protocol's common starting

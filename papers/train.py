@@ -43,7 +43,7 @@ Examples::
     python -m papers.train --size tiny --steps 200 --batch 16 --out /tmp/train   # CPU, seconds per run
     python -m papers.train --protocol --estimate --jobs 8                         # the protocol's cost
     python -m papers.train --protocol --jobs 8 --out results/train/protocol --skip-existing --time-budget-s 440
-    python -m papers.train --timing-only --contenders adamw muon dion anvil anvil_lean \\
+    python -m papers.train --timing-only --contenders adamw muon dion normuon anvil anvil_lean \\
         --tuned-from results/train/protocol --out results/train/protocol/timing
 
 tools/h200_session.sh runs the paper's training (stage ``train``) on one H200.
@@ -667,9 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in absent or name in broken:
                 continue
             t = P.tuning(proto, name, res)
-            for key, s in (("lr", t.lr), ("adam_lr", t.adam_lr)):
-                if s is None:
-                    continue
+            for key, s in zip(P.KEYS, t.searches):
                 tried = ", ".join(f"{v:g}: {s.means[v]:.4f}" if v in s.means else f"{v:g}: -" for v in s.values)
                 state = ("not finished" if s.best is None else
                          f"best {s.best:g}, " + ("inside the grid" if s.inside else f"AT THE {s.edge.upper()} EDGE of the extended grid"))
