@@ -85,7 +85,7 @@ from .polar import polar_factor, quintic_iteration
 from .equalizer import EqualizeResult, equalize, lane_energy_shape, lane_gain, lane_power, reduction_axis
 from .maps import available_map_sets, load_maps, validate_maps
 from .optimizer import ParamSpec, ReferenceAnvilAndAdam
-from .rails import RailScalars, TwinRailResult, blend_rails, ema, nesterov_lookahead, rail_beta, rail_scalars, twin_rail
+from .rails import RailScalars, RailSteps, TwinRailResult, blend_rails, ema, nesterov_lookahead, rail_beta, rail_scalars, rail_steps, twin_rail
 from .storage import Halves, bf16_truncate, join_fp32, round_to_fp32, split_fp32, store
 from .update import (
     decay_mask,
@@ -107,7 +107,7 @@ __all__ = list(_constants_all) + [
     "EqualizeResult", "equalize", "lane_energy_shape", "lane_gain", "lane_power", "reduction_axis",
     "available_map_sets", "load_maps", "validate_maps",
     "ParamSpec", "ReferenceAnvilAndAdam",
-    "RailScalars", "TwinRailResult", "blend_rails", "ema", "nesterov_lookahead", "rail_beta",
+    "RailScalars", "RailSteps", "rail_steps", "TwinRailResult", "blend_rails", "ema", "nesterov_lookahead", "rail_beta",
     "rail_scalars", "twin_rail",
     "Halves", "bf16_truncate", "join_fp32", "round_to_fp32", "split_fp32", "store",
     "decay_mask", "effective_lrs", "effective_weight_decay", "per_matrix_lr_multipliers",

@@ -52,6 +52,18 @@ RAIL_BETA_MAX: float = 0.93
 RAIL_BETA_WARMUP_STEPS: int = 240
 RAIL_BETA_COOLDOWN_STEPS: int = 50
 
+# The rail schedule at other run lengths. The record fixes its schedule in absolute steps (engage
+# RAIL_ENGAGE_STEP, warm-up RAIL_BETA_WARMUP_STEPS, cool-down RAIL_BETA_COOLDOWN_STEPS over the last
+# steps of the run) and the package keeps that as its rule, RAIL_RULE = "absolute": these steps are
+# what the record tuned, and the record's code reads them as steps at every length. The other rule,
+# "scaled", stretches the three to the run: each is multiplied by total_steps /
+# RAIL_SCALED_REFERENCE_STEPS and rounded (at least 1), so at the reference length both rules are the
+# same schedule. The reference is the write-up's tuning horizon (papers/protocol.py TUNE_STEPS, which
+# imports it), so the scaled rule keeps at every length the shape the learning rates were tuned with.
+RAIL_RULES: tuple[str, ...] = ("absolute", "scaled")
+RAIL_RULE: str = "absolute"
+RAIL_SCALED_REFERENCE_STEPS: int = 1000
+
 # ---------------------------------------------------------------------------------------------
 # The lane-energy equalizer (seed: _rail_equalizer).
 
@@ -86,6 +98,7 @@ __all__ = [
     "ANVIL_MAPS", "FROBENIUS_MARGIN", "FROBENIUS_EPS", "SPLIT_BADDBMM_MIN_ROWS",
     "RAIL_FAST_BETA", "RAIL_SLOW_BETA", "RAIL_FAST_WEIGHT", "RAIL_ENGAGE_STEP",
     "RAIL_BETA_MIN", "RAIL_BETA_MAX", "RAIL_BETA_WARMUP_STEPS", "RAIL_BETA_COOLDOWN_STEPS",
+    "RAIL_RULES", "RAIL_RULE", "RAIL_SCALED_REFERENCE_STEPS",
     "LANE_ENERGY_FLOOR", "MLP_BANK_LABEL", "ODD_MATRIX_LR_MUL", "EMBED_LABEL", "LM_HEAD_LABEL",
     "SPARSE_UPDATE_LABEL",
     "ANVIL_DEFAULTS", "ADAM_DEFAULTS",

@@ -25,8 +25,36 @@ from .constants import (
     RAIL_ENGAGE_STEP,
     RAIL_FAST_BETA,
     RAIL_FAST_WEIGHT,
+    RAIL_RULE,
+    RAIL_RULES,
+    RAIL_SCALED_REFERENCE_STEPS,
     RAIL_SLOW_BETA,
 )
+
+
+class RailSteps(NamedTuple):
+    """The rail schedule's three step counts for one run length."""
+
+    engage: int  #: first step at which the blend reads both rails
+    warmup: int  #: steps of the beta warm-up
+    cooldown: int  #: steps of the beta cool-down at the end of the run
+
+
+def rail_steps(total_steps: int, rule: str = RAIL_RULE, *,
+               reference_steps: int = RAIL_SCALED_REFERENCE_STEPS) -> RailSteps:
+    """The schedule's step counts for a run of ``total_steps`` under ``rule`` (anvil_ref.constants,
+    RAIL_RULE): ``"absolute"``, the record's steps whatever the length; ``"scaled"``, each multiplied
+    by ``total_steps / reference_steps`` and rounded half up, at least 1."""
+    if rule not in RAIL_RULES:
+        raise ReferenceInputError(f"rule must be one of {RAIL_RULES}, got {rule!r}")
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ReferenceInputError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    base = (RAIL_ENGAGE_STEP, RAIL_BETA_WARMUP_STEPS, RAIL_BETA_COOLDOWN_STEPS)
+    if rule == "absolute":
+        return RailSteps(*base)
+    if reference_steps < 1:
+        raise ReferenceInputError(f"reference_steps must be >= 1, got {reference_steps}")
+    return RailSteps(*(max(1, (2 * n * total_steps + reference_steps) // (2 * reference_steps)) for n in base))
 
 
 class RailScalars(NamedTuple):
@@ -76,7 +104,8 @@ def rail_beta(step: int, total_steps: int, *, warmup_steps: int = RAIL_BETA_WARM
 
 def rail_scalars(step: int, total_steps: int, *, engage_step: int = RAIL_ENGAGE_STEP,
                  engaged_fast_beta: float = RAIL_FAST_BETA,
-                 engaged_fast_weight: float = RAIL_FAST_WEIGHT) -> RailScalars:
+                 engaged_fast_weight: float = RAIL_FAST_WEIGHT, warmup_steps: int = RAIL_BETA_WARMUP_STEPS,
+                 cooldown_steps: int = RAIL_BETA_COOLDOWN_STEPS) -> RailScalars:
     """The record's per-step rail scalars::
 
         mu     = beta(t)
@@ -84,9 +113,12 @@ def rail_scalars(step: int, total_steps: int, *, engage_step: int = RAIL_ENGAGE_
         w      = 1.0      if t < engage_step  else  RAIL_FAST_WEIGHT
 
     Before the engage step the blend reads the fast rail alone (w = 1) on the scheduled beta, which
-    is plain Nesterov momentum; the slow rail accumulates all along.
+    is plain Nesterov momentum; the slow rail accumulates all along. ``engage_step``,
+    ``warmup_steps`` and ``cooldown_steps`` of another rule: :func:`rail_steps`; an engage step past
+    the run (e.g. ``total_steps + 1``) keeps ``w = 1`` throughout, the record's momentum schedule
+    without the second rail.
     """
-    beta = rail_beta(step, total_steps)
+    beta = rail_beta(step, total_steps, warmup_steps=warmup_steps, cooldown_steps=cooldown_steps)
     if step < engage_step:
         return RailScalars(momentum=beta, fast_beta=beta, fast_weight=1.0)
     return RailScalars(momentum=beta, fast_beta=engaged_fast_beta, fast_weight=engaged_fast_weight)

@@ -43,7 +43,7 @@ Examples::
     python -m papers.train --size tiny --steps 200 --batch 16 --out /tmp/train   # CPU, seconds per run
     python -m papers.train --protocol --estimate --jobs 8                         # the protocol's cost
     python -m papers.train --protocol --jobs 8 --out results/train/protocol --skip-existing --time-budget-s 440
-    python -m papers.train --timing-only --contenders adamw muon dion anvil anvil_lean \\
+    python -m papers.train --timing-only --contenders adamw muon dion normuon anvil anvil_lean \\
         --tuned-from results/train/protocol --out results/train/protocol/timing
 
 tools/h200_session.sh runs the paper's training (stage ``train``) on one H200.
@@ -254,6 +254,8 @@ def train_run(contender: K.Contender, *, size: str, seed: int, data_seed: int, s
         "optimizer_groups": groups, "seed": seed, "data_seed": data_seed, "size": size,
         "model": {**cfg.__dict__, "n_params": n_params},
         "steps": steps, "batch": batch, "ctx": cfg.ctx, "tokens_per_step": batch * cfg.ctx,
+        "tokens_seen": steps * batch * cfg.ctx, "train_tokens": int(corpus.train.numel()),
+        "epochs": steps * batch * cfg.ctx / int(corpus.train.numel()),
         "warmup_steps": warmup, "lr_schedule": "linear warm-up, then linear decay to 0 (papers.train.lr_shape)",
         "clip": clip, "eval_every": eval_every, "val_windows": int(val.shape[0]),
         "batches_sha256": C.batches_sha256(cpu_batches),
@@ -299,8 +301,10 @@ def make_spec(c: K.Contender, *, seed: int, steps: int, a, role: str, stage: str
             "stage": stage, "timing_steps": a.timing_steps if role in ("fixed", "timing") else 0,
             "timing_warmup": a.timing_warmup}
     spec["id"] = run_id(spec)
-    lrs = "".join(f"-{k.replace('_', '')}{c.hparams[k]:g}" for k in P.KEYS if role in ("sweep", "tuned") and k in c.hparams)
-    tail = "timing" if role == "timing" else (f"{steps}steps-seed{seed}" if role in ("sweep", "tuned") else f"seed{seed}")
+    short = {"lr": "lr", "adam_lr": "adamlr", "weight_decay": "wd"}
+    protocol_role = role in ("sweep", "tuned", "equal_time")
+    lrs = "".join(f"-{short[k]}{c.hparams[k]:g}" for k in P.KEYS if protocol_role and k in c.hparams)
+    tail = "timing" if role == "timing" else (f"{steps}steps-seed{seed}" if protocol_role else f"seed{seed}")
     spec["name"] = f"{a.size}-{c.name}{lrs}-{tail}"
     return spec
 
@@ -537,8 +541,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def contender(name: str) -> K.Contender:
         c = K.get(name)
-        lr, adam = tuned.get(name, (None, None))
-        return c.with_lrs(lrs.get(name, lr), adam_lrs.get(name, adam))
+        lr, adam, wd = tuned.get(name, (None, None, None))
+        return c.with_lrs(lrs.get(name, lr), adam_lrs.get(name, adam), wd)
 
     absent = preflight([K.get(n) for n in a.contenders])
     for n, why in absent.items():
@@ -563,12 +567,16 @@ def main(argv: list[str] | None = None) -> int:
     commit = source_commit()
     done_recs: list[dict] = list(by_id.values())
 
+    step_s = P.step_seconds(records, size=a.size) if proto is not None else {}
+    if step_s:
+        print("lone seconds per step (--timing-only JSONs, for the equal-time runs): "
+              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(step_s.items())))
     if proto is not None:
         def ready() -> list[dict]:
             res = P.results_of(proto, done_recs)
             out = []
-            for t in P.required(proto, res, absent=[*absent, *broken]):
-                c = K.get(t.contender).with_lrs(t.lr, t.adam_lr)
+            for t in P.required(proto, res, absent=[*absent, *broken], step_s=step_s, multiple=a.eval_every):
+                c = K.get(t.contender).with_lrs(t.lr, t.adam_lr, t.weight_decay)
                 s = make_spec(c, seed=t.seed, steps=t.steps, a=a, role=t.role, stage=t.stage)
                 s["protocol"] = proto.to_json()
                 out.append(s)
@@ -659,9 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in absent or name in broken:
                 continue
             t = P.tuning(proto, name, res)
-            for key, s in (("lr", t.lr), ("adam_lr", t.adam_lr)):
-                if s is None:
-                    continue
+            for key, s in zip(P.KEYS, t.searches):
                 tried = ", ".join(f"{v:g}: {s.means[v]:.4f}" if v in s.means else f"{v:g}: -" for v in s.values)
                 state = ("not finished" if s.best is None else
                          f"best {s.best:g}, " + ("inside the grid" if s.inside else f"AT THE {s.edge.upper()} EDGE of the extended grid"))
@@ -677,20 +683,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_estimate(p: P.Protocol, a) -> int:
-    tasks = P.planned(p)
     cfg = gpt.SIZES[p.size]
     model = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "ctx": cfg.ctx, "vocab": cfg.vocab}
-    e = P.estimate(p, tasks, jobs=a.jobs, model=model)
-    sweep = [t for t in tasks if t.role == "sweep"]
+    logs = P.read_logs(size=p.size)
+    # the equal-time step counts from the logs' lone wall rates (the runs take them from --timing-only)
+    rate = {n: logs["wall_per_1000"][P.COST_LIKE.get(n, n)] for n in p.equal_time}
+    tasks = P.planned(p, step_s=rate)
+    e = P.estimate(p, tasks, jobs=a.jobs, model=model, logs=logs)
+    train_bytes = int(C.load().train.numel())
     print(f"protocol: {json.dumps(p.to_json())}")
-    print(f"runs without grid extensions: {len(sweep)} sweep runs of {p.tune_steps} steps, "
-          f"{len(tasks) - len(sweep)} horizon runs of {p.steps} steps; {e['steps']:,} steps in all")
+    by_role = {r: [t for t in tasks if t.role == r] for r in ("sweep", "tuned", "equal_time")}
+    print(f"runs without grid extensions: {len(by_role['sweep'])} sweep runs of {p.tune_steps} steps (seeds "
+          f"{list(p.tune_seeds)}), {len(by_role['tuned'])} horizon runs of {p.steps} steps (held-out seeds "
+          f"{list(p.seeds)}; {len(p.long)} contenders, ablations included), {len(by_role['equal_time'])} equal-time "
+          f"runs; {e['steps']:,} steps in all")
+    print("equal-time step counts (from the logs' lone rates; the runs use --timing-only's): "
+          + ", ".join(f"{n} {P.equal_time_steps(p.steps, rate[n], rate[p.time_reference])}"
+                      for n in p.equal_time if n != p.time_reference))
+    for steps in (p.tune_steps, p.steps):
+        tok = steps * p.batch * cfg.ctx
+        print(f"{steps} steps: {tok:,} tokens seen, {tok / train_bytes:.2f} epochs of the {train_bytes:,}-byte train split")
     print(f"each grid extension adds {len(p.tune_seeds)} runs of {p.tune_steps} steps")
     print(f"forward + backward on the GPU: {e['forward_backward_ms']:.2f} ms per step "
           f"(matmul efficiency {P.MATMUL_EFFICIENCY:g} of the measured peak)")
     print("device time by contender: " + ", ".join(f"{k} {v:.0f} s" for k, v in e["device_by_contender_s"].items()))
+    for r, ts in by_role.items():
+        if ts:
+            er = P.estimate(p, ts, jobs=a.jobs, model=model, logs=logs)
+            print(f"  {r}: {len(ts)} runs, estimate {er['wall_s'] / 60:.1f} min of wall time at {a.jobs} jobs")
     print(f"host-bound: {e['host_s']:.0f} s of lone runs / {a.jobs} jobs = {e['host_per_job_s']:.0f} s; "
-          f"device-bound: {e['device_s']:.0f} s; estimate {e['wall_s']:.0f} s of wall time")
+          f"device-bound: {e['device_s']:.0f} s; estimate {e['wall_s']:.0f} s of wall time "
+          f"({e['wall_s'] / 60:.1f} min)")
     return 0
 
 

@@ -22,6 +22,8 @@ import json
 import math
 from pathlib import Path
 
+from anvil_ref.constants import RAIL_RULE, RAIL_SCALED_REFERENCE_STEPS
+from anvil_ref.rails import rail_steps
 from papers import protocol as P
 from papers import stats as S
 from papers.markdown import md_table
@@ -148,7 +150,7 @@ def tuned_groups(runs: list[dict], *, horizon: str) -> dict[str, list[dict]]:
         if r.get("role") not in ("sweep", "tuned") or P._core(r.get("protocol") or {}) != core:
             continue
         n = r["contender"]
-        if n not in chosen or (r["hparams"]["lr"], r["hparams"]["adam_lr"]) != chosen[n]:
+        if n not in chosen or tuple(r["hparams"].get(k) for k in P.KEYS) != chosen[n]:
             continue
         if (horizon == "long" and r["role"] == "tuned" and r["steps"] == p.steps) or (
                 horizon == "short" and r["role"] == "sweep" and r["steps"] == p.tune_steps):
@@ -383,9 +385,10 @@ def table_sweep(runs: list[dict]) -> str:
     rows = []
     for n in sorted(p.tuned, key=_key):
         t = P.tuning(p, n, res)
-        for key, s in (("lr", t.lr), ("adam_lr", t.adam_lr)):
+        for i, key in enumerate(P.KEYS):
+            s = t.searches[i] if i < len(t.searches) else None
             if s is None:
-                rows.append([n, key, "(after lr)", "-", "not run"])
+                rows.append([n, key, f"(after {P.KEYS[i - 1]})", "-", "not run"])
                 continue
             where = ("not finished" if s.best is None else "yes" if s.inside else
                      f"no: at the {s.edge} end of the grid extended once there")
@@ -396,7 +399,7 @@ def table_sweep(runs: list[dict]) -> str:
     for n, why in absent(runs, size).items():
         if n in p.tuned or n in P.Protocol().tuned:
             rows.append([n, "-", f"absent: {why}", "-", "-"])
-    return md_table(["contender", "learning rate", f"values tried: mean final val loss over seeds "
+    return md_table(["contender", "coordinate", f"values tried: mean final val loss over seeds "
                      f"{', '.join(map(str, p.tune_seeds))} ({p.tune_steps} steps)", "chosen", "strictly inside"], rows)
 
 
@@ -418,7 +421,8 @@ def table_contenders(runs: list[dict]) -> str:
 
 def _chosen_text(runs: list[dict]) -> str:
     ch = P.chosen_of(runs)
-    return "; ".join(f"{n}: lr {lr:g}, adam_lr {a:g}" for n, (lr, a) in sorted(ch.items(), key=lambda kv: _key(kv[0])))
+    return "; ".join(f"{n}: lr {lr:g}, adam_lr {a:g}, weight_decay {w:g}"
+                     for n, (lr, a, w) in sorted(ch.items(), key=lambda kv: _key(kv[0])))
 
 
 def table_anchor(runs: list[dict]) -> str:
@@ -483,7 +487,8 @@ def figure_sweep(runs: list[dict], key: str) -> str | None:
     series, lo = [], math.inf
     for i, n in enumerate(sorted(p.tuned, key=_key)):
         t = P.tuning(p, n, res)
-        s = t.lr if key == "lr" else t.adam_lr
+        i = P.KEYS.index(key)
+        s = t.searches[i] if i < len(t.searches) else None
         if s is None:
             continue
         pts = [(v, s.means[v]) for v in s.values if v in s.means and math.isfinite(s.means[v])]
@@ -492,7 +497,8 @@ def figure_sweep(runs: list[dict], key: str) -> str | None:
             lo = min(lo, min(q[1] for q in pts))
     if not series:
         return None
-    what = "main learning rate (lr)" if key == "lr" else "Adam side's learning rate (adam_lr)"
+    what = {"lr": "main learning rate (lr)", "adam_lr": "Adam side's learning rate (adam_lr)",
+            "weight_decay": "weight decay of the matrices (weight_decay)"}[key]
     return line_plot(series, title=f"Sweep of the {what}, {p.tune_steps} steps, mean of seeds "
                      f"{', '.join(map(str, p.tune_seeds))}", xlabel=key, ylabel="final validation loss (nats / byte)",
                      logx=True, ylim=(lo - 0.01, lo + 0.25), legend="upper left")
@@ -535,6 +541,12 @@ def values() -> dict[str, str]:
             "train_grid": ", ".join(f"{p.factor:g}^{k}" if k else "1" for k in p.offsets),
             "train_lr_centers": ", ".join(f"{n} {v:g}" for n, v in p.lr_centers),
             "train_adam_center": f"{p.adam_center:g}",
+            "train_wd_centers": ", ".join(f"{n} {v:g}" for n, v in p.wd_centers),
+            "train_rail_rule": RAIL_RULE, "train_rail_reference": f"{RAIL_SCALED_REFERENCE_STEPS:,}",
+            "train_rail_steps": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, RAIL_RULE)),
+            "train_rail_steps_scaled": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, "scaled")),
+            "train_equal_time": ", ".join(n for n in p.equal_time if n != p.time_reference),
+            "train_time_reference": p.time_reference,
             "train_tuned": ", ".join(p.tuned), "train_borrows": ", ".join(f"{a} (from {b})" for a, b in p.borrows),
             "train_chosen": _chosen_text(runs) or "(no sweep yet)",
             "train_jobs": ("no run yet" if not g else "one at a time in the runs below" if jobs == 1 else f"up to {jobs} at once in the runs below"),
@@ -579,4 +591,5 @@ def figures() -> dict:
 
     return {"train_loss": loss,
             "train_sweep_lr": lambda: figure_sweep(load(), "lr"),
-            "train_sweep_adam": lambda: figure_sweep(load(), "adam_lr")}
+            "train_sweep_adam": lambda: figure_sweep(load(), "adam_lr"),
+            "train_sweep_wd": lambda: figure_sweep(load(), "weight_decay")}

@@ -15,15 +15,28 @@ def _losses_from(f):
     return lambda v: [f(v), f(v)]
 
 
-def test_lr_centres_are_the_contenders_defaults():
-    from anvil_ref import ANVIL_DEFAULTS
+def test_centres_are_the_contenders_defaults():
+    from anvil_ref import ANVIL_DEFAULTS, RAIL_SCALED_REFERENCE_STEPS
     from papers import contenders as K
 
-    assert P.LR_CENTERS["anvil"] == ANVIL_DEFAULTS["lr"]
+    assert P.LR_CENTERS["anvil"] == ANVIL_DEFAULTS["lr"] and P.WD_CENTERS["anvil"] == ANVIL_DEFAULTS["weight_decay"]
+    assert set(P.LR_CENTERS) == set(P.WD_CENTERS) == set(P.Protocol().tuned)
     for name, lr in P.LR_CENTERS.items():
         assert K.get(name).hparams["lr"] == lr, name
-    for name in ("adamw", "muon", "dion"):
+        assert K.get(name).hparams["weight_decay"] == P.WD_CENTERS[name], name
+    for name in ("adamw", "muon", "dion", "normuon"):
         assert K.get(name).hparams["adam_lr"] == P.ADAM_CENTER, name
+    # every contender the horizon runs exists, and the tuning horizon is where the rail rules agree
+    for name in P.Protocol().long:
+        K.get(name)
+    assert P.Protocol().tune_steps == RAIL_SCALED_REFERENCE_STEPS
+
+
+def test_final_seeds_are_held_out_and_enough():
+    p = P.Protocol()
+    assert not set(p.tune_seeds) & set(p.seeds) and len(p.seeds) >= 5 and p.steps >= 4000
+    with pytest.raises(ValueError, match="held out"):
+        P.Protocol(tune_seeds=(0, 1), seeds=(1, 2))
 
 
 def test_grid_values_are_exact_factor_two_steps():
@@ -65,14 +78,17 @@ def test_search_waits_for_every_seed_ties_go_low_and_a_diverged_seed_is_infinite
 
 def test_required_runs_the_protocol_to_its_end_in_order():
     """Simulate a whole protocol: each contender's loss is a bowl around its own optimum; running
-    the first required run until none is left must find every optimum, sweep stage by stage, and
-    end with the horizon runs, seed-major, at the chosen values (the lean ANVIL at ANVIL's)."""
-    p = P.Protocol(tuned=("adamw", "anvil"), long=("adamw", "anvil", "anvil_lean"), seeds=(0, 1), tune_seeds=(0, 1))
-    best = {"adamw": (2e-3, 8e-3), "anvil": (0.023, 2e-3)}   # adamw's lr at the high end, anvil's adam_lr low
+    the first required run until none is left must find every optimum, sweep stage by stage (lr,
+    then adam_lr, then weight decay), and end with the horizon runs, seed-major, at the chosen
+    values (the lean ANVIL and an ablation at ANVIL's)."""
+    p = P.Protocol(tuned=("adamw", "anvil"), long=("adamw", "anvil", "anvil_lean", "anvil_one_rail"),
+                   seeds=(0, 1), tune_seeds=(7, 8))
+    # adamw's lr at the high end, anvil's adam_lr low, anvil's weight decay far below the record's
+    best = {"adamw": (2e-3, 8e-3, 0.1), "anvil": (0.023, 2e-3, 2.25 / 4)}
 
     def loss(t: P.Task) -> float:
-        lr0, a0 = best[P.Protocol().source(t.contender)]
-        return math.log2(t.lr / lr0) ** 2 + math.log2(t.adam_lr / a0) ** 2 + 0.001 * t.seed
+        b = best[p.source(t.contender)]
+        return sum(math.log2(x / y) ** 2 for x, y in zip((t.lr, t.adam_lr, t.weight_decay), b)) + 0.001 * t.seed
 
     results, order = {}, []
     while tasks := P.required(p, results):
@@ -81,37 +97,57 @@ def test_required_runs_the_protocol_to_its_end_in_order():
         results[t.key] = loss(t)
     sweeps = [t for t in order if t.role == "sweep"]
     assert all(t.role == "tuned" for t in order[len(sweeps):])
-    for name, (lr0, a0) in best.items():
+    assert all(t.seed in p.tune_seeds for t in sweeps)
+    for name, (lr0, a0, w0) in best.items():
         mine = [t for t in sweeps if t.contender == name]
-        first_b = next(i for i, t in enumerate(mine) if t.stage == "adam_lr")
-        assert all(t.stage == "lr" and t.adam_lr == p.adam_center for t in mine[:first_b])
-        assert all(t.stage == "adam_lr" and t.lr == lr0 for t in mine[first_b:])
-        assert P.tuning(p, name, results).chosen == (lr0, a0)
-    # adamw's grids extended at their high ends (0.002 and 0.008 were ends), anvil's adam_lr grid at the low end
+        stages = [t.stage for t in mine]
+        assert stages == sorted(stages, key=P.KEYS.index)   # lr, then adam_lr, then weight_decay
+        for t in mine:
+            if t.stage == "lr":
+                assert (t.adam_lr, t.weight_decay) == (p.adam_center, p.wd_center(name))
+            elif t.stage == "adam_lr":
+                assert (t.lr, t.weight_decay) == (lr0, p.wd_center(name))
+            else:
+                assert (t.lr, t.adam_lr) == (lr0, a0)
+        assert P.tuning(p, name, results).chosen == (lr0, a0, w0)
     assert P.tuning(p, "adamw", results).lr.values == (5e-4, 1e-3, 2e-3, 4e-3)
-    assert P.tuning(p, "adamw", results).adam_lr.values == (2e-3, 4e-3, 8e-3, 1.6e-2)
     assert P.tuning(p, "anvil", results).adam_lr.values == (1e-3, 2e-3, 4e-3, 8e-3)
-    horizon = [(t.seed, t.contender, t.lr, t.adam_lr) for t in order if t.role == "tuned"]
-    assert horizon == [(s, n, *best[P.Protocol().source(n)]) for s in (0, 1) for n in ("adamw", "anvil", "anvil_lean")]
-    # every run once, on 2 seeds: adamw 3 + 1 lr values and 3 + 1 adam_lr values less the one shared (the
-    # centre at the best lr), anvil 3 lr values and 3 + 1 adam_lr values less the shared one
-    assert len(sweeps) == 2 * ((4 + 3) + (3 + 3)) and len(set(t.key for t in order)) == len(order)
+    # anvil's weight decay: 2.25 / 4 is two steps below the centre, past the one extension: at the edge
+    wd = P.tuning(p, "anvil", results).weight_decay
+    assert wd.edge == "low" and wd.best == 2.25 / 4 and not wd.inside
+    horizon = [(t.seed, t.contender, t.lr, t.adam_lr, t.weight_decay) for t in order if t.role == "tuned"]
+    assert horizon == [(s, n, *best[p.source(n)]) for s in (0, 1) for n in p.long]
+    assert len(set(t.key for t in order)) == len(order)
+
+
+def test_equal_time_runs_get_a_complete_schedule_at_their_own_step_count():
+    assert P.equal_time_steps(4000, 0.5, 1.0) == 8000 and P.equal_time_steps(4000, 2.0, 1.0) == 2000
+    assert P.equal_time_steps(4000, 3.0, 1.0, multiple=50) == 1300   # 1333 rounded down to 50s
+    p = P.Protocol(tuned=("adamw", "anvil"), long=("adamw", "anvil"), equal_time=("adamw", "anvil"),
+                   seeds=(0, 1))
+    results = {}
+    while tasks := P.required(p, results):
+        results[tasks[0].key] = 1.0
+    assert not [k for k in results if k[4] not in (p.tune_steps, p.steps)]   # no timing: no equal-time run
+    extra = P.required(p, results, step_s={"adamw": 0.004, "anvil": 0.005}, multiple=50)
+    assert [(t.contender, t.steps, t.seed, t.role) for t in extra] == [("adamw", 5000, 0, "equal_time"),
+                                                                       ("adamw", 5000, 1, "equal_time")]
 
 
 def test_required_skips_absent_contenders_and_their_borrowers():
     p = P.Protocol()
     names = {t.contender for t in P.required(p, {}, absent=["dion"])}
-    assert names == {"adamw", "muon", "anvil"}
-    # anvil absent: no sweep of anvil, and anvil_lean (which borrows anvil's values) never gets a run
+    assert names == {"adamw", "muon", "normuon", "anvil"}
+    # anvil absent: no sweep of anvil, and the contenders borrowing anvil's values never get a run
     done = {}
-    while tasks := P.required(p, done, absent=["anvil", "muon", "dion"]):
+    while tasks := P.required(p, done, absent=["anvil", "muon", "dion", "normuon"]):
         done[tasks[0].key] = 1.0
     assert {k[0] for k in done} == {"adamw"}
 
 
 def test_the_first_runs_at_once_spread_over_the_contenders():
-    first = [t.contender for t in P.required(P.Protocol(), {})[:8]]
-    assert first == ["adamw", "muon", "dion", "anvil"] * 2
+    first = [t.contender for t in P.required(P.Protocol(), {})[:10]]
+    assert first == ["adamw", "muon", "dion", "normuon", "anvil"] * 2
 
 
 def test_protocol_json_round_trip_and_refusals():
@@ -121,14 +157,15 @@ def test_protocol_json_round_trip_and_refusals():
     assert p.with_contenders(["adamw"]).core() == p.core()
     with pytest.raises(ValueError, match="anvil_lean.*must be among the contenders"):
         p.with_contenders(["adamw", "anvil_lean"])
-    with pytest.raises(ValueError, match="no lr centre"):
+    with pytest.raises(ValueError, match="no lr or weight-decay centre"):
         P.Protocol(tuned=("sgd",))
     with pytest.raises(ValueError, match="factor must be > 1"):
         P.Protocol(factor=1.0)
 
 
-def _rec(name, lr, adam, steps, seed, loss, *, role="sweep", proto=None):
-    return {"contender": name, "role": role, "hparams": {"lr": lr, "adam_lr": adam}, "steps": steps, "seed": seed,
+def _rec(name, lr, adam, steps, seed, loss, *, role="sweep", proto=None, wd=0.1):
+    return {"contender": name, "role": role, "hparams": {"lr": lr, "adam_lr": adam, "weight_decay": wd},
+            "steps": steps, "seed": seed,
             "final_val_loss": loss, "diverged": False, "protocol": (proto or P.Protocol()).to_json()}
 
 
@@ -137,10 +174,11 @@ def test_results_of_keeps_the_protocols_runs_only():
     other = P.Protocol(clip=None)
     recs = [_rec("adamw", 1e-3, 4e-3, 1000, 0, 1.5), _rec("adamw", 1e-3, 4e-3, 1000, 1, math.nan),
             _rec("adamw", 2e-3, 4e-3, 1000, 0, 1.4, proto=other),
-            _rec("muon", 0.02, 4e-3, 1000, 0, 1.2, proto=p.with_contenders(["muon"])),
+            _rec("muon", 0.02, 4e-3, 1000, 0, 1.2, proto=p.with_contenders(["muon"]), wd=0.01),
             {**_rec("adamw", 5e-4, 4e-3, 1000, 0, 1.6), "role": "fixed"}]
-    assert P.results_of(p, recs) == {("adamw", 1e-3, 4e-3, 1000, 0): 1.5, ("adamw", 1e-3, 4e-3, 1000, 1): math.inf,
-                                     ("muon", 0.02, 4e-3, 1000, 0): 1.2}
+    assert P.results_of(p, recs) == {("adamw", 1e-3, 4e-3, 0.1, 1000, 0): 1.5,
+                                     ("adamw", 1e-3, 4e-3, 0.1, 1000, 1): math.inf,
+                                     ("muon", 0.02, 4e-3, 0.01, 1000, 0): 1.2}
     with pytest.raises(ValueError, match="2 different protocols"):
         P.of_records(recs)
     got = P.of_records(recs[:2] + recs[3:4])
@@ -152,9 +190,12 @@ def test_chosen_of_reads_the_choice_back_and_lends_it():
     results = {}
     while tasks := [t for t in P.required(p, results) if t.role == "sweep"]:
         t = tasks[0]
-        results[t.key] = abs(math.log2(t.lr / 0.046)) + abs(math.log2(t.adam_lr / 8e-3))
-    recs = [_rec(k[0], k[1], k[2], k[3], k[4], v, proto=p) for k, v in results.items()]
-    assert P.chosen_of(recs) == {"anvil": (0.046, 8e-3), "anvil_lean": (0.046, 8e-3)}
+        results[t.key] = (abs(math.log2(t.lr / 0.046)) + abs(math.log2(t.adam_lr / 8e-3))
+                          + abs(math.log2(t.weight_decay / 4.5)))
+    recs = [_rec(k[0], k[1], k[2], k[4], k[5], v, proto=p, wd=k[3]) for k, v in results.items()]
+    got = P.chosen_of(recs)
+    assert got["anvil"] == (0.046, 8e-3, 4.5)
+    assert {n: got[n] for n, src in p.borrows if src == "anvil"} == {n: got["anvil"] for n, src in p.borrows}
 
 
 # ----------------------------------------------------------------------------------- cost model
@@ -181,12 +222,13 @@ def test_read_logs_parses_the_training_and_bench_lines(tmp_path):
     assert logs == {"wall_per_1000": {"adamw": 24.0}, "tflops": 700.0, "copy_gbs": 4000.0, "opt_ms": {"anvil": 0.9}}
 
 
-def test_the_default_protocol_fits_the_training_stage():
-    """The default protocol's estimate (no grid extended) on 8 jobs leaves room in the training
-    stage's budget (tools/h200_session.sh: T_TRAIN 450 s, the protocol's budget 10 s less) for the
-    grid extensions (2 runs of 1000 steps each), the workers' start and the tail."""
+def test_the_default_protocols_run_list():
+    """The default protocol's least run list: 5 tuned contenders x (3 lr + 2 adam_lr + 2 weight-decay
+    values) x 2 tuning seeds, then 12 contenders (5 tuned, the lean state, 6 ablations) x 5 seeds at
+    the horizon; its estimate on 8 jobs is the larger of its two bounds."""
     p = P.Protocol()
-    e = P.estimate(p, P.planned(p), jobs=8, model={"n_layer": 6, "n_embd": 384, "ctx": 256, "vocab": 256})
-    assert e["runs"] == 4 * (3 + 2) * 2 + 5 * 3 and e["steps"] == 40 * 1000 + 15 * 4000
+    tasks = P.planned(p)
+    assert len(tasks) == 5 * 7 * 2 + 12 * 5
+    assert sum(t.steps for t in tasks) == 70 * 1000 + 60 * 4000
+    e = P.estimate(p, tasks, jobs=8, model={"n_layer": 6, "n_embd": 384, "ctx": 256, "vocab": 256})
     assert e["wall_s"] == max(e["host_s"] / 8, e["device_s"])
-    assert e["wall_s"] < 400, e

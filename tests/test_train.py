@@ -265,7 +265,8 @@ def _protocol_runs(p, loss, *, sha=lambda s: f"b{s}"):
         v = loss(t)
         res[t.key] = v
         recs.append(_record(t.contender, t.seed, [5.0, (5.0 + v) / 2, v], role=t.role, steps=t.steps,
-                            hparams={"lr": t.lr, "adam_lr": t.adam_lr}, hparams_text=f"lr={t.lr:g}",
+                            hparams={"lr": t.lr, "adam_lr": t.adam_lr, "weight_decay": t.weight_decay},
+                            hparams_text=f"lr={t.lr:g}",
                             protocol=p.to_json(), batches_sha256=sha(t.seed), jobs=4, timing_comparable=False,
                             curve=[{"step": 0, "val_loss": 5.0}, {"step": t.steps // 2, "val_loss": (5.0 + v) / 2},
                                    {"step": t.steps, "val_loss": v}]))
@@ -276,12 +277,13 @@ def test_protocol_tables_from_hand_made_runs():
     from papers import protocol as P
 
     p = P.Protocol(size="tiny", tuned=("adamw", "anvil"), long=("adamw", "anvil", "anvil_lean"), seeds=(0, 1, 2),
-                   tune_steps=20, steps=40)
+                   tune_seeds=(10, 11), tune_steps=20, steps=40)
     base = {"adamw": 2.0, "anvil": 1.8, "anvil_lean": 1.81}
 
     def loss(t):
         lr0 = P.LR_CENTERS[p.source(t.contender)]
-        return base[t.contender] + 0.1 * math.log2(t.lr / lr0) ** 2 + 0.1 * math.log2(t.adam_lr / 8e-3) ** 2 + 0.01 * t.seed
+        return (base[t.contender] + 0.1 * math.log2(t.lr / lr0) ** 2 + 0.1 * math.log2(t.adam_lr / 8e-3) ** 2
+                + 0.1 * math.log2(t.weight_decay / P.WD_CENTERS[p.source(t.contender)]) ** 2 + 0.01 * (t.seed % 10))
 
     runs = _protocol_runs(p, loss) + [{"format": 2, "role": "absent", "contender": "dion", "size": "tiny",
                                        "reason": "microsoft/dion is not installed", "description": "dion"}]
@@ -292,7 +294,8 @@ def test_protocol_tables_from_hand_made_runs():
     assert "| adamw | lr | 0.0005: 2.2050 · **0.001: 2.1050** · 0.002: 2.2050 | 0.001 | yes |" in sweep
     assert "| adamw | adam_lr | 0.002: 2.4050 · 0.004: 2.1050 · **0.008: 2.0050** · 0.016: 2.1050 (extended: high end) | 0.008 | yes |" in sweep
     assert "| dion | - | absent: microsoft/dion is not installed |" in sweep
-    assert P.chosen_of(runs) == {"adamw": (1e-3, 8e-3), "anvil": (0.023, 8e-3), "anvil_lean": (0.023, 8e-3)}
+    ch = P.chosen_of(runs)
+    assert ch["adamw"] == (1e-3, 8e-3, 0.1) and ch["anvil"] == ch["anvil_lean"] == (0.023, 8e-3, 2.25)
     g = TR.tuned_groups(runs, horizon="long")
     assert list(g) == ["adamw", "anvil", "anvil_lean"] and all(len(rs) == 3 for rs in g.values())
     assert {r["steps"] for rs in g.values() for r in rs} == {40}
@@ -384,12 +387,14 @@ def test_dion_groups_follow_its_readme():
 
 
 class _FakeAnvil:
-    def __init__(self, params, lr=0.0, adam_lr=0.0, *, rails="nesterov", total_steps=None, rails_dtype=None):
-        self.kwargs = dict(lr=lr, adam_lr=adam_lr, rails=rails, total_steps=total_steps, rails_dtype=rails_dtype)
+    def __init__(self, params, lr=0.0, adam_lr=0.0, *, weight_decay=0.0, rails="nesterov", total_steps=None,
+                 rails_dtype=None):
+        self.kwargs = dict(lr=lr, adam_lr=adam_lr, weight_decay=weight_decay, rails=rails, total_steps=total_steps,
+                           rails_dtype=rails_dtype)
 
 
 class _FakeAnvilWithout:
-    def __init__(self, params, lr=0.0, adam_lr=0.0, *, rails="nesterov", total_steps=None):
+    def __init__(self, params, lr=0.0, adam_lr=0.0, *, weight_decay=0.0, rails="nesterov", total_steps=None):
         pass
 
 
@@ -407,7 +412,8 @@ def test_lean_anvil_is_available_exactly_when_the_drop_in_takes_rails_dtype(monk
     monkeypatch.setattr(anvil_fast, "ANVIL", _FakeAnvil)
     assert K.get("anvil_lean").why_unavailable() is None
     (opt,) = K.get("anvil_lean").make(torch.nn.Linear(2, 2), total_steps=5, device=torch.device("cpu"))
-    assert opt.kwargs == dict(lr=0.023, adam_lr=0.008, rails="record", total_steps=5, rails_dtype=torch.bfloat16)
+    assert opt.kwargs == dict(lr=0.023, adam_lr=0.008, weight_decay=2.25, rails="record", total_steps=5,
+                              rails_dtype=torch.bfloat16)
 
 
 def test_clip_clips_the_global_norm_and_counts_without_synchronizing():
@@ -513,7 +519,7 @@ def test_cli_refuses_contradictory_commands(capsys):
 
 def test_cli_protocol_on_the_tiny_model_then_takes_its_choice(tmp_path, capsys):
     proto = TINY[:-2] + ["--protocol", "--contenders", "adamw", "--tune-steps", "2", "--steps", "4",
-                         "--tune-seeds", "0", "--seeds", "0", "--out", str(tmp_path / "p"), "--skip-existing"]
+                         "--tune-seeds", "5", "--seeds", "0", "--out", str(tmp_path / "p"), "--skip-existing"]
     assert T.main(proto) == 0
     out = capsys.readouterr().out
     recs = T.load_records(tmp_path / "p")
@@ -523,15 +529,18 @@ def test_cli_protocol_on_the_tiny_model_then_takes_its_choice(tmp_path, capsys):
     t = P.tuning(p, "adamw", P.results_of(p, recs))
     assert t.chosen is not None and f"sweep adamw lr: best {t.lr.best:g}" in out
     long = [r for r in recs if r["role"] == "tuned"]
-    assert len(long) == 1 and (long[0]["hparams"]["lr"], long[0]["hparams"]["adam_lr"]) == t.chosen
+    assert len(long) == 1 and tuple(long[0]["hparams"][k] for k in P.KEYS) == t.chosen
     assert long[0]["steps"] == 4 and long[0]["warmup_steps"] == 1 and long[0]["timing"] is None
+    assert long[0]["tokens_seen"] == 4 * long[0]["tokens_per_step"]
+    assert long[0]["epochs"] == long[0]["tokens_seen"] / long[0]["train_tokens"]
+    assert all(r["commit"] == T.source_commit() for r in recs)
     # a second command finds every run and runs none
     assert T.main(proto) == 0 and "0 run(s) ready" in capsys.readouterr().out
     # fixed-rate runs at the chosen rates
     args = TINY + ["--steps", "2", "--contenders", "adamw", "--timing-steps", "0", "--tuned-from", str(tmp_path / "p")]
     assert T.main(args + ["--out", str(tmp_path / "x")]) == 0
     r = json.loads((tmp_path / "x" / "tiny-adamw-seed0.json").read_text())
-    assert (r["hparams"]["lr"], r["hparams"]["adam_lr"]) == t.chosen
+    assert tuple(r["hparams"][k] for k in P.KEYS) == t.chosen
     assert r["optimizer_groups"][0]["initial_lr"] == t.chosen[0]
     with pytest.raises(SystemExit) as exc:
         T.main(args + ["--out", str(tmp_path / "y"), "--tuned-from", str(tmp_path / "x")])
@@ -541,7 +550,9 @@ def test_cli_protocol_on_the_tiny_model_then_takes_its_choice(tmp_path, capsys):
 def test_cli_estimate_prints_the_cost(capsys):
     assert T.main(["--protocol", "--estimate", "--jobs", "8"]) == 0
     out = capsys.readouterr().out
-    assert "40 sweep runs of 1000 steps, 15 horizon runs of 4000 steps" in out and "s of wall time" in out
+    assert "70 sweep runs of 1000 steps (seeds [100, 101]), 60 horizon runs of 4000 steps (held-out seeds " \
+           "[0, 1, 2, 3, 4]; 12 contenders" in out and "s of wall time" in out
+    assert "4000 steps: 32,768,000 tokens seen" in out and "epochs of the" in out
 
 
 @pytest.mark.slow
@@ -588,3 +599,97 @@ def test_cuda_runs_at_once_in_worker_processes(tmp_path):
     recs = T.load_records(tmp_path)
     assert len([r for r in recs if r["role"] == "fixed"]) == 4
     assert all(math.isfinite(r["final_val_loss"]) and r["jobs"] == 2 for r in recs if r["role"] == "fixed")
+
+
+# ------------------------------------------------------------------------------- ANVIL's ablations
+def _tiny_step_pair(a: K.Contender, b: K.Contender, *, steps: int, grad_is_weight: bool = False):
+    """Two tiny models from the same weights, ``steps`` steps of ``a`` and ``b`` on the same batches
+    (or, ``grad_is_weight``, with every matrix's gradient set to the matrix itself); the two models."""
+    torch.manual_seed(0)
+    out = []
+    for c in (a, b):
+        m = gpt.build("tiny", seed=3)
+        opt, = c.make(m, total_steps=steps, device=torch.device("cpu"))
+        for s in range(steps):
+            g = torch.Generator().manual_seed(s)
+            x = torch.randint(0, 256, (2, 17), generator=g)
+            if grad_is_weight:
+                for p in m.parameters():
+                    p.grad = p.detach().clone()
+            else:
+                m(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append((m, opt))
+    return out
+
+
+def _rail_hook(opt) -> K.RailSchedule:
+    hooks = [h for h in opt._optimizer_step_pre_hooks.values() if isinstance(h, K.RailSchedule)]
+    assert len(hooks) == 1
+    return hooks[0]
+
+
+def test_rail_schedule_of_the_harness_writes_what_record_rails_write():
+    """The harness's rails (absolute rule, two rails) set the groups exactly as rails="record" does,
+    and the one-rail ablation keeps w = 1 and the scheduled beta at every step."""
+    from anvil_ref.rails import rail_scalars, rail_steps
+
+    steps = 600
+    rec = K.get("anvil")
+    sched = K.Contender("x", "", K.build_anvil, {**rec.hparams, "total_steps": None, "rails": "nesterov",
+                                                  "rail_rule": "absolute"})
+    for c in (rec, sched):
+        m = gpt.build("tiny", seed=1)
+        opt, = c.make(m, total_steps=steps, device=torch.device("cpu"))
+        # the groups before each step: drive the pre-step logic without training (no gradients: a no-op step)
+        seen = []
+        for t in range(steps):
+            if c is sched:
+                _rail_hook(opt)(opt, (), {})
+                g = opt.param_groups[0]
+            else:
+                s = rail_scalars(t, steps)
+                g = {"momentum": s.momentum, "fast_beta": s.fast_beta, "fast_weight": s.fast_weight}
+            seen.append((g["momentum"], g["fast_beta"], g["fast_weight"]))
+        if c is rec:
+            expected = seen
+    assert seen == expected and seen[513][2] == 1.0 and seen[514][2] != 1.0
+    one = K.get("anvil_one_rail")
+    m = gpt.build("tiny", seed=1)
+    opt, = one.make(m, total_steps=steps, device=torch.device("cpu"))
+    hook = _rail_hook(opt)
+    for t in range(steps):
+        hook(opt, (), {})
+        g = opt.param_groups[0]
+        assert g["fast_weight"] == 1.0 and g["fast_beta"] == g["momentum"] == rail_scalars(t, steps).momentum
+    assert rail_steps(4000, "scaled") == (2056, 960, 200) and rail_steps(4000) == (514, 240, 50)
+
+
+def test_decoupled_decay_is_the_gated_decay_where_the_gate_is_one():
+    """On a first step whose gradients equal their matrices the slow rail has the matrices' signs, so
+    the sign gate is 1 everywhere: the decoupled ablation must land on the same weights as the
+    drop-in's decay (later steps may flip signs, and the gate with them); with ordinary gradients
+    (gate partly 0) it must decay more."""
+    gated = K.get("anvil").with_lrs(lr=0.05, weight_decay=20.0)
+    dec = K.get("anvil_decoupled").with_lrs(lr=0.05, weight_decay=20.0)
+    (ma, _), (mb, _) = _tiny_step_pair(gated, dec, steps=1, grad_is_weight=True)
+    names = K.muon_params(ma)
+    for n in names:
+        torch.testing.assert_close(ma.get_parameter(n), mb.get_parameter(n), rtol=1e-6, atol=1e-8)
+    (ma, _), (mb, _) = _tiny_step_pair(gated, dec, steps=3)
+    norm = lambda m: sum(float(m.get_parameter(n).norm()) for n in names)  # noqa: E731
+    assert norm(mb) < norm(ma)
+
+
+def test_no_equalizer_ablation_is_the_identity_equalizer():
+    """beta2 = 1 keeps the lane energy at its start, 0: every gain the same, the norm restored, so
+    the equalizer returns its input (anvil_ref's float64 equalizer)."""
+    import numpy as np
+    from anvil_ref.equalizer import equalize, lane_energy_shape
+
+    assert K.get("anvil_no_equalizer").hparams["beta2"] == 1.0
+    v = np.random.default_rng(0).standard_normal((3, 8, 5))
+    out = equalize(v, np.zeros(lane_energy_shape(v.shape)), beta2=1.0)
+    np.testing.assert_allclose(out.v, v, rtol=1e-12)
+    assert not np.any(out.lane_energy)

@@ -75,7 +75,7 @@ for stage in ${STAGES:-suite bench}; do
              --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee results/train/logs/protocol.log \
              | grep -v "^\[" | tail -30
            ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TIMING:-50}" python3 -m papers.train \
-             --timing-only --contenders adamw muon dion anvil anvil_lean --tuned-from results/train/protocol \
+             --timing-only --contenders adamw muon dion normuon anvil anvil_lean --tuned-from results/train/protocol \
              --out results/train/protocol/timing --skip-existing --time-budget-s $(( ${T_TIMING:-50} - 5 )) 2>&1 \
              | tee results/train/logs/protocol_timing.log | tail -8 ;;
     fingerprint) timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fingerprint.txt" 2>&1 \
