@@ -526,6 +526,8 @@ def estimates(p: P.Protocol) -> dict[str, dict]:
 def values() -> dict[str, str]:
     runs = load()
     p = protocol(runs) or P.Protocol()
+    # the contenders the protocol plans to run at equal time (p's own list holds those already run)
+    declared = next((P.Protocol.from_json(r["protocol"]) for r in runs if r.get("role") == "sweep"), P.Protocol())
     est = estimates(p)
     g = tuned_groups(runs, horizon="long")
     jobs = max((r.get("jobs", 1) for rs in g.values() for r in rs), default=1)
@@ -545,7 +547,7 @@ def values() -> dict[str, str]:
             "train_rail_rule": RAIL_RULE, "train_rail_reference": f"{RAIL_SCALED_REFERENCE_STEPS:,}",
             "train_rail_steps": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, RAIL_RULE)),
             "train_rail_steps_scaled": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, "scaled")),
-            "train_equal_time": ", ".join(n for n in p.equal_time if n != p.time_reference),
+            "train_equal_time": ", ".join(n for n in declared.equal_time if n != declared.time_reference),
             "train_time_reference": p.time_reference,
             "train_tuned": ", ".join(p.tuned), "train_borrows": ", ".join(f"{a} (from {b})" for a, b in p.borrows),
             "train_chosen": _chosen_text(runs) or "(no sweep yet)",
