@@ -129,4 +129,10 @@ NORM_BLOCK: int = 4096
 #: sequential adds, then a tree over the lanes).
 NORM_REDUCE_BLOCK: int = 1024
 
-__all__ += ["SAFE_MARGIN_SLACK", "NORM_BLOCK", "NORM_REDUCE_BLOCK"]
+#: The smallest input Frobenius norm the robust certificates of derive_maps.robust cover at their low
+#: end: the normalization divides by ``FROBENIUS_MARGIN ||X||_F + FROBENIUS_EPS``, so the normalized
+#: values of a matrix of norm ``f`` are smaller by the factor ``1 / (1 + FROBENIUS_EPS / (FROBENIUS_MARGIN f))``
+#: than the interval's; below this norm that factor leaves the certificates' model.
+MIN_NORM: float = 1e-3
+
+__all__ += ["SAFE_MARGIN_SLACK", "NORM_BLOCK", "NORM_REDUCE_BLOCK", "MIN_NORM"]

@@ -9,6 +9,13 @@ Besides literal sequences, every function that takes ``maps=`` in anvil_ref and 
   ``python -m derive_maps derive --json`` writes it.
 
 so a new schedule can be tried without editing code.
+
+A JSON set may name the inputs its bf16 certificate holds for: ``"certified_inputs": {"class":
+"diagonal", "covers": "<the class in words>"}`` (``python -m derive_maps.frontier --export`` writes
+it). A set certified for diagonal inputs only says so when it is loaded: :func:`load_maps` warns
+(:class:`MapSetClassWarning`, naming the class) unless the caller states that its inputs are of that
+class (``load_maps(spec, inputs="diagonal")``, then pass the loaded triples as ``maps=``): on general
+matrices, gradients among them, such a set may explode.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -28,6 +36,15 @@ MapsLike = Union[str, os.PathLike, Sequence[Sequence[float]]]
 
 #: Folder of the named map sets shipped with the package.
 MAP_SETS_DIR = Path(__file__).with_name("map_sets")
+
+
+class MapSetClassWarning(UserWarning):
+    """A map set certified for a narrower class of inputs (diagonal ones) is used without the caller
+    stating that its inputs are of that class."""
+
+
+#: Input classes a map set's certificate may name; "general" needs no statement.
+INPUT_CLASSES = ("diagonal", "general")
 
 
 def validate_maps(maps: Sequence[Sequence[float]]) -> Maps:
@@ -57,27 +74,49 @@ def available_map_sets() -> list[str]:
     return sorted(names)
 
 
-def _read_json(path: Path) -> Maps:
+def certified_class(doc: dict, where: str = "maps file") -> tuple[str, str] | None:
+    """``(class, words)`` of a map-set document's ``certified_inputs``, or None if it names none."""
+    ci = doc.get("certified_inputs")
+    if ci is None:
+        return None
+    if not isinstance(ci, dict) or ci.get("class") not in INPUT_CLASSES:
+        raise ReferenceInputError(f"{where}: certified_inputs must be {{'class': one of {INPUT_CLASSES}, "
+                                  f"'covers': words}}, got {ci!r}")
+    return ci["class"], str(ci.get("covers", ci["class"]))
+
+
+def _read_json(path: Path, inputs: str | None) -> Maps:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ReferenceInputError(f"maps file {path}: cannot be read as JSON ({exc})") from None
     if not isinstance(data, dict) or "maps" not in data:
         raise ReferenceInputError(f"maps file {path}: expected an object with a 'maps' list of [a, b, c]")
-    return validate_maps(data["maps"])
+    maps = validate_maps(data["maps"])
+    cls = certified_class(data, f"maps file {path}")
+    if cls is not None and cls[0] != "general" and inputs != cls[0]:
+        warnings.warn(MapSetClassWarning(
+            f"map set {path.name}: its bf16 certificate holds for {cls[0]} inputs only ({cls[1]}); on general "
+            f"matrices (gradients) it may explode. State the input class to use it: "
+            f"load_maps({str(path)!r}, inputs={cls[0]!r})"), stacklevel=3)
+    return maps
 
 
-def load_maps(spec: MapsLike) -> Maps:
-    """Resolve ``spec`` (a name, a JSON path, or a sequence of triples) to a validated map set."""
+def load_maps(spec: MapsLike, *, inputs: str | None = None) -> Maps:
+    """Resolve ``spec`` (a name, a JSON path, or a sequence of triples) to a validated map set.
+    ``inputs``: the class of the inputs the caller runs the set on (``"diagonal"`` or ``"general"``);
+    a JSON set certified for a narrower class warns unless it is stated (module docstring)."""
+    if inputs is not None and inputs not in INPUT_CLASSES:
+        raise ReferenceInputError(f"inputs = {inputs!r}: expected one of {INPUT_CLASSES} or None")
     if isinstance(spec, (str, os.PathLike)):
         s = os.fspath(spec)
         if s.endswith(".json") or os.sep in s:
-            return _read_json(Path(s))
+            return _read_json(Path(s), inputs)
         if s == "anvil":
             return validate_maps(ANVIL_MAPS)
         path = MAP_SETS_DIR / f"{s}.json"
         if path.is_file():
-            return _read_json(path)
+            return _read_json(path, inputs)
         raise ReferenceInputError(f"maps: unknown map set {s!r}; known names: {available_map_sets()}, "
                                   "or give a path to a .json file")
     return validate_maps(spec)

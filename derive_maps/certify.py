@@ -23,6 +23,7 @@ are rounded outward to float64.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
@@ -32,7 +33,7 @@ import numpy as np
 from .enclosure import enclose, map_consts as _consts, point_jets
 from .errors import (ConvergenceError, DeriveMapsError, RealLike, check_interval, check_maps, check_positive,
                      parse_real)
-from .intervals import DTYPE, iv_contains_zero
+from .intervals import DTYPE, geometric_edges, iv_contains_zero
 from .progress import Progress
 
 #: Boxes the branch and bound may hold at once before it gives up (memory guard).
@@ -122,6 +123,10 @@ class Envelope:
     boxes: int
     floor_boxes: int
     floor_limited: bool = False
+    #: the widest floored box's enclosure in units of ``|log F|`` (``log(hi / lo)``; 0 if no box reached
+    #: the floor): a bound the floor decides lies within it of ``max |log F|``, so two runs whose
+    #: roundings differ (another NumPy's longdouble kernels) agree to within the larger one
+    floor_width: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -130,7 +135,7 @@ class Envelope:
 def _initial_boxes(lo, hi, n0: int):
     lo_f, hi_f = float(lo), float(hi)
     if lo_f > 0 and hi_f / lo_f > 4:
-        edges = np.geomspace(lo_f, hi_f, n0 + 1).astype(DTYPE)
+        edges = geometric_edges(lo_f, hi_f, n0).astype(DTYPE)
     else:
         edges = np.linspace(lo_f, hi_f, n0 + 1).astype(DTYPE)
     edges[0], edges[-1] = lo, hi
@@ -147,8 +152,7 @@ def _own_tolerance(a, rtol: float) -> float:
     (each bound gets one of its own size: one scaled by the interval's worst ``|log F|`` would swamp a
     bound whose own value is close to 1 wherever F is large elsewhere), and at least the format's
     floor."""
-    with np.errstate(all="ignore"):
-        lg = abs(float(np.log(float(a)))) if a > 0 and np.isfinite(a) else 1.0
+    lg = abs(math.log(float(a))) if a > 0 and np.isfinite(a) and float(a) > 0 else 1.0
     return rtol * lg * max(abs(float(a)), 1e-300) + FLOOR_TOL
 
 
@@ -161,6 +165,7 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
     xmax = xmin = blo[0]
     cmax, cmin = DTYPE(-np.inf), DTYPE(np.inf)
     floor_hi, floor_lo = DTYPE(-np.inf), DTYPE(np.inf)
+    floor_width = 0.0
     nbox = floor = level = 0
     total_width = float(hi - lo) or 1.0
     while blo.size:
@@ -196,6 +201,10 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
         if floored.any():
             floor_hi = max(floor_hi, ub[floored].max())
             floor_lo = min(floor_lo, lb[floored].min())
+            with np.errstate(all="ignore"):
+                ratio = (ub[floored] / lb[floored]).astype(np.float64)
+            w = math.log(max(float(ratio.max()), 1.0)) if (lb[floored] > 0).all() else math.inf
+            floor_width = max(floor_width, w * (1 + 1e-12))
         if leave.any():
             cmax = max(cmax, ub[leave].max())
             cmin = min(cmin, lb[leave].min())
@@ -210,7 +219,7 @@ def _envelope_raw(maps, lo, hi, *, rtol: float, atol: float | None, n0: int = 64
         tol_hi, tol_lo = _own_tolerance(amax, rtol), _own_tolerance(amin, rtol)
     floor_limited = bool(floor_hi > amax + DTYPE(tol_hi) or floor_lo < amin - DTYPE(tol_lo))
     return dict(amin=amin, amax=amax, cmin=cmin, cmax=cmax, xmin=xmin, xmax=xmax, boxes=nbox, floor=floor,
-                floor_limited=floor_limited)
+                floor_limited=floor_limited, floor_width=floor_width)
 
 
 def certify_envelope(maps, l: RealLike, u: RealLike, *, rtol: float = 1e-3,
@@ -238,7 +247,8 @@ def certify_envelope(maps, l: RealLike, u: RealLike, *, rtol: float = 1e-3,
                     f_max_attained=f64_down(amax), f_max_certified=f64_up(cmax),
                     argmin=float(r["xmin"]), argmax=float(r["xmax"]),
                     max_abs_log_certified=mal_c, max_abs_log_attained=max(mal_a, 0.0),
-                    boxes=int(r["boxes"]), floor_boxes=int(r["floor"]), floor_limited=r["floor_limited"])
+                    boxes=int(r["boxes"]), floor_boxes=int(r["floor"]), floor_limited=r["floor_limited"],
+                    floor_width=r["floor_width"] if r["floor_limited"] else 0.0)
 
 
 def certify_range(maps, l: RealLike, u: RealLike, *, rel: float = 1e-12) -> tuple[float, float, float, float]:

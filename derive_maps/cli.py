@@ -27,6 +27,7 @@ from pathlib import Path
 
 from anvil_ref.cli_args import add_progress_flags, positive_int
 from anvil_ref.progress import default_enabled
+from anvil_ref.constants import MIN_NORM
 
 from .errors import DeriveMapsError
 
@@ -136,7 +137,8 @@ def cmd_robust(a) -> int:
     data = dict(maps=a.maps, config=a.config, inputs=a.inputs, covers=model.covers(), interval=[a.l, u_txt],
                 verdict=v.as_dict())
     mdl = ", ".join(f"{k} {sig(x, 4)}" for k, x in model.as_dict().items())
-    rows = [["inputs covered", model.covers()], ["rounding model", mdl]]
+    rows = [["inputs covered", model.covers()], ["rounding model", mdl],
+            ["allowance: exact max |log F| on [l, u] (certified)", sig(v.exact_error, 6)]]
     if h is not None:
         rows += [[f"output on [0, {u_txt}] (certified)", "blows up" if h.blown_up else
                   interval(h.f_min_certified, h.f_max_certified, 8)],
@@ -247,10 +249,18 @@ def cmd_derive(a) -> int:
 
 
 def cmd_compare(a) -> int:
-    from .compare import compare_rows, comparison_table, criteria_table, resolve
+    import warnings
+    from anvil_ref.maps import MapSetClassWarning
+    from .compare import certified_inputs, compare_rows, comparison_table, criteria_table, resolve
     from .sets import COMPARISON
     names = a.sets or list(COMPARISON)
-    sets = {n: resolve(n) for n in names}
+    limited = {n: c for n in names if (c := certified_inputs(n)) is not None and c[0] != "general"}
+    for n, (cls, words) in limited.items():
+        print(f"note: {n} is certified for {cls} inputs only ({words}); the bf16 suites below run it on "
+              "general matrices", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MapSetClassWarning)     # said above, once per set
+        sets = {n: resolve(n) for n in names}
     rows = compare_rows(sets, bf16=not a.no_bf16, quick=a.quick, l=a.l, u=a.u, progress=a.progress)
     tables = [comparison_table(rows)] + ([criteria_table(rows)] if any(r["name"] == "anvil" for r in rows)
                                          and len(rows) > 1 else [])
@@ -337,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(min(rows, cols) singular values share each rounding), or diagonal ones")
     s.add_argument("--rows", type=int, default=8, help="rows of the nonzero block (diagonal: of the matrix)")
     s.add_argument("--cols", type=int, default=8, help="columns of the nonzero block (diagonal: of the matrix)")
-    s.add_argument("--min-norm", type=float, default=1e-3,
-                   help="smallest Frobenius norm of an input the low end covers (the normalization's eps)")
+    s.add_argument("--min-norm", type=float, default=MIN_NORM,
+                   help="the class's norm floor: smallest Frobenius norm of an input covered (the normalization's eps)")
     s.add_argument("--l", default=ANVIL_L, help="lower end of the envelope's interval")
     s.add_argument("--u", default=None, help="end of the input interval (None: 1/(1.05 (1 + slack)))")
     s.add_argument("--slack", default=None, help="margin slack when --u is not given (None: the config's, "

@@ -21,6 +21,21 @@ def resolve(name_or_path: str):
     return check_maps(name_or_path)
 
 
+def certified_inputs(name_or_path: str) -> tuple[str, str] | None:
+    """``(class, words)`` of the inputs a JSON set's bf16 certificate is limited to
+    (:func:`anvil_ref.maps.certified_class`), or None (a name without a file, or a set naming none)."""
+    import json
+    import os
+    from pathlib import Path
+
+    from anvil_ref.maps import MAP_SETS_DIR, certified_class
+    s = os.fspath(name_or_path)
+    path = Path(s) if (s.endswith(".json") or os.sep in s) else MAP_SETS_DIR / f"{s}.json"
+    if not path.is_file():
+        return None
+    return certified_class(json.loads(path.read_text()), f"maps file {path}")
+
+
 def compare_rows(sets: dict, *, bf16: bool = True, quick: bool = False, l: str = ANVIL_L,
                  u: str = ANVIL_U, band: float = BAND, progress: bool | None = None) -> list[dict]:
     """One dict per set: its certificate, and its bf16 envelope if ``bf16``."""

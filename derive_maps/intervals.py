@@ -36,6 +36,17 @@ _NEG_INF = DTYPE(-np.inf)
 _POS_INF = DTYPE(np.inf)
 
 
+def geometric_edges(lo: float, hi: float, n: int) -> np.ndarray:
+    """``n + 1`` float64 points ``lo (hi / lo)^(k / n)``, each correctly rounded (mpmath at 40 digits,
+    then rounded to nearest): the same partition under every NumPy release (``numpy.geomspace``'s
+    vectorized log and power may differ by an ulp between releases, and a certificate's boxes, hence
+    its last digits, follow them)."""
+    import mpmath
+    with mpmath.workdps(40):
+        a, r = mpmath.mpf(float(lo)), mpmath.log(mpmath.mpf(float(hi)) / mpmath.mpf(float(lo)))
+        return np.array([float(a * mpmath.exp(r * k / n)) for k in range(n + 1)], dtype=np.float64)
+
+
 def _down(x: np.ndarray) -> np.ndarray:
     return np.nextafter(x, _NEG_INF)
 

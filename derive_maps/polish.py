@@ -50,6 +50,13 @@ from .progress import Progress
 
 OBJECTIVES = ("log", "abs")
 
+#: HiGHS' default primal and dual feasibility tolerance. It is absolute, and the step's LP is posed in
+#: units of the current error, so each step is solved to within this fraction of the error: what may
+#: differ between scipy (HiGHS) releases.
+LP_TOLERANCE = 1e-7
+#: The default convergence rule: stop when the LP predicts a drop below this fraction of the error.
+DEFAULT_RTOL = 1e-7
+
 
 @dataclass
 class PolishResult:
@@ -153,7 +160,7 @@ class _Problem:
 
 
 def polish(maps, l: RealLike, u: RealLike, *, objective: str = "log", dps: int = 40,
-           max_iter: int = 300, rtol: float = 1e-7, radius: float = 1e-3, min_radius: float = 1e-12,
+           max_iter: int = 300, rtol: float = DEFAULT_RTOL, radius: float = 1e-3, min_radius: float = 1e-12,
            sub: int = 8, target: float | None = None, strict: bool = False,
            progress: bool | None = None, label: str = "polish") -> PolishResult:
     """Polish ``maps`` for the minimax of ``g`` on ``[l, u]`` (see the module docstring).

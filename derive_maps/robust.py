@@ -54,7 +54,8 @@ and ``||B~ - h(A)|| <= ||h(A~) - h(A)|| + ||B~ - h(A~)||`` with ``A~ = A + E_A``
 so Weyl gives ``s' in p(s) +- eps(s)`` for the tracked value, matched to the output's singular values
 in sorted order. Composing the stages pairs every input singular value with one of the output's
 (one to one), each output value inside its input's enclosure. The first iterate: ``s_0 in x +-
-delta_x ||Z||_F`` (``Z`` the exactly normalized input, ``||Z||_F <= u``). The **frame**
+(delta_x + delta_z (1 + delta_x)) ||Z||_F`` (``Z`` the exactly normalized input, ``||Z||_F <= u``;
+``X_1 = bf16(fp32(x s / d))`` rounds each entry twice). The **frame**
 (:func:`cross_frame`) is the bound ``S`` of every stage: the same propagation over all of ``[0, u]``
 (every singular value of every admissible input, and the zero ones the roundings fill in), stage by
 stage; a stage on which some value may blow up makes the frame, and every certificate under it,
@@ -68,8 +69,11 @@ and its vertex). The result bounds the output for every input in the interval an
 perturbation: the **robust envelope**, two-sided (certified min and max on ``[l, u]``, hence a
 certified ``max |log|``) and, on ``[0, u]``, the **robust headroom** (``max - 1``; ``inf`` when some
 stage may leave ``[-1e50, 1e50]``: blow-up). A value the model certainly reaches brackets each bound
-from the other side. :func:`robust_verdict` passes a set when nothing may blow up, the max on
-``[0, u]`` stays below its limit and the min on ``[l, u]`` above its own.
+from the other side. :func:`robust_verdict` (the one verdict rule: the CLI and the frontier take it
+from there) passes a set when nothing may blow up, ``|output|`` on ``[0, u]`` stays below its limit
+(a sign flip counts) and the min on ``[l, u]`` above its own, the limits widened by the set's own
+certified exact error. A certificate holds for its class only (:meth:`RoundingModel.covers`: shape,
+norm floor, size limits); :func:`class_membership` checks a given matrix against it.
 
 ``python -m derive_maps robust anvil`` prints both for a set under the SAFE model.
 """
@@ -83,12 +87,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from anvil_ref.constants import (BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, FROBENIUS_EPS, FROBENIUS_MARGIN, NORM_BLOCK,
-                                 NORM_REDUCE_BLOCK, SAFE_MARGIN_SLACK)
+from anvil_ref.constants import (BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, FROBENIUS_EPS, FROBENIUS_MARGIN, MIN_NORM,
+                                 NORM_BLOCK, NORM_REDUCE_BLOCK, SAFE_MARGIN_SLACK)
 
 from .certify import _log_down, _log_up, enclose_rational, f64_down, f64_up
 from .errors import DeriveMapsError, RealLike, check_maps, check_positive, parse_real
-from .intervals import (BIG, DTYPE, Interval, iv_abs, iv_add, iv_clamp, iv_intersect, iv_max, iv_min, iv_mul,
+from .intervals import (BIG, DTYPE, Interval, geometric_edges, iv_abs, iv_add, iv_clamp, iv_intersect, iv_max, iv_min, iv_mul,
                         iv_mul_pos, iv_point, iv_sqr, iv_sqrt, iv_sub)
 from .progress import Progress
 
@@ -98,12 +102,6 @@ INPUTS = ("general", "diagonal")
 #: Default tolerance of the verdict: the output may leave [1/(1 + eps), 1 + eps] by at most a few
 #: bf16 units (2^-5 = 8 units of 2^-8) for every admissible perturbation.
 DEFAULT_EPS = 2.0 ** -5
-
-#: The smallest input Frobenius norm a certificate's low end covers: the normalization divides by
-#: ``margin ||X||_F + eps``, so the normalized values of a matrix of norm ``f`` are smaller by the factor
-#: ``1 / (1 + eps / (margin f))`` than the interval's (the max is unaffected: the headroom covers
-#: every norm).
-MIN_NORM = 1e-3
 
 #: Default block of the general-input model: the largest matrices the falsification search of the
 #: tests checks (tests/test_robust.py).
@@ -128,12 +126,25 @@ class RoundingModel:
     #: how many singular values share one matrix: 1 is the scalar model (diagonal inputs); m >= 2 the
     #: cross-talk model of an m-singular-value block
     singular_values: int = 1
+    #: the fp32 rounding of every entry of ``x s / d`` before X_1's bf16 rounding (cross-talk model; the
+    #: scalar model carries it in ``delta0``: one entry per singular value, rounded relative to it)
+    delta_z: float = 0.0
+    #: the class's norm floor: inputs with ``||X||_F >= min_norm`` (what ``delta_eps`` was derived for; 0: none)
+    min_norm: float = 0.0
+    #: the class's size limits (0: none): the nonzero block's long side (the fp32 sums' length) and the
+    #: matrix's entries (the trace's summation depth)
+    max_long_side: int = 0
+    max_entries: int = 0
 
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if k == "singular_values":
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise DeriveMapsError(f"rounding model: singular_values = {v!r}; expected a positive integer")
+            if k in ("singular_values", "max_long_side", "max_entries"):
+                low = 1 if k == "singular_values" else 0
+                if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                    raise DeriveMapsError(f"rounding model: {k} = {v!r}; expected an integer >= {low}")
+            elif k == "min_norm":
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                    raise DeriveMapsError(f"rounding model: min_norm = {v!r}; expected a finite norm >= 0")
             elif not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v < 0.5):
                 raise DeriveMapsError(f"rounding model: {k} = {v!r}; expected a relative perturbation in [0, 0.5)")
 
@@ -142,11 +153,19 @@ class RoundingModel:
         return self.singular_values > 1
 
     def covers(self) -> str:
-        """The inputs the model's certificates hold for, in words."""
+        """The inputs the model's certificates hold for, in words: every assumption of the model
+        (:func:`class_membership` checks a given matrix against them)."""
         if not self.cross_talk:
-            return "diagonal inputs (one nonzero per row and column), any size"
-        m = self.singular_values
-        return f"every matrix with at most {m} singular values (nonzero block at most {m} on its short side)"
+            shape = "diagonal inputs (at most one nonzero per row and column)"
+        else:
+            m = self.singular_values
+            side = f"at most {self.max_long_side}" if self.max_long_side else "any length"
+            shape = (f"matrices whose nonzero entries fit in a {m} x n block (at most {m} singular values; "
+                     f"long side n {side}; zero rows and columns around it allowed)")
+        norm = (f"||X||_F >= {self.min_norm:g}" if self.min_norm > 0
+                else "any Frobenius norm (the normalization's eps left out)")
+        size = f"at most {self.max_entries} entries" if self.max_entries else "any number of entries"
+        return f"{shape}, {norm}, {size}"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +225,13 @@ def rounding_model(config: str = "safe", *, rows: int = DEFAULT_BLOCK, cols: int
       fp32 sum rounded to bf16: ``delta0 = (1 + gamma_L)(1 + u)(1 + gamma_{k - 1})(1 + eps)^6 - 1``.
     * ``delta_eps = eps_F / (margin min_norm)`` with the cascade's ``eps_F = FROBENIUS_EPS``.
     * ``singular_values``: ``min(rows, cols)`` for general inputs, 1 for diagonal ones.
+    * ``delta_z = eps`` for general inputs: ``X_1 = bf16(fp32(x s / d))`` rounds every entry of the
+      exactly normalized ``Z`` twice, so ``||X_1 - Z||_2 <= (delta_x + delta_z (1 + delta_x)) ||Z||_F``;
+      for diagonal ones that rounding is relative to the singular value it carries and is in ``delta0``.
+    * The class (:meth:`RoundingModel.covers`, :func:`class_membership`): ``||X||_F >= min_norm``; a
+      nonzero block of long side at most ``L`` (general inputs: the fp32 sums' length; zero terms add
+      exactly); at most ``ceil(nb / 1024) * 1024 * 4096`` entries (SAFE: the trace's depth holds for
+      every matrix of that many; FAITHFUL: ``rows * cols``, its trace sums a diagonal of ``L`` terms).
 
     Subnormal numbers are outside the model (the prescale keeps X_1 at unit scale; a singular
     direction below 2^-126 of it is below every resolution limit anyway).
@@ -224,12 +250,16 @@ def rounding_model(config: str = "safe", *, rows: int = DEFAULT_BLOCK, cols: int
     v = 2 * eps
     diag = inputs == "diagonal"
     g_sum = gamma(2, v) if diag else gamma(L + 2, v)
+    # the trace's depth holds for every matrix of as many norm blocks as the given one's lanes take
+    nb = -(-rows * cols // NORM_BLOCK)
+    lane_adds = -(-nb // NORM_REDUCE_BLOCK)
     common = dict(delta_b=u, gamma_b=g_sum, gamma_y=g_sum, gamma_gram=0.0 if diag else gamma(L, v),
                   delta_eps=f64_up(DTYPE(FROBENIUS_EPS) / (DTYPE(FROBENIUS_MARGIN) * DTYPE(min_norm)) * (1 + 1e-15)),
-                  singular_values=1 if diag else k)
+                  singular_values=1 if diag else k, delta_z=0.0 if diag else eps, min_norm=float(min_norm),
+                  max_long_side=0 if diag else L,
+                  max_entries=(lane_adds * NORM_REDUCE_BLOCK * NORM_BLOCK) if config == "safe" else rows * cols)
     if config == "safe":
-        nb = -(-rows * cols // NORM_BLOCK)
-        depth = int(math.log2(NORM_BLOCK)) + -(-nb // NORM_REDUCE_BLOCK) + int(math.log2(NORM_REDUCE_BLOCK))
+        depth = int(math.log2(NORM_BLOCK)) + lane_adds + int(math.log2(NORM_REDUCE_BLOCK))
         return RoundingModel(delta_x=u, delta_gram=u, delta0=_compose(gamma(depth, eps), *([eps] * 8)), **common)
     return RoundingModel(delta_x=_compose(u, u), delta_gram=_compose(u, u, u, u, eps),
                          delta0=_compose(gamma(L, eps), u, gamma(max(k - 1, 1), eps), *([eps] * 6)), **common)
@@ -480,9 +510,15 @@ def _stage_cross(S: Interval, coeffs, m: RoundingModel, Sg, pmax, hmax, nsq_cap=
     return iv_sub(P, (-E[1], E[1]))
 
 
+def _first_delta(m: RoundingModel) -> Interval:
+    """``delta_x + delta_z (1 + delta_x)``: the first iterate's two roundings (fp32, then bf16) per entry,
+    relative to ``|Z|`` entrywise."""
+    return iv_add(_c(m.delta_x), iv_mul(_c(m.delta_z), iv_add(_c(1.0), _c(m.delta_x))))
+
+
 def _first_cross(cells: Interval, m: RoundingModel, norm_z) -> Interval:
-    """The first iterate: ``s_0 in x +- delta_x ||Z||_F`` (``||Z||_F <= norm_z``)."""
-    e0 = iv_mul(_c(m.delta_x), _c(norm_z))[1]
+    """The first iterate: ``s_0 in x +- (delta_x + delta_z (1 + delta_x)) ||Z||_F`` (``||Z||_F <= norm_z``)."""
+    e0 = iv_mul(_first_delta(m), _c(norm_z))[1]
     return np.nextafter(cells[0] - e0, DTYPE(-np.inf)), np.nextafter(cells[1] + e0, DTYPE(np.inf))
 
 
@@ -511,7 +547,7 @@ def _frame_cached(maps, x_hi_exact: Fraction, model: RoundingModel) -> Frame:
         pm, hm = _range_abs_p(coeffs, Sg), _range_abs_h(coeffs, iv_sqr(_c(Sg))[1])
         pmaxs.append(pm)
         hmaxs.append(hm)
-        cap = iv_sqr(iv_add(_c(norm_z), iv_mul(_c(model.delta_x), _c(norm_z))))[1] if k == 0 else None
+        cap = iv_sqr(iv_add(_c(norm_z), iv_mul(_first_delta(model), _c(norm_z))))[1] if k == 0 else None
         P = _split(S, FRAME_PIECES)
         Y = _stage_cross((P[0].ravel(), P[1].ravel()), coeffs, model, Sg, pm, hm, cap)
         Y, bl = iv_clamp(Y)
@@ -558,7 +594,7 @@ def propagate(maps, cells: Interval, m: RoundingModel, *, pieces: int = 8, frame
         if frame.blown:
             return (np.full(n, DTYPE(-np.inf)), np.full(n, DTYPE(np.inf))), np.ones(n, dtype=bool)
         S = _first_cross(cells, m, frame.norm_z)
-        cap = iv_sqr(iv_add(_c(frame.norm_z), iv_mul(_c(m.delta_x), _c(frame.norm_z))))[1]
+        cap = iv_sqr(iv_add(_c(frame.norm_z), iv_mul(_first_delta(m), _c(frame.norm_z))))[1]
     else:
         S = iv_mul(cells, _factor(m.delta_x))
     for k, coeffs in enumerate(maps):
@@ -747,9 +783,9 @@ def _cells(lo, hi, n: int, geometric: bool) -> Interval:
     if not geometric or n < 3:
         e = np.linspace(lf, hf, n + 1).astype(DTYPE)
     elif lf > 0:
-        e = np.geomspace(lf, hf, n + 1).astype(DTYPE)
+        e = geometric_edges(lf, hf, n).astype(DTYPE)
     else:
-        e = np.concatenate([[0.0], np.geomspace(hf * ZERO_CELL, hf, n)]).astype(DTYPE)
+        e = np.concatenate([[0.0], geometric_edges(hf * ZERO_CELL, hf, n - 1)]).astype(DTYPE)
     e[0], e[-1] = lo, hi
     e = np.maximum.accumulate(e)
     return e[:-1].copy(), e[1:].copy()
@@ -829,7 +865,7 @@ def robust_envelope(maps, l: RealLike, u: RealLike, model: RoundingModel, *, cel
             j = int(np.argmin(r_lo))
             if r_lo[j] < amin:
                 amin, argmin = r_lo[j], float(pts[j])
-            if amax >= BIG:           # a perturbation sequence that certainly leaves [-1e50, 1e50]
+            if amax >= BIG or amin <= -BIG:   # a perturbation sequence that certainly leaves [-1e50, 1e50]
                 is_blown = True
                 cmax, cmin = DTYPE(np.inf), DTYPE(-np.inf)
                 break
@@ -840,16 +876,17 @@ def robust_envelope(maps, l: RealLike, u: RealLike, model: RoundingModel, *, cel
                 cmin = min(cmin, Y[0].min())
                 is_blown |= bool(blown.any())
                 break
-            with np.errstate(all="ignore"):
-                tol_hi = DTYPE(rtol * max(abs(float(np.log(float(amax)))), 1e-6) * float(amax)) if amax > 0 else DTYPE(0)
-                tol_lo = DTYPE(rtol * max(abs(float(np.log(float(amin)))), 1e-6) * float(amin)) if amin > 0 else DTYPE(0)
+            tol_hi = DTYPE(rtol * max(abs(math.log(float(amax))), 1e-6) * float(amax)) if float(amax) > 0 else DTYPE(0)
+            tol_lo = DTYPE(rtol * max(abs(math.log(float(amin))), 1e-6) * float(amin)) if float(amin) > 0 else DTYPE(0)
             # A cell is done when its bound is within the tolerance of the value reached, or of its own
             # midpoint's enclosure: one input's reachable set is already ~delta wide, splitting the
             # cell cannot bring its bound below that of its points.
             mid = C[0] + (C[1] - C[0]) / 2
             Ym, _ = propagate(maps_, (mid, mid.copy()), model, pieces=pieces, frame=frame)
             ref_hi, ref_lo = np.maximum(amax, Ym[1]), np.minimum(amin, Ym[0])
-            low_done = (lf == 0) | (amin <= 0) | (Y[0] >= ref_lo - tol_lo)
+            # on [0, u] the low side counts as |output|: a cell is done there once its min is above minus
+            # the max side's reference (it cannot raise max |output| past the max)
+            low_done = (Y[0] >= -(ref_hi + tol_hi)) if lf == 0 else ((amin <= 0) | (Y[0] >= ref_lo - tol_lo))
             done = ~blown & (Y[1] <= ref_hi + tol_hi) & low_done
             open_ = int((~done).sum())
             out_of_budget = ncells + 2 * open_ > max_work
@@ -890,14 +927,16 @@ def resolution_floor(model: RoundingModel, u: RealLike) -> float:
     if not model.cross_talk:
         return 0.0
     x_hi = _input_interval(Fraction(0), parse_real(u, "u"), model.delta0)[1]
-    return f64_down(iv_mul(_c(model.delta_x), _c(x_hi))[0])
+    return f64_down(iv_mul(_first_delta(model), _c(x_hi))[0])
 
 
 @dataclass(frozen=True)
 class RobustVerdict:
-    """Whether a set survives the model: no blow-up on ``[0, u]``, ``max <= hi_limit`` there and, with
-    an ``l``, ``min >= lo_limit`` on ``[l, u]`` (a two-sided envelope). ``headroom`` is None when the
-    set is refused before any propagation (an ``l`` below the model's :func:`resolution_floor`)."""
+    """Whether a set survives the model (:func:`robust_verdict`): no blow-up on ``[0, u]``,
+    ``|output| <= hi_limit`` there and, with an ``l``, ``min >= lo_limit`` on ``[l, u]`` (a two-sided
+    envelope). ``headroom`` is None when the set is refused before any propagation (an ``l`` below the
+    model's :func:`resolution_floor`, or an exact composite that may reach 0 on ``[l, u]``).
+    ``exact_error``: the allowance, the set's certified exact ``max |log F|`` on ``[l, u]``."""
     headroom: RobustEnvelope | None  #: on [0, u]
     envelope: RobustEnvelope | None  #: on [l, u] (None if not asked)
     eps: float
@@ -905,24 +944,53 @@ class RobustVerdict:
     lo_limit: float | None
     passed: bool
     reason: str
+    exact_error: float = 0.0
+    covers: str = ""
 
     def as_dict(self) -> dict:
         return dict(headroom=None if self.headroom is None else self.headroom.as_dict(),
                     envelope=None if self.envelope is None else self.envelope.as_dict(),
                     eps=self.eps, hi_limit=self.hi_limit, lo_limit=self.lo_limit, passed=self.passed,
-                    reason=self.reason)
+                    reason=self.reason, exact_error=self.exact_error, covers=self.covers)
+
+
+def exact_allowance(maps, l: RealLike | None, u: RealLike, exact=None) -> float:
+    """The verdict's allowance: the set's certified exact ``max |log F|`` on ``[l, u]``
+    (:func:`derive_maps.certify.certify_envelope`; 0 without an ``l``). ``exact``: that certificate,
+    already computed (an :class:`~derive_maps.certify.Envelope` of the same interval)."""
+    if l is None:
+        return 0.0
+    lf, uf = parse_real(l, "l"), parse_real(u, "u")
+    if exact is None:
+        from .certify import certify_envelope
+        exact = certify_envelope(maps, lf, uf)
+    elif (exact.l, exact.u) != (float(lf), float(uf)):
+        raise DeriveMapsError(f"exact: a certificate on [{exact.l:g}, {exact.u:g}], expected one on "
+                              f"[{float(lf):g}, {float(uf):g}]")
+    return exact.max_abs_log_certified
 
 
 def robust_verdict(maps, model: RoundingModel, *, l: RealLike | None, u: RealLike, eps: float | None = None,
-                   exact_error: float = 0.0, **kw) -> RobustVerdict:
-    """Certify ``maps`` under ``model``: refused if the output may blow up on ``[0, u]``, may exceed
-    ``hi_limit = exp(exact_error) (1 + eps)`` there, or (with ``l``) may fall below
-    ``lo_limit = exp(-exact_error) / (1 + eps)`` on ``[l, u]`` (``eps`` default DEFAULT_EPS;
-    ``exact_error``: the set's own certified exact ``max |log F|``, which a coarse set cannot beat)."""
+                   exact=None, **kw) -> RobustVerdict:
+    """The one verdict rule of the robust certificates (``python -m derive_maps robust`` and the
+    frontier both take it from here). With ``e`` the set's certified exact ``max |log F|`` on ``[l, u]``
+    (:func:`exact_allowance`: a coarse set cannot beat its own exact error; 0 without ``l``) and
+    ``eps`` (default DEFAULT_EPS), ``maps`` passes under ``model`` when
+
+    * its exact composite stays away from 0 on ``[l, u]`` (``e`` finite),
+    * no stage may blow up and ``|output| <= hi_limit = exp(e) (1 + eps)`` on ``[0, u]`` (both signs: an
+      output flipped past ``-hi_limit`` is refused like one above ``hi_limit``),
+    * with ``l``: ``output >= lo_limit = exp(-e) / (1 + eps)`` on ``[l, u]``.
+
+    ``exact``: the exact certificate on ``[l, u]`` if already computed."""
     eps = DEFAULT_EPS if eps is None else check_positive(eps, "eps")
-    check_positive(exact_error, "exact_error", allow_zero=True)
-    hi_limit = math.exp(exact_error) * (1 + eps)
-    lo_limit = math.exp(-exact_error) / (1 + eps) if l is not None else None
+    e = exact_allowance(maps, l, u, exact)
+    covers = model.covers()
+    if not math.isfinite(e):
+        return RobustVerdict(None, None, eps, math.inf, 0.0, False,
+                             "the exact composite may reach 0 on [l, u]", e, covers)
+    hi_limit = math.exp(e) * (1 + eps)
+    lo_limit = math.exp(-e) / (1 + eps) if l is not None else None
     if l is not None:
         floor = resolution_floor(model, u)
         x_lo = _input_interval(parse_real(l, "l"), parse_real(u, "u"), model.delta0, model.delta_eps)[0]
@@ -930,25 +998,98 @@ def robust_verdict(maps, model: RoundingModel, *, l: RealLike | None, u: RealLik
             return RobustVerdict(None, None, eps, hi_limit, lo_limit, False,
                                  f"reaches 0 on [l, u]: the first iterate's rounding moves every singular value by "
                                  f"up to {floor:.3g} >= l (the resolution of a bf16 iterate with "
-                                 f"{model.singular_values} singular values)")
-    e = robust_envelope(maps, l, u, model, margin_u=u, decide=(lo_limit, hi_limit), **kw) if l is not None else None
-    h = robust_envelope(maps, 0, u, model, decide=(None, hi_limit), **kw)
+                                 f"{model.singular_values} singular values)", e, covers)
+    e_env = robust_envelope(maps, l, u, model, margin_u=u, decide=(lo_limit, hi_limit), **kw) if l is not None else None
+    h = robust_envelope(maps, 0, u, model, decide=(-hi_limit, hi_limit), **kw)
+
+    def verdict(passed, reason):
+        return RobustVerdict(h, e_env, eps, hi_limit, lo_limit, passed, reason, e, covers)
     if h.blown_up:
-        how = "blows up" if h.f_max_reached >= 1e49 else "may blow up"
-        return RobustVerdict(h, e, eps, hi_limit, lo_limit, False, f"{how}: some stage may leave [-1e50, 1e50]")
-    if h.f_max_certified > hi_limit:
-        how = "reaches" if h.f_max_reached > hi_limit else "may reach"
-        return RobustVerdict(h, e, eps, hi_limit, lo_limit, False,
-                             f"{how} {h.f_max_reached if how == 'reaches' else h.f_max_certified:.6g} "
-                             f"> {hi_limit:.6g} on [0, u]")
-    if e is not None and e.f_min_certified < lo_limit:
-        how = "reaches" if e.f_min_reached < lo_limit else "may reach"
-        return RobustVerdict(h, e, eps, hi_limit, lo_limit, False,
-                             f"{how} {e.f_min_reached if how == 'reaches' else e.f_min_certified:.6g} "
-                             f"< {lo_limit:.6g} on [l, u]")
-    low = "" if e is None else f", min >= {e.f_min_certified:.6g} >= {lo_limit:.6g} on [l, u]"
-    return RobustVerdict(h, e, eps, hi_limit, lo_limit, True,
-                         f"max <= {h.f_max_certified:.6g} <= {hi_limit:.6g} on [0, u]{low}")
+        how = "blows up" if h.f_max_reached >= 1e49 or h.f_min_reached <= -1e49 else "may blow up"
+        return verdict(False, f"{how}: some stage may leave [-1e50, 1e50]")
+    mag_c = max(h.f_max_certified, -h.f_min_certified)
+    if mag_c > hi_limit:
+        mag_r = max(h.f_max_reached, -h.f_min_reached)
+        how = "reaches" if mag_r > hi_limit else "may reach"
+        return verdict(False, f"|output| {how} {mag_r if how == 'reaches' else mag_c:.6g} > {hi_limit:.6g} on [0, u]")
+    if e_env is not None and e_env.f_min_certified < lo_limit:
+        how = "reaches" if e_env.f_min_reached < lo_limit else "may reach"
+        return verdict(False, f"{how} {e_env.f_min_reached if how == 'reaches' else e_env.f_min_certified:.6g} "
+                              f"< {lo_limit:.6g} on [l, u]")
+    low = "" if e_env is None else f", min >= {e_env.f_min_certified:.6g} >= {lo_limit:.6g} on [l, u]"
+    return verdict(True, f"|output| <= {mag_c:.6g} <= {hi_limit:.6g} on [0, u]{low}")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Whether an input lies inside a certificate's class (:func:`class_membership`): ``inside``, and
+    ``reason`` (the first assumption a matrix breaks, or what was checked)."""
+    inside: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.inside
+
+
+def _as_float64(x) -> np.ndarray:
+    if hasattr(x, "detach") and hasattr(x, "cpu"):           # a torch tensor (torch is not imported here)
+        x = x.detach().cpu()
+        if not x.dtype.is_floating_point and not x.dtype.is_complex:
+            x = x.double()
+        x = x.double().numpy()
+    a = np.asarray(x)
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+        raise DeriveMapsError(f"class_membership: expected a real matrix (numpy array or torch tensor), got "
+                              f"dtype {a.dtype}")
+    return a.astype(np.float64)
+
+
+def class_membership(x, model: RoundingModel) -> Membership:
+    """Whether the matrix ``x`` (numpy array or torch tensor, ``[..., rows, cols]``: a bank is checked
+    matrix by matrix) lies inside the class of ``model``'s certificates (:meth:`RoundingModel.covers`):
+    its Frobenius norm at least ``min_norm``, at most ``max_entries`` entries, and its shape: at most one
+    nonzero per row and column (diagonal inputs), or nonzero entries inside a block with at most
+    ``singular_values`` rows or columns and a long side of at most ``max_long_side`` (general inputs).
+    A certificate's bounds are proven for the class only: check a gradient before relying on one."""
+    if not isinstance(model, RoundingModel):
+        raise DeriveMapsError(f"model: expected a RoundingModel, got {type(model).__name__}")
+    a = _as_float64(x)
+    if a.ndim < 2:
+        raise DeriveMapsError(f"class_membership: expected a matrix [..., rows, cols], got shape {a.shape}")
+    if a.size == 0:
+        raise DeriveMapsError(f"class_membership: the matrix is empty (shape {a.shape})")
+    rows, cols = a.shape[-2:]
+    mats = a.reshape(-1, rows, cols)
+    many = mats.shape[0] > 1
+    if model.max_entries and rows * cols > model.max_entries:
+        return Membership(False, f"{rows} x {cols} = {rows * cols} entries > {model.max_entries}, the class's size "
+                                 "limit (the trace's summation depth)")
+    for k, m in enumerate(mats):
+        at = f"matrix {k}: " if many else ""
+        if not np.isfinite(m).all():
+            return Membership(False, f"{at}non-finite entries")
+        norm = float(np.linalg.norm(m))
+        if norm < model.min_norm:
+            return Membership(False, f"{at}||X||_F = {norm:.3g} < {model.min_norm:g}, the class's norm floor (the "
+                                     "normalization's eps shrinks its singular values beyond the model)")
+        nz = m != 0
+        per_row, per_col = nz.sum(1), nz.sum(0)
+        if not model.cross_talk:
+            if per_row.max() > 1 or per_col.max() > 1:
+                r = int(np.argmax(per_row)) if per_row.max() > 1 else int(np.argmax(per_col))
+                what = "row" if per_row.max() > 1 else "column"
+                return Membership(False, f"{at}{what} {r} holds {max(per_row.max(), per_col.max())} nonzeros: not a "
+                                         "diagonal input (at most one nonzero per row and column)")
+            continue
+        nr, nc = int((per_row > 0).sum()), int((per_col > 0).sum())
+        short, long_ = min(nr, nc), max(nr, nc)
+        if short > model.singular_values:
+            return Membership(False, f"{at}the nonzero entries span {nr} rows and {nc} columns: more than "
+                                     f"{model.singular_values} on the short side")
+        if model.max_long_side and long_ > model.max_long_side:
+            return Membership(False, f"{at}the nonzero block's long side is {long_} > {model.max_long_side} (the "
+                                     "fp32 sums' length the model assumes)")
+    return Membership(True, f"inside: {model.covers()}")
 
 
 def model_for(config: str | None, *, delta: float | None = None, delta0: float | None = None,

@@ -159,6 +159,9 @@ def values() -> dict[str, str]:
         "frontier_floor_two": f"{resolution_floor(two, '1/1.05'):.3g}",
         "frontier_smallest_l_two": "no $l$ of the table" if smallest_two is None else f"$l = {smallest_two}$",
         "frontier_search_budget": str(d["search_budget"][0]),
+        "frontier_class_diagonal": d["classes"]["diagonal"]["words"],
+        "frontier_class_two": d["classes"]["two"]["words"],
+        "frontier_min_norm": f"{diag['min_norm']:g}",
     }
 
 

@@ -3,7 +3,10 @@
 The regeneration here is the full one (derivations, certificates, bf16 measurements, the facts;
 about a minute on one core): it is fast enough that no cheaper path is needed. bf16-realized
 envelopes are re-measured and compared within derive_maps.regenerate.BF16_TOLERANCE, since bf16 GEMM
-accumulation order depends on the CPU's kernels; everything else must match exactly.
+accumulation order depends on the CPU's kernels; the polish's outputs (scipy's HiGHS) stand when the
+fresh run meets the same stopping rule (derive_maps.regenerate.stored_run_agrees, POLISH_RTOL: the
+LP's feasibility tolerance and the convergence rule, both 1e-7 of the error); everything else must
+match exactly.
 """
 
 import json
@@ -11,7 +14,8 @@ import json
 import pytest
 
 from anvil_ref.maps import load_maps
-from derive_maps.regenerate import PAPERS_DATA, build_all, check_all
+from derive_maps.regenerate import (PAPERS_DATA, POLISH_RTOL, build_all, check_all, polish_fact_agrees,
+                                   stored_run_agrees)
 from derive_maps.sets import GENERATED_BY, NAMED_SETS, map_set_path
 
 
@@ -58,3 +62,36 @@ def test_the_check_can_fail(fresh):
     data["rows"][0]["bf16"]["hi"] += 1e-3          # beyond the bf16 tolerance
     changed[comp] = json.dumps(data)
     assert any("maps_comparison.json" in p and "bf16" in p for p in check_all(changed))
+
+
+@pytest.fixture(scope="module")
+def polished_run():
+    from derive_maps.sets import map_set_document
+    return map_set_document("anvil_polished")
+
+
+@pytest.mark.slow
+def test_a_stored_polished_set_stands_only_inside_the_stopping_rule(polished_run):
+    stored = json.loads(map_set_path("anvil_polished").read_text())
+    assert stored_run_agrees(polished_run, stored) is None
+    # a coefficient moved by 1e-5 (relative): the stored certificate is not that of the coefficients
+    bad = json.loads(json.dumps(stored))
+    v = bad["maps"][5][0] * (1 + 1e-5)
+    bad["maps"][5][0], bad["maps_hex"][5][0] = v, v.hex()
+    assert "certificate" in stored_run_agrees(polished_run, bad)
+    # with its certificate re-computed, the polish's target refuses it (max|log F| 4.4e-5 > 2.5e-5)
+    from derive_maps.sets import certificate
+    bad["certified"] = certificate(tuple(map(tuple, bad["maps"])))
+    assert "above the target" in stored_run_agrees(polished_run, bad)
+    # a run of other settings is not the stored one
+    tiny = json.loads(json.dumps(stored))
+    tiny["provenance"]["settings"]["target"] = 1e-5
+    assert "settings" in stored_run_agrees(polished_run, tiny)
+
+
+def test_the_polish_fact_tolerance_is_the_lp_tolerance():
+    facts = json.loads((PAPERS_DATA / "maps_facts.json").read_text())["local_polish"]
+    near = dict(facts, final_error=facts["final_error"] * (1 + POLISH_RTOL / 2))
+    far = dict(facts, final_error=facts["final_error"] * (1 + 4 * POLISH_RTOL))
+    assert polish_fact_agrees(near, facts) and not polish_fact_agrees(far, facts)
+    assert not polish_fact_agrees(dict(facts, iterations=facts["iterations"] + 1), facts)

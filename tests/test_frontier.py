@@ -12,7 +12,8 @@ import pytest
 
 from anvil_ref.constants import ANVIL_MAPS
 from derive_maps.certify import certify_envelope
-from derive_maps.frontier import CLASSES, DATA, exact_set, exact_text, markdown, robust_check, tail_gain
+from derive_maps.frontier import (CLASSES, DATA, check_stored, exact_set, exact_text, markdown, robust_check,
+                                  same_certificate, tail_gain)
 
 
 def _data():
@@ -79,7 +80,7 @@ def test_five_maps_row_recertifies():
     assert chk["passed"] and chk["robust_max_certified"] == rb["robust_max_certified"]
     assert chk["robust_min_certified"] == rb["robust_min_certified"]
     # the exact optimum itself is refused: robustness costs accuracy
-    assert not robust_check(ex, row["l"], row["u"], "diagonal", exact_error=e.max_abs_log_certified)["passed"]
+    assert not robust_check(ex, row["l"], row["u"], "diagonal", exact=e)["passed"]
     assert rb["max_abs_log_certified"] > row["exact"]["max_abs_log_certified"]
     # and the robust set is the family's member at the stored headroom and cushion
     assert maps == exact_set(5, row["l"], row["u"], rb["headroom"], rb["cushion"])
@@ -102,3 +103,26 @@ def test_five_map_rows_recertify():
     r = subprocess.run([sys.executable, "-m", "derive_maps.frontier", "--check", "--maps", "5", "--no-progress"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_floor_certificates_compare_within_their_floor_width():
+    # exact unless the rounding floor decides both; then within the larger floor width
+    assert same_certificate(1e-14, 1e-14, False, False, 0.0)
+    assert not same_certificate(1e-14, 1.0000001e-14, False, False, 1.0)
+    assert same_certificate(1.6e-14, 1.5e-14, True, True, 2e-15)
+    assert not same_certificate(1.6e-14, 1.5e-14, True, True, 5e-16)
+    assert not same_certificate(1.6e-14, 1.5e-14, True, False, 1.0)
+    for r in _data()["rows"]:
+        ex = r["exact"]
+        assert (ex["floor_width"] > 0) == ex["floor_limited"]
+
+
+def test_the_check_catches_a_changed_coefficient():
+    d = _data()
+    row = next(r for r in d["rows"] if r["n_maps"] == 4 and r["l"] == "1/30")
+    d = dict(d, rows=[json.loads(json.dumps(row))])
+    v = float.fromhex(d["rows"][0]["exact"]["maps_hex"][0][1]) * (1 + 1e-9)
+    d["rows"][0]["exact"]["maps_hex"][0][1] = v.hex()
+    d["rows"][0]["robust"] = {c: None for c in CLASSES}
+    diffs = check_stored(d)
+    assert len(diffs) == 1 and diffs[0].startswith("exact n=4 l=1/30")

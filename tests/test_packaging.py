@@ -26,11 +26,42 @@ def test_readme_quick_start_has_exactly_two_command_lines():
     assert "pytest" not in cmds[0] and "pytest" in cmds[1]
 
 
+def ci_lines() -> list[str]:
+    """The commands of .ci/run (comments and blank lines left out)."""
+    return [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
 def test_ci_runs_the_readme_test_line_verbatim():
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = ci_lines()
     assert quick_start_commands()[1] in ci
     # and installs the CPU torch wheel explicitly before it
     assert ci.index("python -m pip install torch==2.13.0") < ci.index(quick_start_commands()[1])
+
+
+def test_ci_installs_into_a_fresh_virtual_environment():
+    # as a newcomer: a new venv (not the machine's site-packages, which may hold older versions that
+    # hide a failure on the newest ones), activated before anything is installed or run
+    ci = ci_lines()
+    make = [i for i, line in enumerate(ci) if re.fullmatch(r'python3? -m venv "\$venv"', line)]
+    activate = [i for i, line in enumerate(ci) if line == 'source "$venv/bin/activate"']
+    assert make and activate and make[0] < activate[0], ci
+    assert any(re.fullmatch(r'venv="\$\(mktemp -d\)/venv"', line) for line in ci[:make[0]]), ci
+    assert not any("--system-site-packages" in line or "--user" in line for line in ci), ci
+    installs = [i for i, line in enumerate(ci) if "pip install" in line or "pytest" in line]
+    assert installs and min(installs) > activate[0], ci
+    # no version pins beyond the README's torch: pip takes the newest versions setup.cfg admits
+    for line in ci:
+        if "pip install" in line:
+            pins = re.findall(r"\S+==\S+", line)
+            assert all(p == "torch==2.13.0" for p in pins), line
+            assert "--upgrade-strategy only-if-needed" not in line and "-c " not in line, line
+
+
+def test_ci_installs_the_models_extra_as_the_readme_says():
+    readme = (ROOT / "README.md").read_text()
+    line = "pip install torch==2.13.0 -e '.[models]'"
+    assert line in readme and line in ci_lines()
 
 
 def python_files(root: Path = ROOT):
