@@ -562,18 +562,25 @@ def check_parameters(named: Sequence[tuple[str, Tensor]]) -> None:
 
 
 def _before_step(opt: "DropInAnvil", args, kwargs) -> None:
-    """Step pre-hook: a first forward that was never observed settles the plan as it is, and a
-    parameter frozen at construction must not have a gradient (it would silently not train)."""
-    if opt._watch is not None:
-        opt._watch.remove()
-        opt._watch = None
-        opt._unobserved = "no forward of the model ran before the first step (or it ran under torch.compile)"
+    """Step pre-hook: a parameter frozen at construction must not have a gradient (it would
+    silently not train)."""
     for name, p in opt._left_out:
         if p.grad is not None:
             raise ConfigError(f"{name} was frozen (requires_grad=False) when the optimizer was built, so it is not "
                               "in the plan, and it has a gradient now: it would not be trained. Build the optimizer "
                               "with frozen='include' (frozen parameters get their place and state, and train once "
-                              "they have gradients) or a new ANVIL after unfreezing; nothing was updated")
+                              "they have gradients) or add it with add_param_group; nothing was updated")
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the
+    caller built the optimizer through ``anvil_fast.ANVIL``, a subclass or directly)."""
+    import sys
+
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_globals.get("__name__", "").startswith("anvil_fast."):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def default_grad_read(device: torch.device, bank_config: Any, dtypes=()) -> str:
@@ -649,13 +656,14 @@ class DropInAnvil(AnvilFrontend):
         device = devices.pop()
         self._named, self._owners, self._model = named, owners, model
         self._observation, self._unobserved = None, ""
-        if _routes is None and example_input is not None:
-            if model is None:
+        if _routes is None:
+            if example_input is not None and model is None:
                 raise ConfigError("example_input= needs the model: pass ANVIL(model, example_input=...), or the "
                                   "parameters of one nn.Module")
-            self._observation = self._observe_example(model, example_input)
-        elif _routes is None:
-            self._unobserved = self._why_unobservable(model)
+            from .roles import trace_at_construction
+
+            self._observation, self._unobserved = trace_at_construction(model, example_input,
+                                                                        [p for _, p in named + self._left_out])
 
         from anvil_fast.parallel.comms import resolve_comms
 
@@ -674,45 +682,17 @@ class DropInAnvil(AnvilFrontend):
         self._skipped = 0  #: steps skipped for non-finite gradients, likewise
         self._hyper_key = None
         self._groups_init = (anvil_group, adam_group)
-        self._loaded = False
         plan = self._plan_for(_routes)
         self._setup(plan, device, first=True)
-        self._watch = None
-        if _routes is None and self._observation is None and not self._unobserved:
-            from .roles import FirstForward
-
-            self._watch = FirstForward(model, [p for _, p in named], self._observed)
-        if self._watch is not None or self._left_out:
+        if self._left_out:
             self.register_step_pre_hook(_before_step)
-        if model is None and self.matrix_banks and _routes is None:
-            warnings.warn("ANVIL: these parameters came without their model, so what each one does is unknown (no "
-                          "embedding, input or output layer is recognised) and every 2-D or 3-D parameter is banked by "
-                          "its shape; pass the model itself, ANVIL(model), and check opt.describe()", UserWarning,
-                          stacklevel=2)
+        if _routes is None and self._observation is None and self.matrix_banks:
+            warnings.warn(f"ANVIL: the model could not be traced ({self._unobserved}), so its input and output "
+                          "layers are not recognised and every 2-D or 3-D parameter of no known layer type is banked "
+                          "by its shape; pass example_input= (one batch of the model's input) to route by what each "
+                          "parameter does, and check opt.describe()", UserWarning, stacklevel=_caller_level())
 
     # ------------------------------------------------------------------ routing and building
-    def _observe_example(self, model: nn.Module, example_input):
-        from .roles import observe
-
-        target = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
-        if any(type(m).__name__ == "OptimizedModule" for m in target.modules()):
-            self._unobserved = "a submodule is torch.compile'd"
-            return None
-        obs = observe(target, example_input, [p for _, p in self._named])
-        if not obs.complete:
-            self._unobserved = f"the traced forward could not be followed ({obs.failure})"
-            return None
-        return obs
-
-    @staticmethod
-    def _why_unobservable(model: nn.Module | None) -> str:
-        if model is None:
-            return "parameters without their model"
-        if any(type(m).__name__ == "OptimizedModule" for m in model.modules()):
-            return ("the model is torch.compile'd (a traced forward is not followed; pass example_input= to trace "
-                    "the uncompiled module once at construction)")
-        return ""
-
     def _plan_for(self, forced=None) -> Plan:
         kw = self._init_kwargs
         routes = classify(self._named, self._owners, adam=kw["adam"], anvil=kw["anvil"], head_names=kw["head_names"],
@@ -779,27 +759,6 @@ class DropInAnvil(AnvilFrontend):
         """The plan as a state dict records it: name -> kind, transposed, reason."""
         return {e.name: {"kind": "adam" if e.route == "adam" else "matrix", "transposed": e.transposed,
                          "reason": e.reason} for e in self.plan}
-
-    def _observed(self, obs) -> None:
-        """The first forward's observation (:class:`anvil_fast.optim.roles.FirstForward`): the plan is made
-        again from it; if it differs and no step was taken, the banks are built again."""
-        self._watch = None
-        if not obs.complete:
-            self._unobserved = f"the first forward could not be followed ({obs.failure})"
-            return
-        self._observation = obs
-        plan = self._plan_for()
-        same = [(e.name, e.route, e.slots, e.transposed) for e in plan.entries] == \
-            [(e.name, e.route, e.slots, e.transposed) for e in self.plan]
-        if same:
-            self.plan = plan.entries
-            return
-        if self.taken_steps or self.skipped_steps or self._loaded:
-            warnings.warn("ANVIL: the first forward ran after a step or a loaded state dict; the plan stays as it "
-                          "is (describe() gives it); pass example_input= at construction to route by the "
-                          "observed forward", UserWarning, stacklevel=3)
-            return
-        self._rebuild(plan)
 
     def _rebuild(self, plan: Plan) -> None:
         device = self._named[0][1].device
@@ -963,15 +922,12 @@ class DropInAnvil(AnvilFrontend):
                 self._routing_note()]
 
     def _routing_note(self) -> str:
-        if getattr(self, "_watch", None) is not None:
-            return ("routes: provisional: no forward observed yet; the model's first forward is traced, and if it "
-                    "shows other roles (an input or output layer, a table) the plan is rebuilt before the first step")
         obs = self._observation
         if obs is not None:
             return f"routes: by what each parameter does in the observed forward ({obs.source})"
         if self._unobserved:
             return (f"routes: by module types and shapes only, not observed: {self._unobserved} (input and output "
-                    "layers are not recognised; output heads by head_names)")
+                    "layers are not recognised; output heads by head_names); pass example_input= to trace a forward")
         return "routes: recorded in a loaded state dict or a pickled optimizer"
 
     def banked_state(self, name: str) -> dict[str, Tensor]:
@@ -1366,10 +1322,6 @@ class DropInAnvil(AnvilFrontend):
         for k, v in other.items():
             self.state[k] = v
         self._load_state_extras(extras)
-        self._loaded = True
-        if self._watch is not None:  # the loaded plan is final
-            self._watch.remove()
-            self._watch = None
 
     def _match_routes(self, routes: Mapping[str, Any], n_saved: int,
                       saved_names: list[str] | None) -> list[str] | None:
@@ -1409,9 +1361,6 @@ class DropInAnvil(AnvilFrontend):
 
     def _adopt(self, forced: Mapping[str, Mapping[str, Any]]) -> None:
         """Rebuild the plan as ``forced`` records it (a loaded state dict's routing)."""
-        if self._watch is not None:
-            self._watch.remove()
-            self._watch = None
         self._observation, self._unobserved = None, ""
         self._rebuild(self._plan_for(forced))
 
@@ -1474,17 +1423,14 @@ class DropInAnvil(AnvilFrontend):
         """Pickling and deepcopy rebuild the optimizer from its parameters, arguments, plan and state
         dict (:func:`_rebuild`): what the step engine holds (CUDA graphs, streams, compiled
         functions) is made anew, never copied."""
-        routes = None
-        if self._watch is None:
-            r = self._routes_list()
-            routes = {n: {"kind": k, "transposed": t, "reason": why, "view": v} for n, k, t, why, v
-                      in zip(self._names_in_order(), r["kinds"], r["transposed"], r["reasons"], r["views"])}
-        kwargs = dict(self._init_kwargs)
-        if routes is not None:  # the recorded plan replaces the routing arguments (a predicate may not pickle)
-            kwargs.update(adam=None, anvil=None)
+        r = self._routes_list()
+        routes = {n: {"kind": k, "transposed": t, "reason": why, "view": v} for n, k, t, why, v
+                  in zip(self._names_in_order(), r["kinds"], r["transposed"], r["reasons"], r["views"])}
+        # the recorded plan replaces the routing arguments (a predicate may not pickle), and the model
+        # is never part of the copy: the parameters are
+        kwargs = dict(self._init_kwargs, adam=None, anvil=None)
         spec = dict(cls=type(self), named=list(self._named) + list(self._left_out), names_given=self._names_given,
-                    model=self._model if routes is None else None, kwargs=kwargs, routes=routes,
-                    state=_uint16_as_int16(self.state_dict()))
+                    kwargs=kwargs, routes=routes, state=_uint16_as_int16(self.state_dict()))
         return _rebuild, (spec,)
 
 
@@ -1524,9 +1470,7 @@ class _Uint16:
 
 def _rebuild(spec: Mapping[str, Any]) -> "DropInAnvil":
     """The optimizer :meth:`DropInAnvil.__reduce_ex__` describes, over the (copied) parameters."""
-    if spec.get("model") is not None:
-        params = spec["model"]
-    elif spec["names_given"]:
+    if spec["names_given"]:
         params = list(spec["named"])
     else:
         params = [p for _, p in spec["named"]]
