@@ -610,11 +610,14 @@ def test_momentum_cycling_schedulers():
     assert opt.inner.param_cfgs["gain"].adam_betas[0] == opt.param_groups[1]["momentum"]
 
 
-def test_add_param_group_is_refused():
+def test_add_param_group_routes_a_vector_to_adam_and_refuses_other_values():
     opt = ANVIL(TinyLM())
-    with pytest.raises(ValueError, match="plans its parameter groups once"):
-        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-    assert len(opt.param_groups) == 2
+    extra = nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 2 and any(p is extra for p in opt.param_groups[1]["params"])
+    assert {e.name: e.route for e in opt.plan}[f"param{len(opt.plan) - 1}"] == "adam"
+    with pytest.raises(ValueError, match="adam_lr=0.5 differs from the adam group's"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "adam_lr": 0.5})
 
 
 @pytest.mark.parametrize("key, value, match", [("lr", -0.1, "Invalid lr"), ("momentum", 1.0, "Invalid momentum"),

@@ -141,3 +141,147 @@ def test_hf_trainer_with_accelerate_keeps_the_traced_plan(tmp_path):
     assert _plan(opt) == plan  # the round trip accelerate makes changed nothing
     assert opt.taken_steps == 3
     assert not torch.equal(before, model.model.layers[0].mlp.up_proj.weight)
+
+
+# ------------------------------------------------------------------ recurrent, weight-normed, grouped layers
+class RNNLM(nn.Module):
+    def __init__(self, kind, vocab=40, d=16, h=24):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = getattr(nn, kind)(d, h, num_layers=2, batch_first=True)
+        self.decoder = nn.Linear(h, vocab)  # a name no head list has
+
+    def forward(self, x):
+        return self.decoder(self.rnn(self.emb(x))[0])
+
+
+@pytest.mark.parametrize("kind,gates", [("LSTM", 4), ("GRU", 3)])
+def test_lstm_and_gru_language_models_bank_one_matrix_per_gate(kind, gates):
+    torch.manual_seed(0)
+    m = RNNLM(kind)
+    x = torch.randint(0, 40, (4, 9), generator=torch.Generator().manual_seed(2))
+    opt = ANVIL(m, example_input=x[:, :-1])
+    e = {x.name: x for x in opt.plan}
+    for layer in (0, 1):
+        for w in ("ih", "hh"):
+            r = e[f"rnn.weight_{w}_l{layer}"]
+            assert r.route.startswith("bank_24x") and r.slots[1] - r.slots[0] == gates, r
+            assert "one matrix per gate" in r.reason
+    assert e["decoder.weight"].route == e["emb.weight"].route == "adam"
+    losses = []
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    # a gate's matrix is the weight's rows [i*h, (i+1)*h): the bank is the weight
+    bank = next(b for b in opt.matrix_banks if "rnn.weight_hh_l0" in [n for n, *_ in b.plan.members])
+    first = e["rnn.weight_hh_l0"].slots[0]
+    view = bank.param.view(bank.plan.n_pad, 24, 24)
+    assert torch.equal(view[first + 1], m.rnn.weight_hh_l0[24:48])
+
+
+def test_a_model_of_adam_only_matrices_warns_that_nothing_is_banked():
+    torch.manual_seed(0)
+    m = RNNLM("LSTM")
+    with pytest.warns(UserWarning, match="no parameter was banked"):
+        ANVIL(m, adam=lambda n: n.startswith("rnn."), example_input=torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("api", ["weight_norm", "parametrizations"])
+def test_a_weight_norm_gain_is_not_banked(api):
+    torch.manual_seed(0)
+    wn = nn.utils.parametrizations.weight_norm if api == "parametrizations" else nn.utils.weight_norm
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), wn(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 4))
+    for kw in ({}, {"io_layers": "anvil"}):
+        opt = ANVIL(m if not kw else copy.deepcopy(m), **kw)
+        e = {x.name: x for x in opt.plan}
+        g = next(n for n in e if n.endswith(("weight_g", "original0")))
+        v = next(n for n in e if n.endswith(("weight_v", "original1")))
+        assert e[g].route == "adam" and "a vector, not a matrix" in e[g].reason, e[g]
+        assert e[v].route.startswith("bank_16x16")
+
+
+class ConvNet(nn.Module):
+    """A stem, a grouped and a depthwise convolution, a pointwise one, and an output layer named
+    ``proj`` (no head name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.grouped = nn.Conv2d(16, 32, 3, padding=1, groups=4)
+        self.depthwise = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.pointwise = nn.Conv2d(32, 32, 1)
+        self.up = nn.ConvTranspose2d(32, 32, 2, stride=2, groups=2)
+        self.proj = nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.pointwise(torch.relu(self.depthwise(torch.relu(self.grouped(torch.relu(self.stem(x))))))))
+        return self.proj(self.up(h).mean((2, 3)))
+
+
+def test_grouped_and_depthwise_convolutions_are_banked_per_group():
+    torch.manual_seed(0)
+    m = ConvNet()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    opt = ANVIL(m, example_input=x)
+    e = {x.name: x for x in opt.plan}
+    assert e["grouped.weight"].bank_shape[1:] == (8, 36) and e["grouped.weight"].slots == (0, 4)
+    assert "groups=4: one matrix per group" in e["grouped.weight"].reason
+    assert e["depthwise.weight"].route == "adam" and "depthwise" in e["depthwise.weight"].reason
+    assert e["pointwise.weight"].route.startswith("bank_32x32")
+    up = e["up.weight"]  # [in 32, out/groups 16, 2, 2]: two groups, each [16 in, 16 * 4] stored [in, out]
+    assert up.transposed and up.bank_shape[1:] == (16, 64) and up.slots[1] - up.slots[0] == 2
+    assert e["stem.weight"].route == e["proj.weight"].route == "adam"
+    # group i's matrix is the output channels [8 i, 8 (i + 1)) of the weight
+    bank = next(b for b in opt.matrix_banks if "grouped.weight" in [n for n, *_ in b.plan.members])
+    assert torch.equal(bank.param.view(-1, 8, 36)[2], m.grouped.weight[16:24].reshape(8, 36))
+    nn.functional.cross_entropy(m(x), torch.tensor([0, 1])).backward()
+    before = m.grouped.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, m.grouped.weight) and torch.isfinite(m.grouped.weight).all()
+
+
+# ------------------------------------------------------------------ add_param_group
+def test_add_param_group_routes_unfrozen_layers_by_the_same_rules_and_keeps_the_state():
+    m = _mlp()
+    for p in m[2].parameters():
+        p.requires_grad_(False)  # frozen at construction: left out of the plan
+    opt = ANVIL(m)
+    assert {e.name for e in opt.plan} == {"0.weight", "0.bias", "4.weight", "4.bias"}
+    _train(m, opt, 2)
+    ref = copy.deepcopy((m, opt))
+    state = {k: v.clone() for k, v in opt.state[m[4].weight].items() if torch.is_tensor(v)}
+    n_groups = len(opt.param_groups)
+    for p in m[2].parameters():
+        p.requires_grad_(True)
+    opt.add_param_group({"params": list(m[2].parameters())})
+    e = {x.name: x for x in opt.plan}
+    # the same rules as a model traced with it: 2.weight a hidden matrix, 2.bias a vector
+    assert e["2.weight"].route.startswith("bank_32x32") and e["2.bias"].route == "adam"
+    assert e["0.weight"].route == e["4.weight"].route == "adam"
+    assert len(opt.param_groups) == 2 >= n_groups and opt.taken_steps == 2
+    assert any(p is m[2].weight for g in opt.param_groups for p in g["params"])
+    assert all(torch.equal(v, opt.state[m[4].weight][k]) for k, v in state.items())
+    _train(m, opt, 2)
+    assert opt.taken_steps == 4
+    # the parameters that were there train as they did before the addition (their state was kept)
+    m_ref, o_ref = ref
+    for p in m_ref[2].parameters():
+        p.requires_grad_(True)
+    o_ref.add_param_group({"params": list(m_ref[2].parameters())})
+    _train(m_ref, o_ref, 2)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m_ref.parameters()))
+    # a state dict round trip of the grown optimizer
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [m[2].weight]})
+    extra = nn.Parameter(torch.randn(32, 32))
+    with pytest.raises(ValueError, match="lr=0.5 differs from the anvil group's"):
+        opt.add_param_group({"params": [extra], "lr": 0.5})
+    with pytest.raises(ValueError, match="unknown keys \\['betas'\\]"):
+        opt.add_param_group({"params": [extra], "betas": (0.9, 0.9)})

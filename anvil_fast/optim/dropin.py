@@ -215,6 +215,8 @@ def _rule(rule, what: str, names: Sequence[str]) -> Callable[[str], bool]:
 def _module_fact(p: Tensor, mods: Sequence[tuple[str, nn.Module]]) -> tuple[str, bool, bool] | None:
     """What the owning module's type says a parameter of ndim >= 2 is: (reason, flatten,
     transposed), or None when it says nothing (a plain Parameter of a custom module)."""
+    if _rnn_weight(p, mods):  # torch's fused recurrent kernels read weight_ih, weight_hh, weight_hr as [out, in]
+        return "recurrent matrix", False, False
     for _, m in mods:
         if isinstance(m, _ConvNd) and m.weight is p:
             if getattr(m, "transposed", False):
@@ -230,6 +232,44 @@ def _module_fact(p: Tensor, mods: Sequence[tuple[str, nn.Module]]) -> tuple[str,
                 "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")):
             return "matrix", False, False
     return None
+
+
+#: Gates stacked in a recurrent layer's weight_ih / weight_hh, each its own [hidden, in] matrix.
+RNN_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _blocks(p: Tensor, mods: Sequence[tuple[str, nn.Module]]) -> tuple[int, str]:
+    """The independent matrices a layer stacks along a weight's first axis: a grouped convolution's
+    groups (each maps its own slice of the input channels), a recurrent layer's gates (LSTM: i, f, g,
+    o; GRU: r, z, n), each orthogonalized on its own as Muon practice treats a fused q, k, v;
+    ``(1, "")`` for any other weight."""
+    for _, m in mods:
+        if isinstance(m, _ConvNd) and m.weight is p and m.groups > 1:
+            return m.groups, f"groups={m.groups}: one matrix per group"
+        if isinstance(m, nn.RNNBase):
+            for wn in m._flat_weights_names:
+                if getattr(m, wn, None) is p and wn.startswith(("weight_ih", "weight_hh")):
+                    k = RNN_GATES.get(m.mode.split("_")[0], 1)
+                    return k, f"{type(m).__name__} {wn}: one matrix per gate" if k > 1 else f"{type(m).__name__} {wn}"
+    return 1, ""
+
+
+def _rnn_weight(p: Tensor, mods: Sequence[tuple[str, nn.Module]]) -> bool:
+    return any(isinstance(m, nn.RNNBase) and any(getattr(m, wn, None) is p for wn in m._flat_weights_names)
+               for _, m in mods)
+
+
+def _split_blocks(r: "Route", k: int, why: str) -> "Route":
+    """``r`` with each matrix cut into ``k`` row blocks (the view stays contiguous: a first-axis
+    split); a block of one row or one column is a vector, not a matrix: Adam."""
+    if k == 1:
+        return r
+    rows = r.rows // k
+    if rows == 1 or r.cols == 1:
+        return Route(r.name, r.param, "adam", f"{why}, each [{rows}, {r.cols}]: a vector, not a matrix "
+                     "(depthwise: one filter per channel)")
+    return Route(r.name, r.param, "matrix", f"{r.reason}, {why} [{rows}, {r.cols}]", r.count * k, rows, r.cols,
+                 r.transposed)
 
 
 def classify(named: Sequence[tuple[str, Tensor]], owners: Mapping[int, list[tuple[str, nn.Module]]], *,
@@ -277,6 +317,9 @@ def classify(named: Sequence[tuple[str, Tensor]], owners: Mapping[int, list[tupl
             if p.ndim < 2:
                 raise ConfigError(f"{name}: anvil= needs a parameter with ndim >= 2, got shape {tuple(p.shape)}")
             routes.append(_matrix_route(name, p, "anvil=", flatten=flatten, transposed=transposed))
+            k, why = _blocks(p, mods)
+            if k > 1 and (routes[-1].rows // k) > 1:
+                routes[-1] = _split_blocks(routes[-1], k, why)
         elif is_adam(name):
             routes.append(Route(name, p, "adam", "adam="))
         elif p.ndim < 2:
@@ -291,8 +334,12 @@ def classify(named: Sequence[tuple[str, Tensor]], owners: Mapping[int, list[tupl
             routes.append(Route(name, p, "adam", "output layer (observed: its product is a model output)"))
         elif io_layers == "adam" and obs is not None and id(p) in obs.input_layers:
             routes.append(Route(name, p, "adam", "input layer (observed: applied to the model's input)"))
+        elif p.shape[0] > 1 and all(d == 1 for d in p.shape[1:]):
+            routes.append(Route(name, p, "adam", f"a column {list(p.shape)} (a per-output gain such as weight_norm's "
+                                                 "g, or a layer of one input): a vector, not a matrix"))
         elif fact is not None:
-            routes.append(_matrix_route(name, p, fact[0], flatten=fact[1], transposed=fact[2]))
+            routes.append(_split_blocks(_matrix_route(name, p, fact[0], flatten=fact[1], transposed=fact[2]),
+                                        *_blocks(p, mods)))
         elif role == "elementwise":
             routes.append(Route(name, p, "adam", f"observed: {describe_use(obs, p)}"))
         elif role == "matrix":
@@ -705,7 +752,7 @@ class DropInAnvil(AnvilFrontend):
 
     def _setup(self, plan: Plan, device: torch.device, *, first: bool) -> None:
         """Banks, the inner optimizer, param_groups and state views for ``plan`` (at construction, and
-        again if the first forward's observation changes the plan before any step)."""
+        again when parameters are added or a loaded state dict routes them otherwise)."""
         kw = self._init_kwargs
         with torch.no_grad():
             for _, p in self._named:  # the inner optimizer's flat buffers and shards are views
@@ -735,10 +782,10 @@ class DropInAnvil(AnvilFrontend):
         else:
             live = {g["kind"]: g for g in self.param_groups}
             if set(live) != {g["kind"] for g in groups}:
-                warnings.warn("ANVIL: the observed forward changed which parameter groups exist "
-                              f"({sorted(live)} -> {sorted(g['kind'] for g in groups)}); an LR scheduler built "
-                              "before it holds the old groups: build schedulers after the first forward, or pass "
-                              "example_input= at construction", UserWarning, stacklevel=4)
+                warnings.warn("ANVIL: the new plan (added parameters, or a loaded state dict's routing) changed "
+                              f"which parameter groups exist ({sorted(live)} -> {sorted(g['kind'] for g in groups)}); "
+                              "an LR scheduler built before holds the old groups", UserWarning,
+                              stacklevel=_caller_level())
             for g in groups:
                 if g["kind"] in live:
                     g.update({k: v for k, v in live[g["kind"]].items() if k not in ("params", "param_names")})
@@ -766,6 +813,101 @@ class DropInAnvil(AnvilFrontend):
             for _, p in self._named:  # each parameter takes back memory of its own
                 p.data = p.data.clone()
         self._setup(plan, device, first=False)
+
+    # ------------------------------------------------------------------ more parameters
+    #: the constructor's names of a group's values, per kind (a dict given to add_param_group)
+    _GROUP_KEYS = {"anvil": {"lr": "lr", "momentum": "momentum", "fast_beta": "fast_beta",
+                             "fast_weight": "fast_weight", "beta2": "beta2", "weight_decay": "weight_decay"},
+                   "adam": {"adam_lr": "lr", "adam_betas": "betas", "adam_eps": "eps",
+                            "adam_weight_decay": "weight_decay"}}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add parameters (a layer unfrozen later, a new head), routed by the same rules as at
+        construction: the model's module types, and the trace made at construction (which saw the
+        frozen parameters too); each joins a bank or Adam, and the param group of its kind. Every bank
+        runs with one set of values, so the dict may hold the constructor's value names (``lr``,
+        ``momentum``, ... ``adam_lr``, ``adam_betas``, ...) only with the values the groups hold now;
+        other values are refused (ValueError) rather than silently ignored. The state of the
+        parameters already here is kept bit for bit; the step counts go on."""
+        if not getattr(self, "_planned", True):  # torch.optim.Optimizer.__init__ installing the planned groups
+            return torch.optim.Optimizer.add_param_group(self, param_group)
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with 'params', got {type(param_group).__name__}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        names = param_group.get("param_names")
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"param_names has {len(names)} names for {len(params)} parameters")
+        live = {g["kind"]: g for g in self.param_groups}
+        unknown = sorted(set(param_group) - {"params", "param_names"} - set(self._GROUP_KEYS["anvil"])
+                         - set(self._GROUP_KEYS["adam"]))
+        if unknown:
+            raise ValueError(f"add_param_group: unknown keys {unknown} (expected 'params', 'param_names' and the "
+                             "constructor's value names: lr, momentum, fast_beta, fast_weight, beta2, weight_decay, "
+                             "adam_lr, adam_betas, adam_eps, adam_weight_decay)")
+        for kind, keys in self._GROUP_KEYS.items():
+            now = live.get(kind, dict(zip(("anvil", "adam"), self._groups_init))[kind])
+            for key, gkey in keys.items():
+                if key in param_group:
+                    v = tuple(param_group[key]) if gkey == "betas" else param_group[key]
+                    cur = tuple(now[gkey]) if gkey == "betas" else now[gkey]
+                    if v != cur:
+                        raise ValueError(f"add_param_group: {key}={v!r} differs from the {kind} group's {cur!r}; "
+                                         "ANVIL runs every bank (and every Adam parameter) with one set of values, so "
+                                         "added parameters take the values of their kind's group")
+        mine = {id(p) for _, p in self._named}
+        known = {id(p): n for n, p in self._model.named_parameters()} if self._model is not None else {}
+        left = {id(p): n for n, p in self._left_out}
+        new = []
+        for i, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
+            if id(p) in mine or any(q is p for _, q in new):
+                raise ValueError("some parameters appear in more than one parameter group")
+            if not (p.is_leaf or p.retains_grad):
+                raise ValueError("can't optimize a non-leaf Tensor")
+            name = names[i] if names is not None else known.get(id(p), left.get(id(p), f"param{len(self._named) + i}"))
+            new.append((_strip_compile(name), p))
+        if not new:
+            return
+        if len({n for n, _ in self._named} | {n for n, _ in new}) != len(self._named) + len(new):
+            raise ValueError(f"add_param_group: parameter names {sorted({n for n, _ in new} & {n for n, _ in self._named})}"
+                             " are taken; pass param_names")
+        check_parameters(list(self._named) + new)
+        devices = {p.device for _, p in new} - {self._named[0][1].device}
+        if devices:
+            raise ValueError(f"all parameters must be on one device ({self._named[0][1].device}), got {sorted(map(str, devices))}")
+        if self._model is not None:
+            _, owners = named_parameters_of(self._model, frozen="include")
+        else:
+            owners = _owning_modules([p for _, p in new if isinstance(p, nn.Parameter)])[1]
+        saved = self._state_by_name()
+        forced = {n: {"kind": k, "transposed": t, "reason": r, "view": v} for n, k, t, r, v in
+                  zip(self._names_in_order(), *(self._routes_list()[key] for key in ("kinds", "transposed", "reasons",
+                                                                                      "views")))}
+        self._named = list(self._named) + new
+        self._owners = {**self._owners, **owners}
+        self._left_out = [(n, p) for n, p in self._left_out if all(p is not q for _, q in new)]
+        self._names_given = self._names_given or names is not None
+        counts = self._state_extras()
+        self._rebuild(self._plan_for(forced))
+        self._restore_by_name(saved)
+        self._load_state_extras(counts)
+
+    def _state_by_name(self) -> dict[str, dict[str, Any]]:
+        return {n: self._saved_state_of(p) for n, p in self._named if p in self.state}
+
+    @torch.no_grad()
+    def _restore_by_name(self, saved: Mapping[str, Mapping[str, Any]]) -> None:
+        for n, p in self._named:
+            if n not in saved:
+                continue
+            live = self.state[p]
+            for k, v in saved[n].items():
+                if isinstance(live[k], Tensor):
+                    live[k].copy_(v)
+                else:
+                    live.write(k, v)
 
     # ------------------------------------------------------------------ construction helpers
     def _build_inner(self, plan: Plan, anvil_group: dict, adam_group: dict, *, lr_scale: str, bank_config,
