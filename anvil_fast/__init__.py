@@ -67,7 +67,10 @@ module                         concept
 ``optim.frontend``             ``AnvilFrontend``: the front-ends' one base (param groups, hyperparameter
                                checks, describe, step counters, state-dict hooks)
 ``optim.entry``                ``ANVIL``: the factory that picks the drop-in or the FSDP2 front-end
-``optim.dropin``               ``DropInAnvil``: the drop-in optimizer (classify -> plan -> build banks)
+``optim.dropin``               ``DropInAnvil``: the drop-in optimizer's construction and step engine
+``optim.plan``                 the drop-in's plan: routes and their reasons (classify), banks (plan_routes),
+                               the banks built over the parameters (build_banks)
+``optim.contract``             the drop-in's torch.optim contract: state dicts, ``opt.state`` views, copies
 ``optim.fsdp``                 ``FSDPAnvil``: the FSDP2 (``fully_shard``) front-end: owner ranks, all-to-all exchange,
                                resharding checkpoints (``torch.distributed.checkpoint``)
 ``optim.roles``                what each parameter does in a traced forward (matrix operand, table, input
@@ -131,7 +134,7 @@ LAYERS = ("kernels", "core", "parallel", "optim", "models", "bench", "studies")
 
 # Imported on first use, so ``import anvil_fast`` stays light (no Triton, no compile).
 _LAZY = {"ANVIL": ".optim.entry", "AnvilFrontend": ".optim.frontend",
-         "HEAD_NAMES": ".optim.dropin", "StaleParameterError": ".optim.dropin",
+         "HEAD_NAMES": ".optim.plan", "StaleParameterError": ".optim.dropin",
          "NonFiniteGradientWarning": ".optim.frontend",
          "NonFiniteGradientError": ".optim.optimizer", "AnvilAndAdam": ".optim.optimizer",
          "NonFiniteUpdateWarning": ".optim.device_step", "NonFiniteUpdateError": ".optim.device_step",

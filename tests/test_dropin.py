@@ -258,16 +258,16 @@ def test_tied_head_is_caught_by_identity():
 def test_sequential_classifier_is_visible_and_fixable():
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-    text = ANVIL(seq).describe()
+    text = ANVIL(seq).describe()  # traced at construction on one row of the first nn.Linear's input
     line = next(l for l in text.splitlines() if l.startswith("4.weight"))
-    assert "bank_3x16_float32" in line and "matrix" in line
+    assert "adam (replicated)" in line and "output layer" in line
     seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-    opt = ANVIL(seq, adam=["4.weight"])
+    opt = ANVIL(seq, anvil=["4.weight"])
     entry = {e.name: e for e in opt.plan}["4.weight"]
-    assert (entry.route, entry.reason) == ("adam", "adam=")
+    assert entry.route == "bank_3x16_float32" and entry.reason == "anvil="
     line = next(l for l in opt.describe().splitlines() if l.startswith("4.weight"))
-    assert "adam (replicated)" in line and line.rstrip().endswith("adam=")
-    assert opt.banks == {"bank_16x8_float32": ["0.weight"], "bank_16x16_float32": ["2.weight"]}
+    assert "bank_3x16_float32" in line and line.rstrip().endswith("anvil=")
+    assert opt.banks == {"bank_16x16_float32": ["2.weight"], "bank_3x16_float32": ["4.weight"]}
 
 
 def test_no_bank_warns():
@@ -610,11 +610,14 @@ def test_momentum_cycling_schedulers():
     assert opt.inner.param_cfgs["gain"].adam_betas[0] == opt.param_groups[1]["momentum"]
 
 
-def test_add_param_group_is_refused():
+def test_add_param_group_routes_a_vector_to_adam_and_refuses_other_values():
     opt = ANVIL(TinyLM())
-    with pytest.raises(ValueError, match="plans its parameter groups once"):
-        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-    assert len(opt.param_groups) == 2
+    extra = nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 2 and any(p is extra for p in opt.param_groups[1]["params"])
+    assert {e.name: e.route for e in opt.plan}[f"param{len(opt.plan) - 1}"] == "adam"
+    with pytest.raises(ValueError, match="adam_lr=0.5 differs from the adam group's"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "adam_lr": 0.5})
 
 
 @pytest.mark.parametrize("key, value, match", [("lr", -0.1, "Invalid lr"), ("momentum", 1.0, "Invalid momentum"),
@@ -715,6 +718,7 @@ def test_cuda_graphs_default_is_off_on_cpu_and_true_is_refused():
 
     with W.catch_warnings():
         W.simplefilter("error")
+        W.filterwarnings("ignore", message="ANVIL: the model could not be traced")  # TinyLM offers no input
         opt = ANVIL(TinyLM())
     assert opt.inner.step_graph is None and not opt.engine.use_graphs
     with pytest.raises(ValueError, match="CUDA device"):

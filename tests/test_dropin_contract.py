@@ -218,13 +218,13 @@ def test_a_state_dict_of_another_plan_is_refused_before_anything_is_written():
 
 
 def test_a_state_dict_routing_otherwise_is_adopted_by_name():
-    """Saved after the first forward's trace moved layers to Adam, loaded before any forward: the
-    loading optimizer takes the saved plan."""
+    """Saved by an optimizer built with example_input= (its trace moved layers to Adam), loaded by one
+    built without it (fc banked by the fallback): the loading optimizer takes the saved plan."""
     from tests.test_dropin_roles import ResNetLike, _images
 
     torch.manual_seed(0)
     m = ResNetLike()
-    opt = ANVIL(m)
+    opt = ANVIL(m, example_input=_images())
     y = torch.arange(4)
     for _ in range(2):
         nn.functional.cross_entropy(m(_images()), y).backward()
@@ -235,7 +235,9 @@ def test_a_state_dict_routing_otherwise_is_adopted_by_name():
     torch.manual_seed(1)
     m2 = ResNetLike()
     m2.load_state_dict(msd)
-    opt2 = ANVIL(m2)  # provisional: fc banked
+    with pytest.warns(UserWarning, match="example_input="):
+        opt2 = ANVIL(m2)  # not traced: fc banked
+    assert {e.name: e.route for e in opt2.plan}["fc.weight"] != "adam"
     opt2.load_state_dict(sd)
     assert {e.name: e.route for e in opt2.plan} == {e.name: e.route for e in opt.plan}
     for model, o in ((m, opt), (m2, opt2)):

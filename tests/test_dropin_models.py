@@ -113,7 +113,7 @@ def test_tiny_model_routes_trains_and_round_trips(name):
     for step in range(2):
         out = model(**batch(step))
         out.loss.backward()
-        if step == 0:  # routes as they stand after the traced first forward
+        if step == 0:  # routes as planned at construction (the model's dummy_inputs traced)
             routes = {e.name: e for e in opt.plan}
             for pname, kind in want.items():
                 e = routes[pname]

@@ -194,11 +194,16 @@ def test_observe_changes_nothing():
 # ------------------------------------------------------------------ 1: tokens and position tables
 def test_tokens_and_position_tables_go_to_adam():
     m = _seeded(VitLike)
-    opt = ANVIL(m)  # not traced yet: the fallback reads a leading dimension of 1 as a broadcast table
+    with pytest.warns(UserWarning, match="could not be traced .*pass example_input=") as got:
+        opt = ANVIL(m)  # nothing to trace: the fallback reads a leading dimension of 1 as a broadcast table
+    assert sum("example_input=" in str(w.message) for w in got) == 1  # warned once
+    assert got[0].filename == __file__  # at the caller's line
     r = _routes(opt)
     assert r["cls_token"][0] == r["pos_embed"][0] == "adam"
     assert "broadcast table" in r["pos_embed"][1]
-    m(_images()).sum().backward()  # the first forward is traced
+    m(_images()).sum().backward()  # a forward changes nothing: the plan was fixed at construction
+    assert _routes(opt) == r
+    opt = ANVIL(_seeded(VitLike), example_input=_images())
     r = _routes(opt)
     assert r["cls_token"] == ("adam", "observed: combined with activations by cat")
     assert r["pos_embed"] == ("adam", "observed: combined with activations by add")
@@ -225,18 +230,22 @@ def test_resnet_fc_and_stem_are_found_by_what_they_do():
                                                            for j in (1, 2)}
 
 
-def test_first_forward_rebuilds_the_plan_before_the_first_step():
+def test_the_plan_is_fixed_at_construction_and_no_hook_stays_on_the_model():
     m = _seeded(ResNetLike)
-    opt = ANVIL(m)
-    assert _routes(opt)["fc.weight"][0].startswith("bank_")  # provisional
-    assert "provisional" in opt.describe()
-    loss = nn.functional.cross_entropy(m(_images()), torch.arange(4))
-    loss.backward()
-    assert _routes(opt)["fc.weight"][0] == _routes(opt)["conv1.weight"][0] == "adam"
+    with pytest.warns(UserWarning, match="example_input="):
+        opt = ANVIL(m)  # nothing to trace: fc banked by the fallback, for good
+    plan = [(e.name, e.route, e.slots) for e in opt.plan]
+    groups = [len(g["params"]) for g in opt.param_groups]
+    assert _routes(opt)["fc.weight"][0].startswith("bank_")
+    assert "not observed" in opt.describe() and "example_input=" in opt.describe()
+    for mod in m.modules():
+        assert not (mod._forward_hooks or mod._forward_pre_hooks), mod
+    nn.functional.cross_entropy(m(_images()), torch.arange(4)).backward()
     before = m.layer1[0].conv1.weight.detach().clone()
     opt.step()
-    assert not torch.equal(before, m.layer1[0].conv1.weight)  # the rebuilt banks are the model's weights
-    assert "observed forward (first forward)" in opt.describe()
+    assert [(e.name, e.route, e.slots) for e in opt.plan] == plan
+    assert [len(g["params"]) for g in opt.param_groups] == groups
+    assert not torch.equal(before, m.layer1[0].conv1.weight)  # the banks are the model's weights
 
 
 def test_vit_patch_embedding_and_head_fc():
@@ -256,29 +265,37 @@ def test_io_layers_anvil_banks_them():
         ANVIL(_seeded(ResNetLike), io_layers="none")
 
 
-def test_a_compiled_model_is_not_traced_and_says_so():
+def test_a_compiled_model_is_traced_through_its_original_module():
+    x = _images()
+    ref = ANVIL(_seeded(ResNetLike), example_input=x)
+    for compiled in (torch.compile(_seeded(ResNetLike), backend="aot_eager"),):
+        opt = ANVIL(compiled, example_input=x)
+        assert _routes(opt) == _routes(ref)
+        assert _routes(opt)["fc.weight"][0] == "adam" and "observed forward (example_input)" in opt.describe()
+        nn.functional.cross_entropy(compiled(x), torch.arange(4)).backward()
+        opt.step()
+    # a compiled submodule runs eagerly for the trace (nothing compiled there)
     m = _seeded(ResNetLike)
-    compiled = torch.compile(m, backend="aot_eager")
-    opt = ANVIL(compiled)
-    assert "torch.compile'd" in opt.describe()
-    loss = nn.functional.cross_entropy(compiled(_images()), torch.arange(4))
-    loss.backward()
-    opt.step()
-    # with example_input the uncompiled module is traced once at construction
-    m2 = _seeded(ResNetLike)
-    opt2 = ANVIL(torch.compile(m2, backend="aot_eager"), example_input=_images())
-    assert _routes(opt2)["fc.weight"][0] == "adam"
+    m.layer1 = torch.compile(m.layer1, backend="aot_eager")
+    opt = ANVIL(m, example_input=x)
+    assert {e.name: e.route for e in opt.plan} == {e.name.replace("layer1.", "layer1.", 1): e.route for e in ref.plan}
+    # without example_input, what the original module offers is traced (an nn.Sequential of nn.Linear)
+    seq = _seeded(nn.Sequential, nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = ANVIL(torch.compile(seq, backend="aot_eager"))
+    r = _routes(opt)
+    assert r["0.weight"][0] == r["4.weight"][0] == "adam" and r["2.weight"][0].startswith("bank_")
 
 
 def test_compiling_after_construction_leaves_the_compiled_forward_alone():
     m = _seeded(ResNetLike)
-    opt = ANVIL(m)
+    opt = ANVIL(m, example_input=_images())
+    plan = _routes(opt)
     compiled = torch.compile(m, backend="aot_eager")
     for _ in range(2):
         nn.functional.cross_entropy(compiled(_images()), torch.arange(4)).backward()
         opt.step()
         opt.zero_grad()
-    assert "no forward of the model ran before the first step" in opt.describe()
+    assert _routes(opt) == plan
 
 
 # ------------------------------------------------------------------ 4: parameters without the model
@@ -405,10 +422,7 @@ def test_package_gpt_routes_are_pinned(size):
         assert set(adam) == {n for n, _ in m.named_parameters()} - {n for ns in want_banks.values() for n in ns}
         assert reasons["wte.weight"] == reasons["wpe.weight"] == "embedding"
         assert reasons["lm_head.weight"] == "output head"
-    m = gpt.build(size)
-    opt = ANVIL(m)
-    m(x[:, :-1], x[:, 1:]).backward()  # the traced first forward keeps the plan
-    assert _gpt_plan(opt)[0] == want_banks and "observed forward" in opt.describe()
+    assert "observed forward (the model's dummy_inputs)" in ANVIL(gpt.build(size)).describe()
 
 
 def test_expert_stack_orientation_is_read_off_the_product():

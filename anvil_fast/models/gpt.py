@@ -113,6 +113,12 @@ class GPT(nn.Module):
             std = proj_std if name.endswith("proj.weight") else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
 
+    @property
+    def dummy_inputs(self) -> dict[str, Tensor]:
+        """One short row of tokens, as Hugging Face models offer theirs: what ``anvil_fast.ANVIL(model)``
+        traces to route each parameter by what it does."""
+        return {"idx": torch.zeros(1, min(4, self.cfg.ctx), dtype=torch.long, device=self.wte.weight.device)}
+
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         b, t = idx.shape
         if t > self.cfg.ctx:

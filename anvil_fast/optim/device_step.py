@@ -570,6 +570,9 @@ class DeviceStep:
         st[:COUNTERS] = (taken, skipped)
         self.seen = st.copy()
         self.seen[:COUNTERS] = (taken, skipped)
+        # every restored step counts as launched and reported, so the host's count of taken steps
+        # (the record rails it writes into param_groups) starts from the restored one
+        self.attempted = taken + skipped
 
 
 __all__ = ["DeviceStep", "derive_scalars", "GRAD_READS", "HYPER", "NonFiniteUpdateWarning", "NonFiniteUpdateError"]

@@ -33,16 +33,21 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-    **Routing**: by what a parameter does in the model. The facts come from the owning module's
-    type (``nn.Linear``, convolutions, ``nn.Embedding``, transformers' ``Conv1D``, found by identity)
-    and, for everything else, from a traced forward (:mod:`anvil_fast.optim.roles`): ``example_input=``
-    (a tensor, a tuple of positional arguments or a dict of keyword arguments) traces one forward at
-    construction (eval mode, no gradients, the random state untouched); without it the model's first
-    forward is traced, and if it shows other roles than the provisional plan assumed, the plan is
-    rebuilt right after that forward (before any step; ``describe()`` says which). A torch.compile'd
-    model is not traced (its compiled forward is left alone): pass ``example_input=`` (the
-    uncompiled module is traced once) or rely on the fallbacks; ``describe()`` says so. The first
-    matching rule wins:
+    **Routing**: by what a parameter does in the model, decided once, when the optimizer is built.
+    The facts come from the owning module's type (``nn.Linear``, convolutions, ``nn.Embedding``,
+    transformers' ``Conv1D``, ``nn.LSTM``/``nn.GRU``/``nn.RNN``, found by identity) and, for
+    everything else, from one traced forward (:mod:`anvil_fast.optim.roles`; eval mode, no gradients,
+    the random state untouched) on ``example_input=`` (a tensor, a tuple of positional arguments or a
+    dict of keyword arguments), or, without it, on what the model offers
+    (:func:`anvil_fast.optim.roles.offered_input`: a Hugging Face model's ``dummy_inputs``, or an image
+    of its config's ``image_size``; the package's GPT; an ``nn.Sequential`` whose first module is an
+    ``nn.Linear`` or ``nn.Embedding``). A torch.compile'd model is traced through its original
+    module (``_orig_mod``; compiled submodules run eagerly for the trace). The plan (routes, banks,
+    the param groups, their number and order) is then fixed: no hook is left on the model, so a
+    state-dict round trip before the first forward (accelerate, the HF Trainer), a scheduler built
+    first, or ``copy.deepcopy``/``pickle`` of the model change nothing. A model that cannot be
+    traced is routed by the rules below without the trace (rule 9's fallbacks), with one
+    UserWarning naming ``example_input=``; ``describe()`` says which. The first matching rule wins:
 
     1. ``anvil=`` (names, or a predicate on names) -> a matrix (refused for ndim < 2; ndim >= 4
        is flattened as a convolution weight is).
@@ -61,10 +66,14 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
        torch.optim.Muon documents the same): an orthogonalized update suits a map between hidden
        spaces, whose every direction matters alike, not one whose input coordinates are pixels or
        features of unequal scale, nor logits. ``io_layers="anvil"`` banks them like the others.
-    7. module types: a convolution weight (any ``_ConvNd``) ``[d0, d1, d2, ...]`` -> the matrix
-       ``[d0, d1*d2*...]`` (a transposed convolution's ``[in, out*k]``, transposed); an
-       ``nn.Linear`` (or ``nn.MultiheadAttention`` projection) weight -> a matrix; a ``Conv1D``
-       weight ``[in, out]`` -> a matrix stored transposed.
+    7. a column ``[n, 1, ...]`` (a per-output gain such as weight_norm's ``g``) -> Adam; then module
+       types: a convolution weight (any ``_ConvNd``) ``[d0, d1, d2, ...]`` -> the matrix
+       ``[d0, d1*d2*...]`` (a transposed convolution's ``[in, out*k]``, transposed), with ``groups=G``
+       G matrices ``[d0/G, d1*d2*...]``, one per group, since each group maps its own input channels
+       (a group's matrix of one row or column, a depthwise filter, -> Adam); an ``nn.Linear`` (or
+       ``nn.MultiheadAttention`` projection) weight -> a matrix; a ``Conv1D`` weight ``[in, out]`` ->
+       a matrix stored transposed; a recurrent layer's ``weight_ih``/``weight_hh`` -> one matrix per
+       gate (LSTM 4, GRU 3: the gates act as separate layers, as a fused q, k, v does).
     8. the trace (plain Parameters of custom modules): a matrix operand of products only -> a matrix
        (2-D) or a stack (3-D: each ``[i]`` a matrix ``[d1, d2]``, e.g. per-expert weights), its
        orientation read off the product (``F.linear(x, W)``: ``[out, in]``; ``x @ W``: ``[in, out]``,
@@ -84,7 +93,7 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
     would not train); ``frozen="include"`` plans them too, so gradual unfreezing trains them. Given
     parameters without their model (``model.parameters()``, ``model.named_parameters()``), the
     modules holding them are found among the live ``nn.Module`` objects, so module types and the
-    first forward's trace count as for the model itself; parameters of no module are routed by
+    trace count as for the model itself; parameters of no module are routed by
     shape (rule 9) with a UserWarning. Plain parameters are named ``param0, param1, ...``.
     Two Parameters over one memory (a tie by shared storage) and parameters on the meta device are
     refused at construction (each parameter is moved into a bank or buffer there). A matrix needs
@@ -129,8 +138,12 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
     schedulers, you) and takes effect at the next step; values are validated at construction and
     at every step as torch's optimizers do (ValueError naming the value). ``defaults`` holds lr and
     momentum, so momentum-cycling schedulers (OneCycleLR, CyclicLR) work: they cycle the anvil
-    group's momentum, and a ``momentum`` they write into the adam group is Adam's beta1. Groups are
-    planned once: ``add_param_group`` raises.
+    group's momentum, and a ``momentum`` they write into the adam group is Adam's beta1.
+    ``add_param_group({"params": [...]})`` (a layer unfrozen later) routes the added parameters by
+    the same rules (module types, the construction's trace, which saw frozen parameters too) into
+    the banks and the group of their kind, keeping every other parameter's state; since every bank
+    runs with one set of values, the dict may name values (``lr``, ``adam_lr``, ...) only as the
+    groups hold them (ValueError otherwise).
 
     **step(closure=None)** returns the closure's loss. Per step:
 
@@ -181,8 +194,8 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
     ``load_state_dict`` loads by position as torch does (a model wrapped in ``nn.Sequential`` or
     renamed loads), checks every tensor's shape and dtype before it writes anything, and copies into
     the live tensors. A state dict whose plan routes this optimizer's parameters (by name)
-    differently is loaded by rebuilding this plan as it records it first (so a checkpoint loads
-    before the first forward has been traced). torch's four state-dict hooks run;
+    differently is loaded by rebuilding this plan as it records it first (a checkpoint of an
+    optimizer built with other routing arguments). torch's four state-dict hooks run;
     ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
     ``set_optimizer_state_dict`` work. State dicts of the format ``anvil_fast.ANVIL/1`` (keyed by
     bank label) load too. Only tensors and plain containers: ``torch.load(f)`` with

@@ -1,8 +1,9 @@
 """What each parameter does in a forward pass: the observation :class:`anvil_fast.ANVIL` routes by.
 
-:func:`observe` runs one forward of a model (or :class:`FirstForward` watches the first one the user
-runs) under a :class:`torch.overrides.TorchFunctionMode` that sees every torch function and tensor
-method call, and follows three things through them, by tensor identity:
+:func:`observe` runs one forward of a model (:func:`trace_at_construction`: once, when the optimizer
+is built, on ``example_input=`` or on what the model offers, :func:`offered_input`) under a
+:class:`torch.overrides.TorchFunctionMode` that sees every torch function and tensor method call,
+and follows three things through them, by tensor identity:
 
 * **Parameter uses.** A tensor derived from a parameter by views, transposes, casts, indexing of whole
   matrices or arithmetic with constants (parameters, buffers, numbers: ``w * scale``,
@@ -65,7 +66,7 @@ _SWAPS = frozenset({"transpose", "transpose_", "swapaxes", "swapdims", "t", "t_"
 class Observation:
     """What one observed forward saw (module docstring), keyed by ``id(parameter)``."""
 
-    source: str  #: "example_input" or "first forward"
+    source: str  #: "example_input", or where the input the model offered came from
     uses: dict[int, set[str]] = field(default_factory=dict)  #: "matrix", "lookup", "elementwise"
     calls: dict[int, list[str]] = field(default_factory=dict)  #: the calls that showed each use
     transposed: dict[int, set[bool | None]] = field(default_factory=dict)  #: per matrix use
@@ -401,43 +402,93 @@ def observe(model: nn.Module, example_input, params: Iterable[Tensor]) -> Observ
     return obs
 
 
-class FirstForward:
-    """Watches the first forward of ``model`` (forward pre-hook and hook on the root module), then
-    calls ``done(observation)`` and removes itself. A forward traced by torch.compile is not
-    observed (the hooks return at once while compiling): ``pending`` stays True and the owner falls
-    back when it must decide (at its first step)."""
+def _dynamo_off():
+    """A context in which torch.compile'd modules run their original forward eagerly, so the tracer
+    sees every call of a compiled model or submodule (nothing is compiled or recompiled)."""
+    import torch._dynamo
 
-    def __init__(self, model: nn.Module, params: Iterable[Tensor], done: Callable[[Observation], None]):
-        self.model, self.params, self.done = model, list(params), done
-        self.tracer: _Tracer | None = None
-        self.pending = True
-        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                         model.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
+    return torch._dynamo.config.patch(disable=True)
 
-    def _pre(self, module, args, kwargs):
-        if torch.compiler.is_compiling() or self.tracer is not None or not self.pending:
-            return None
-        obs = Observation("first forward")
-        self.tracer = _Tracer(self.params, list(module.buffers()), obs)
-        self.tracer.mark_inputs((args, kwargs))
-        self.tracer.__enter__()
-        return None
 
-    def _post(self, module, args, kwargs, output):
-        if torch.compiler.is_compiling() or self.tracer is None:
-            return None
-        tracer, self.tracer = self.tracer, None
-        tracer.__exit__(None, None, None)
-        tracer.finish(output)
-        self.remove()
-        self.done(tracer.obs)
-        return None
+def _first_rows(x):
+    """Batch 1 of an offered input: every tensor's first row (a sequence-classification model without
+    a padding token refuses a batch of several)."""
+    if isinstance(x, Tensor):
+        return x[:1] if x.ndim else x
+    if isinstance(x, Mapping):
+        return {k: _first_rows(v) for k, v in x.items()}
+    return x
 
-    def remove(self) -> None:
-        self.pending = False
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+
+def offered_input(model: nn.Module) -> tuple[Any, str]:
+    """An input the model itself offers to trace with, and where it came from; ``(None, why)``
+    when it offers none. Hugging Face models: ``dummy_inputs`` holding the ``main_input_name`` (one
+    row of each), else, for ``pixel_values``, a batch of one image of the config's ``num_channels``
+    and ``image_size``; an ``nn.Sequential`` whose first module is an ``nn.Linear`` or an
+    ``nn.Embedding``: one row of its input."""
+    p = next(model.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
+    dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+    main = getattr(model, "main_input_name", None)
+    try:
+        dummy = getattr(model, "dummy_inputs", None)
+    except Exception:  # a property of a model that cannot build it (no config value it reads)
+        dummy = None
+    if isinstance(dummy, Mapping) and dummy and all(isinstance(v, Tensor) for v in dummy.values()) \
+            and (main is None or main in dummy):
+        return {k: v.to(device) for k, v in _first_rows(dict(dummy)).items()}, "the model's dummy_inputs"
+    cfg = getattr(model, "config", None)
+    if main == "pixel_values" and cfg is not None:
+        size, ch = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", None)
+        size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (tuple, list)) else None
+        if size is not None and len(size) == 2 and isinstance(ch, int):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(1, ch, *size, generator=g).to(device, dtype)
+            return {"pixel_values": x}, "pixel_values of the config's image_size and num_channels"
+    if isinstance(model, nn.Sequential) and len(model):
+        first = model[0]
+        if isinstance(first, nn.Linear):
+            g = torch.Generator().manual_seed(0)
+            return torch.randn(1, first.in_features, generator=g).to(device, first.weight.dtype), \
+                "one row of the first nn.Linear's input"
+        if isinstance(first, nn.Embedding):
+            return torch.zeros(1, 2, dtype=torch.long, device=device), "two tokens of the first nn.Embedding"
+    return None, ("the model offers no input to trace (no Hugging Face dummy_inputs or image config, not an "
+                  "nn.Sequential starting with nn.Linear or nn.Embedding)")
+
+
+def trace_at_construction(model: nn.Module | None, example_input, params: Iterable[Tensor]) -> tuple[
+        Observation | None, str]:
+    """The observation the optimizer routes by, made once when it is built: ``(observation, "")``,
+    or ``(None, why nothing could be traced)``. Traced: ``example_input`` if given, else what the
+    model offers (:func:`offered_input`); a torch.compile'd model through its original module
+    (``_orig_mod``), and compiled submodules run eagerly for the trace. An offered input the model
+    refuses is no error (the fallback is taken and named); ``example_input`` the model refuses is
+    the caller's error and propagates."""
+    if model is None:
+        return None, "parameters without their model"
+    target = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+    given = example_input is not None
+    if given:
+        x, source = example_input, "example_input"
+    else:
+        x, why = offered_input(target)
+        if x is None:
+            return None, why
+        source = why
+    params = list(params)
+    with _dynamo_off():
+        try:
+            obs = observe(target, x, params)
+        except Exception as e:
+            if given:
+                raise
+            return None, f"{source} could not be run ({type(e).__name__}: {str(e)[:120]})"
+    if not obs.complete:
+        return None, f"the traced forward could not be followed ({obs.failure})"
+    if source != "example_input":
+        obs.source = source
+    return obs, ""
 
 
 def describe_use(obs: Observation, p: Tensor) -> str:
@@ -452,4 +503,5 @@ def describe_use(obs: Observation, p: Tensor) -> str:
     return "not used"
 
 
-__all__ = ["Observation", "observe", "FirstForward", "describe_use", "MATRIX_PRODUCTS", "LOOKUPS"]
+__all__ = ["Observation", "observe", "offered_input", "trace_at_construction", "describe_use", "MATRIX_PRODUCTS",
+           "LOOKUPS"]
