@@ -7,10 +7,12 @@ graphs, everything after step 0 is one replay):
 0. (host) The inbox: this step's hyper-parameters as doubles (the param groups' values) and each
    gradient's state -- in the ``in_place`` read its address (0: no gradient), in the ``buffers``
    read a has-gradient flag after the gradients were copied into the banks' bf16 buffers (the
-   FAITHFUL configuration's compiled rails, and the CPU, read those) -- written into one of
-   several pinned buffers in rotation and moved to the device in one copy.
+   FAITHFUL configuration's compiled rails on CUDA read those), in the ``transient`` read (the
+   CPU's) a has-gradient flag alone -- written into one of several pinned buffers in rotation and
+   moved to the device in one copy.
 1. The check (:mod:`anvil_fast.kernels.nonfinite`): one flag per parameter, set where its gradient holds
-   a NaN or an infinity as the step reads it.
+   a NaN or an infinity as the step reads it (a bank's gradient as the bf16 it travels in: an fp32
+   value past bf16's range counts as infinite).
 2. The scalars (:func:`derive_scalars`): ``ok`` = no flag set; a matrix is *active* when it has a
    gradient and ``ok``; every bank's rates from the hyper-parameters (the record schedule's rails
    from a device table indexed by the device's count of taken steps); Adam's rows, inactive where
@@ -21,9 +23,16 @@ graphs, everything after step 0 is one replay):
    kernel that writes state is masked by the active matrices, so an inactive matrix -- a member
    without a gradient, or every matrix on a refused step -- keeps its weights, rails and lane
    energy bit for bit. The cascade's workspace is taken per update (from the caching allocator, or
-   a CUDA graph's pool): banks on one stream reuse the same blocks.
+   a CUDA graph's pool): banks on one stream reuse the same blocks. In the ``transient`` read a
+   bank's bf16 gradient is likewise taken for its update alone: the members' ``.grad`` cast into
+   one ``[chunk, rows, cols]`` tensor (the CPU's rails are torch operations over one tensor, and
+   the cast to bf16 is itself a new tensor, so this one copy cannot be avoided there; the Triton
+   rails read the members through a table of addresses instead), freed when the bank is done; the
+   banks run one after another, so the step's transient memory is the largest bank's workspace
+   and gradient, and the optimizer holds no gradient copy between steps.
 4. Adam on the main stream, concurrently: one launch per dtype over every Adam parameter
-   (``in_place``: :func:`anvil_fast.kernels.adam.adam_table_`), its rows masked as above.
+   (``in_place``: :func:`anvil_fast.kernels.adam.adam_table_`; ``transient``: one update per
+   parameter from its ``.grad``), its rows masked as above.
 5. The status (the counters, the flags of the last refused step, every matrix's guard refusals)
    copied to pinned host memory. The host reads it at a later step once the device has finished
    (an event query, never a wait), and then warns: a refused step (non-finite gradient) with a
@@ -56,7 +65,7 @@ from anvil_fast.kernels.capture import capture
 from anvil_fast.kernels.nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
 
 #: How the step reads the gradients (:class:`DeviceStep`).
-GRAD_READS = ("in_place", "buffers")
+GRAD_READS = ("in_place", "buffers", "transient")
 #: The hyper-parameters in the inbox, as doubles, in this order.
 HYPER = ("lr", "momentum", "fast_beta", "fast_weight", "weight_decay",
          "adam_lr", "adam_beta1", "adam_beta2", "adam_eps", "adam_weight_decay")
@@ -133,7 +142,7 @@ class DeviceStep:
     Args:
         opt: the drop-in (its ``inner`` :class:`~anvil_fast.optim.optimizer.AnvilAndAdam`, banks, Adam
             parameters and param groups).
-        grad_read: ``"in_place"`` or ``"buffers"`` (:data:`GRAD_READS`).
+        grad_read: ``"in_place"``, ``"buffers"`` or ``"transient"`` (CPU only) (:data:`GRAD_READS`).
         cuda_graphs: capture the device part (CUDA only).
         lanes: side streams for the banks (CUDA only; 1: the main stream).
         record: the record schedule's ``[total_steps, 3]`` table (momentum, fast_beta, fast_weight)
@@ -148,6 +157,9 @@ class DeviceStep:
         self.opt, self.inner, self.grad_read = opt, inner, grad_read
         dev = self.device = inner.device
         self.cuda = dev.type == "cuda"
+        if grad_read == "transient" and self.cuda:
+            raise ValueError("grad_read='transient' runs on the CPU (a CUDA graph would bake the addresses of "
+                             "buffers that live for one update); on CUDA use 'in_place' or 'buffers'")
         self.lean = inner.rails_dtype == torch.bfloat16
         # ---- who is who: bank matrices (grouped by gradient dtype), then Adam parameters (same)
         self.names: list[str] = []  # one flag per parameter, in this order
@@ -323,6 +335,20 @@ class DeviceStep:
                 for _, n, p in group:
                     if not (p.is_contiguous() and st[n]["exp_avg"].is_contiguous()):
                         raise ValueError(f"{n}: the in-place gradient read needs contiguous parameters and moments")
+        elif self.grad_read == "transient":
+            # per bank: (its update's AnvilBank, [chunk, rows, cols], (member index, first, count))
+            self.assembly = {}
+            k = 0
+            for b in self.banks:
+                members = []
+                for _, _, first, count in b.plan.members:
+                    members.append((k, first, count))
+                    k += 1
+                self.assembly[id(inner.banks[b.label])] = ((b.plan.n_pad, b.plan.rows, b.plan.cols), members)
+            #: per parameter: whether its check rounds the norm to bf16 (a bank member's gradient
+            #: travels in bf16, so one past bf16's range is infinite there)
+            self.check_bf16 = [True] * len(self.members) + [False] * self.n_adam
+            self._grads: list[Tensor | None] = []
         else:
             bufs = inner.grad_buffers()
             slots = {id(p): dst for _, p, dst, *_ in self.opt.grad_slots()}
@@ -348,6 +374,8 @@ class DeviceStep:
             return False
         if self.grad_read == "buffers":
             self._copy_into_buffers(grads)
+        elif self.grad_read == "transient":
+            self._grads = grads
         return True
 
     def _validate(self, grads: Sequence[Tensor | None]) -> None:
@@ -416,13 +444,55 @@ class DeviceStep:
         if self.grad_read == "in_place":
             for chk, sl in self.addr_checks:
                 check_addresses(chk, self.addr[sl], self.flags)
+        elif self.grad_read == "transient":
+            self._check_transient()
         else:
             check_buffers(self.buffer_check, self.flags, mask=self.has.index_select(0, self.param_first))
+
+    def _check_transient(self) -> None:
+        # The buffer check's verdict without the buffers: the infinity norm of each .grad where it
+        # is, a bank member's rounded to bf16 as its cast would round it (rounding is monotone, so
+        # bf16(max |g|) is infinite exactly when some bf16(g) is); NaN propagates through the norm.
+        ids = [i for i, g in enumerate(self._grads) if g is not None]
+        if not ids:
+            return
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in ids:
+            by_dtype.setdefault(self._grads[i].dtype, []).append(i)
+        order, norms = [], []
+        for group in by_dtype.values():
+            order += group
+            norms += [n.to(torch.bfloat16).float() if self.check_bf16[i] else n.float()
+                      for i, n in zip(group, torch._foreach_norm([self._grads[i] for i in group], float("inf")))]
+        bad = torch.stack(norms).isfinite().logical_not_().to(torch.int32)
+        self.flags.index_copy_(0, torch.tensor(order, dtype=torch.int64, device=self.device), bad)
+
+    def _bank_grad(self, bank) -> Tensor:
+        """The bank's bf16 gradient for this update alone (``transient``): each member's ``.grad``
+        cast into its matrices, zeros where a member has none and in the padding (those matrices
+        are inactive, so their values are never used)."""
+        shape, members = self.assembly[id(bank)]
+        buf = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        for k, first, count in members:
+            g = self._grads[k]
+            if g is not None:
+                buf[first:first + count].view(g.shape).copy_(g)
+        return buf
 
     def update_banks(self, *, on_lanes: bool = True, then=None) -> None:
         """Step 3: every bank, each lane's on its side stream (``on_lanes=False``: all on the current
         stream, in lane order); ``then`` runs on the main stream before it waits for the lanes."""
         update = self.inner.bank_update
+        if self.grad_read == "transient":
+            inner_update = update
+
+            def update(bank):
+                bank.grad = self._bank_grad(bank)
+                try:
+                    inner_update(bank)
+                finally:
+                    bank.grad = None  # freed here: the next bank's gradient reuses the memory
+
         main = torch.cuda.current_stream(self.device) if self.cuda else None
         for lane in self.lanes:
             if lane.stream is None or not on_lanes:
@@ -458,6 +528,12 @@ class DeviceStep:
         if self.grad_read == "in_place":
             for blocks, addresses, meta, sl, bf16 in self.adam_groups:
                 adam_table_(blocks, addresses, self.addr[sl], meta, table, bf16=bf16)
+            return
+        if self.grad_read == "transient":
+            grads = self._grads[len(self.members):]
+            for (name, _), g in zip(self.adam, grads):
+                if g is not None:  # without a gradient the row is inactive: nothing would change
+                    inner.adam_update(name, g.contiguous())  # a strided .grad: a copy for this update alone
             return
         bufs = self.grad_bufs
         for name, _ in self.adam:

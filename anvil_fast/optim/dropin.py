@@ -142,16 +142,18 @@ def _caller_level() -> int:
 
 
 def default_grad_read(device: torch.device, bank_config: Any, dtypes=()) -> str:
-    """How a one-process step reads the gradients by default: in place where the bank update's
-    rails are the Triton kernel (SAFE and GRAM_SIDE on CUDA) and every parameter is float32 or
-    bfloat16 (the in-place kernels' dtypes), else through the banks' buffers."""
+    """How a one-process step reads the gradients by default: on the CPU, ``"transient"`` (no
+    gradient buffer outlives a bank's update); on CUDA, in place where the bank update's rails are
+    the Triton kernel (SAFE and GRAM_SIDE) and every parameter is float32 or bfloat16 (the in-place
+    kernels' dtypes), else through the banks' buffers."""
     from anvil_fast.kernels.backend import triton_available
     from anvil_fast.core.cascade import DEFAULT_CONFIG, get_config
 
+    if device.type != "cuda":
+        return "transient"
     cfg = DEFAULT_CONFIG if bank_config is None else get_config(bank_config)
     ok = all(d in (torch.float32, torch.bfloat16) for d in dtypes)
-    return "in_place" if device.type == "cuda" and triton_available() and cfg.triton_elementwise and ok \
-        else "buffers"
+    return "in_place" if triton_available() and cfg.triton_elementwise and ok else "buffers"
 
 
 class DropInAnvil(TorchContract, AnvilFrontend):
@@ -230,9 +232,12 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         engine = self.comms.world_size == 1
         if engine and grad_read is None:
             grad_read = default_grad_read(device, bank_config, {p.dtype for _, p in named})
-        elif not engine and grad_read == "in_place":
-            raise ValueError("grad_read='in_place' is the one-process step's; on several ranks every gradient is "
-                             "reduced into the banks' buffers")
+        elif not engine and grad_read in ("in_place", "transient"):
+            raise ValueError(f"grad_read={grad_read!r} is the one-process step's; on several ranks every gradient "
+                             "is reduced into the banks' buffers")
+        if engine and grad_read == "transient" and device.type == "cuda":
+            raise ValueError("grad_read='transient' is the CPU's read (a CUDA graph would bake the addresses of "
+                             "buffers that live for one update); on CUDA use 'in_place' or 'buffers'")
         self.grad_read = grad_read if engine else "buffers"
         self.rails, self.total_steps, self.nonfinite = rails, total_steps, nonfinite
         self.engine = None  #: the one-process, device-decided step (anvil_fast.optim.device_step)
@@ -255,11 +260,12 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         kw = self._init_kwargs
         routes = classify(self._named, self._owners, adam=kw["adam"], anvil=kw["anvil"], head_names=kw["head_names"],
                           observation=self._observation, io_layers=kw["io_layers"], forced=forced)
-        # Reading in place, Adam updates every parameter where it lives in one launch: the flat
-        # buffers of small "replicated" parameters (a gradient copy and a row index per element)
-        # would only cost memory, so every Adam parameter keeps its own state.
+        # Reading .grad where it is (in place, or transient on the CPU), Adam updates every
+        # parameter where it lives: the flat buffers of small "replicated" parameters (a gradient
+        # copy and a row index per element) would only cost memory, so every Adam parameter keeps
+        # its own state (the update is element-wise, so the values are the same bits either way).
         return plan_routes(routes, split_rows=kw["split_rows"], world_size=self.comms.world_size,
-                           shard_min_numel=0 if self.grad_read == "in_place" else kw["shard_min_numel"])
+                           shard_min_numel=0 if self.grad_read != "buffers" else kw["shard_min_numel"])
 
     def _setup(self, plan: Plan, device: torch.device, *, first: bool) -> None:
         """Banks, the inner optimizer, param_groups and state views for ``plan`` (at construction, and
@@ -274,7 +280,7 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         anvil_group, adam_group = self._groups_init
         self.inner = self._build_inner(plan, anvil_group, adam_group, lr_scale=kw["lr_scale"],
                                        bank_config=kw["bank_config"], maps=kw["maps"], compile=kw["compile"],
-                                       rails_dtype=kw["rails_dtype"], grad_in_place=self.grad_read == "in_place")
+                                       rails_dtype=kw["rails_dtype"], grad_in_place=self.grad_read != "buffers")
         self.plan: list[PlanEntry] = plan.entries
         self._slots = None
         groups = []

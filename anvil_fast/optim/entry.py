@@ -241,10 +241,13 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
             device and sharding).
         grad_read: how a one-process step reads the gradients: ``"in_place"`` (the kernels read
             each ``.grad`` where autograd wrote it, through device tables of addresses: no copy and
-            no gradient buffer; SAFE and GRAM_SIDE on CUDA, the default there) or ``"buffers"``
-            (every ``.grad`` copied into the banks' bf16 buffers first: FAITHFUL's compiled rails
-            read those; the default on the CPU); None picks. In place, a gradient must be
-            contiguous (autograd's always are; an assigned strided one is refused). On several
+            no gradient buffer; SAFE and GRAM_SIDE on CUDA, the default there), ``"buffers"``
+            (every ``.grad`` copied into the banks' persistent bf16 buffers first: FAITHFUL's
+            compiled rails on CUDA read those) or ``"transient"`` (the CPU's, and its default: the
+            check and Adam read each ``.grad`` where it is; a bank's gradients are cast to bf16 into
+            a buffer that lives only for that bank's update, as does its cascade workspace, so the
+            optimizer holds AdamW's memory on an fp32 model); None picks. In place, a gradient must
+            be contiguous (autograd's always are; an assigned strided one is refused). On several
             ranks the gradients are reduced into the buffers.
     """
 

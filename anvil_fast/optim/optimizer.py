@@ -286,6 +286,9 @@ class AnvilAndAdam:
             ``"gram_side"`` or an :class:`anvil_fast.core.cascade.CascadeConfig`; default, per bank:
             :func:`anvil_fast.core.cascade.default_config_for`) and map set (default ANVIL_MAPS), passed to
             :meth:`anvil_fast.core.bank.AnvilBank.create`.
+        grad_in_place: the caller's step reads the gradients without the banks' persistent buffers
+            (the drop-in's ``grad_read`` "in_place" and "transient"): each bank holds no gradient
+            buffer and takes its cascade workspace per update.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Tensor]], param_table: Mapping[str, Mapping],
