@@ -61,11 +61,48 @@ def measure_peaks() -> tuple[float, float]:
     return tflops, gbs
 
 
+def held_storages(opt, exclude=()) -> dict[str, int]:
+    """Every tensor storage an optimizer holds, counted once: path (the first attribute path that
+    reaches it, e.g. ``opt.inner.banks['b'].velocity``) -> bytes. Walks the optimizer's attributes,
+    dicts, lists and tuples and the objects of torch and of this package they reach, so a buffer
+    held anywhere is found without naming it; tensors sharing a storage count once (views of the
+    state, of a staging buffer). ``exclude``: tensors whose storages are not the optimizer's (the
+    parameters and their gradients). Modules are not entered (a model the optimizer refers to is
+    not its memory); host numpy arrays are not counted."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude if isinstance(t, torch.Tensor)}
+    seen_obj, seen, out = set(), set(), {}
+    stack = [("opt", opt)]
+    while stack:
+        path, o = stack.pop()
+        if id(o) in seen_obj:
+            continue
+        seen_obj.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            key = st.data_ptr()
+            if key and key not in seen and key not in skip:
+                seen.add(key)
+                out[path] = st.nbytes()
+            continue
+        if isinstance(o, torch.nn.Module) or isinstance(o, type):
+            continue
+        if isinstance(o, dict):
+            items = [(f"{path}[{k!r}]", v) for k, v in o.items()] + [(f"{path}<key>", k) for k in o]
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(o)]
+        elif type(o).__module__.split(".")[0] in ("anvil_fast", "anvil_ref", "torch") and hasattr(o, "__dict__"):
+            items = [(f"{path}.{k}", v) for k, v in vars(o).items()]
+        else:
+            continue
+        stack.extend(reversed(items))
+    return out
+
+
 def flops(shape, *, block: int = SYMMETRIC_BLOCK) -> tuple[float, float]:
     """(plain, executed-by-symmetric-kernels) FLOPs of one bank's cascade (:func:`map_flops` per map)."""
     f = map_flops(shape, block=block)
     return MAPS_PER_CASCADE * f.plain, MAPS_PER_CASCADE * f.executed
 
 
-__all__ = ["ELEMENTWISE_BYTES", "MAPS_PER_CASCADE", "SYMMETRIC_BLOCK", "emit_table", "graphed", "kernel_us",
-           "measure_peaks", "flops"]
+__all__ = ["ELEMENTWISE_BYTES", "MAPS_PER_CASCADE", "SYMMETRIC_BLOCK", "emit_table", "graphed", "held_storages",
+           "kernel_us", "measure_peaks", "flops"]

@@ -18,6 +18,13 @@ where it can be), with its share of the whole device part.
 
 ``--device cpu`` runs a tiny model with every variant that exists on CPU, quickly, so a test can run
 the command end to end; its times mean nothing.
+
+``--memory`` times nothing: it counts the bytes of every tensor each optimizer holds after two
+steps (:func:`anvil_fast.bench.common.held_storages`: state, workspaces, gradient buffers, tables;
+each storage once; the parameters and their gradients excluded) against ``torch.optim.AdamW``'s on
+the same model, split by what holds them, and the transient memory of one step of the
+``"transient"`` read (the largest bank's cascade workspace and bf16 gradient, taken for one
+update and freed). On the CPU it runs the ``small`` GPT (fp32) by default, ``--sizes`` to choose.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from anvil_ref.progress import Progress
 
 from anvil_fast.models.gpt import GPTConfig
 from anvil_fast.kernels.timing import call_times
-from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, graphed, measure_peaks
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, graphed, held_storages, measure_peaks
 
 VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "anvil_lean", "muon_adamw", "adamw")
 VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cuda_graphs=True",
@@ -56,6 +63,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; cpu 1)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--no-phases", action="store_true", help="skip the phase table")
+    ap.add_argument("--memory", action="store_true",
+                    help="count the bytes each optimizer holds (vs AdamW's) instead of timing (module docstring)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step of each ANVIL variant (torch.profiler: ops, launches, host time)")
 
@@ -126,7 +135,7 @@ def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
         g = bank.p_slice.element_size()  # the gradient's bytes per element (the parameter's dtype)
         # the check and the rails read the gradient where it is (the rails' count assumes bf16)
         per = ELEMENTWISE_BYTES + g + (g - 2) - (10 if lean else 0)
-        if eng is None or eng.grad_read == "buffers":
+        if eng is None or eng.grad_read != "in_place":
             per += g + 2  # the copy into the bf16 buffer
         fl += flops(chunk)[1]
         nbytes += per * math.prod(chunk)
@@ -205,12 +214,88 @@ def format_phases(size: str, rows) -> str:
     return "\n".join(lines)
 
 
+#: ``--memory``'s ANVIL variants (name, ANVIL keyword arguments), beside AdamW.
+MEMORY_VARIANTS = (("ANVIL, default arguments", {}), ("ANVIL, grad_read='buffers'", {"grad_read": "buffers"}),
+                   ("ANVIL, rails_dtype=bf16 (lean state)", {"rails_dtype": torch.bfloat16}))
+
+
+def _kind(path: str) -> str:
+    """What holds a storage, from its attribute path (:func:`held_storages`)."""
+    if ".workspace" in path:
+        return "workspace"
+    if any(k in path for k in ("velocity", "lane_energy", "exp_avg", "mantissa", "['step']")):
+        return "state"
+    if any(k in path for k in ("grad", "_slots[", "reduce_chunks")) and "engine._slots" not in path:
+        return "gradient buffers"
+    return "tables"
+
+
+def transient_bytes(opt) -> int:
+    """Bytes one bank update of the ``"transient"`` read takes and frees: the largest bank's cascade
+    workspace and bf16 gradient (the banks run one after another)."""
+    from anvil_fast.core.cascade import CascadeWorkspace
+
+    most = 0
+    for bank in opt.inner.banks.values():
+        shape = tuple(bank.p_slice.shape)
+        ws = held_storages(CascadeWorkspace.for_shape(shape, bank.p_slice.device))
+        most = max(most, sum(ws.values()) + 2 * math.prod(shape))
+    return most
+
+
+def memory_rows(size: str, device) -> list[tuple]:
+    """(size, variant, held bytes, ratio to AdamW, {kind: bytes}, transient bytes or None) per variant."""
+    from anvil_fast.optim.entry import ANVIL
+
+    rows, adamw = [], None
+    for name, kw in (("torch AdamW", None),) + MEMORY_VARIANTS:
+        model = _model(size, device)
+        _set_grads(model, device)
+        ps = list(model.parameters())
+        opt = torch.optim.AdamW(ps) if kw is None else ANVIL(model, **kw)
+        for _ in range(2):
+            opt.step()
+        held = held_storages(opt, exclude=ps + [p.grad for p in ps])
+        total = sum(held.values())
+        adamw = total if kw is None else adamw
+        kinds: dict[str, int] = {}
+        for path, n in held.items():
+            kinds[_kind(path)] = kinds.get(_kind(path), 0) + n
+        eng = getattr(opt, "engine", None)
+        transient = transient_bytes(opt) if eng is not None and eng.grad_read == "transient" else None
+        rows.append((size, name, total, total / adamw, kinds, transient))
+    return rows
+
+
+def format_memory(rows, n_params: dict[str, int]) -> str:
+    mib = 2 ** 20
+    lines = ["| model | optimizer | held MiB | x AdamW | state | workspace | gradient buffers | tables | "
+             "transient per step |", "|---|---|---|---|---|---|---|---|---|"]
+    for size, name, total, ratio, kinds, transient in rows:
+        cells = [f"{kinds.get(k, 0) / mib:.2f}" for k in ("state", "workspace", "gradient buffers", "tables")]
+        lines.append(f"| {size} ({n_params[size] / 1e6:.2f}M fp32) | {name} | {total / mib:.2f} | {ratio:.3f} | "
+                     + " | ".join(cells) + f" | {'-' if transient is None else f'{transient / mib:.2f}'} |")
+    return "\n".join(lines)
+
+
+def run_memory(a: argparse.Namespace, device) -> int:
+    sizes = (a.sizes or ("small" if device.type == "cpu" else "small,medium")).split(",")
+    rows, n_params = [], {}
+    for size in sizes:
+        n_params[size] = sum(p.numel() for p in _model(size, device).parameters())
+        rows += memory_rows(size, device)
+    print(format_memory(rows, n_params))
+    return 0
+
+
 def run(a: argparse.Namespace) -> int:
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("anvil_fast.bench dropin: needs a CUDA device (timings come only from GPU runs); "
               "--device cpu runs the smoke mode")
         return 2
+    if a.memory:
+        return run_memory(a, device)
     cpu = device.type == "cpu"
     sizes = (a.sizes or ("smoke" if cpu else "small,medium")).split(",")
     variants = a.variants.split(",")
