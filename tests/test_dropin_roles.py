@@ -445,3 +445,22 @@ def test_expert_stack_orientation_is_read_off_the_product():
     assert not e["w_in"].transposed and e["w_in"].route == "bank_12x8_float32"
     assert e["w_out"].transposed and e["w_out"].route == "bank_12x8_float32_transposed"
     assert "stack (observed: matrix operand of einsum" in e["w_in"].reason
+
+
+@pytest.mark.parametrize("conv", [nn.Conv1d(3, 8, 5, dilation=2), nn.Conv2d(4, 8, 1, stride=2),
+                                  nn.Conv3d(2, 8, (3, 1, 2), padding=(1, 0, 0))], ids=["1d", "2d", "3d"])
+def test_sequential_starting_with_a_convolution_is_traced(conv):
+    """An ``nn.Sequential`` whose first module is a convolution is traced at construction on one
+    smallest image of its input: the first convolution is the input layer and the last the output
+    layer (Adam), the one between is banked; no warning about an untraced model."""
+    d = conv.weight.ndim - 2
+    C, BN = {1: (nn.Conv1d, nn.BatchNorm1d), 2: (nn.Conv2d, nn.BatchNorm2d), 3: (nn.Conv3d, nn.BatchNorm3d)}[d]
+    m = nn.Sequential(conv, BN(8), nn.ReLU(), C(8, 8, 1), nn.ReLU(), C(8, 2, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = ANVIL(m)
+    routes = {e.name: e for e in opt.plan}
+    assert routes["0.weight"].route == "adam" and "input layer" in routes["0.weight"].reason
+    assert routes["5.weight"].route == "adam" and "output layer" in routes["5.weight"].reason
+    assert routes["3.weight"].route != "adam"
+    assert "one smallest image of the first convolution's input" in opt.describe()

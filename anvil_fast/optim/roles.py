@@ -424,8 +424,9 @@ def offered_input(model: nn.Module) -> tuple[Any, str]:
     """An input the model itself offers to trace with, and where it came from; ``(None, why)``
     when it offers none. Hugging Face models: ``dummy_inputs`` holding the ``main_input_name`` (one
     row of each), else, for ``pixel_values``, a batch of one image of the config's ``num_channels``
-    and ``image_size``; an ``nn.Sequential`` whose first module is an ``nn.Linear`` or an
-    ``nn.Embedding``: one row of its input."""
+    and ``image_size``; an ``nn.Sequential`` whose first module is an ``nn.Linear``, an
+    ``nn.Embedding`` or an ``nn.Conv1d``/``2d``/``3d``: one row of its input (a convolution's: one
+    image of the smallest size it maps to an output)."""
     p = next(model.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
@@ -453,8 +454,16 @@ def offered_input(model: nn.Module) -> tuple[Any, str]:
                 "one row of the first nn.Linear's input"
         if isinstance(first, nn.Embedding):
             return torch.zeros(1, 2, dtype=torch.long, device=device), "two tokens of the first nn.Embedding"
+        if isinstance(first, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            # the smallest input the convolution maps to at least one output position per axis (the
+            # trace runs in eval mode, so a batch norm after it needs no second value)
+            pad = first.padding if isinstance(first.padding, tuple) else (0,) * len(first.kernel_size)
+            size = [max(1, (k - 1) * d + 1 - 2 * q) for k, d, q in zip(first.kernel_size, first.dilation, pad)]
+            g = torch.Generator().manual_seed(0)
+            return torch.randn(1, first.in_channels, *size, generator=g).to(device, first.weight.dtype), \
+                "one smallest image of the first convolution's input"
     return None, ("the model offers no input to trace (no Hugging Face dummy_inputs or image config, not an "
-                  "nn.Sequential starting with nn.Linear or nn.Embedding)")
+                  "nn.Sequential starting with nn.Linear, nn.Embedding or a convolution)")
 
 
 def trace_at_construction(model: nn.Module | None, example_input, params: Iterable[Tensor]) -> tuple[
