@@ -260,7 +260,7 @@ def test_sequential_classifier_is_visible_and_fixable():
     seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     text = ANVIL(seq).describe()  # traced at construction on one row of the first nn.Linear's input
     line = next(l for l in text.splitlines() if l.startswith("4.weight"))
-    assert "adam (replicated)" in line and "output layer" in line
+    assert "adam (sharded)" in line and "output layer" in line  # one process: every Adam parameter its own state
     seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = ANVIL(seq, anvil=["4.weight"])
     entry = {e.name: e for e in opt.plan}["4.weight"]
@@ -358,7 +358,7 @@ def test_four_dim_parameter_without_rule_is_refused_with_a_hint():
     with pytest.raises(ConfigError, match=r"w: no rule covers a parameter of shape \(2, 3, 4, 5\).*adam=\['w'\]"):
         ANVIL(odd)
     with pytest.warns(UserWarning, match="no parameter was banked"):
-        assert ANVIL(Odd(), adam=["w"]).adam_names == {"w": "replicated"}
+        assert ANVIL(Odd(), adam=["w"]).adam_names == {"w": "sharded"}
     opt = ANVIL(Odd(), anvil=["w"])
     assert {e.name: e.bank_shape for e in opt.plan}["w"] == (1, 2, 60)
 
@@ -741,7 +741,7 @@ def test_bad_input():
     with pytest.raises(ConfigError, match="anvil= needs a parameter with ndim >= 2"):
         ANVIL(nn.Linear(2, 2), anvil=["bias"])
     plain = ANVIL(list(nn.Linear(3, 5).parameters()))
-    assert plain.banks == {"bank_5x3_float32": ["param0"]} and plain.adam_names == {"param1": "replicated"}
+    assert plain.banks == {"bank_5x3_float32": ["param0"]} and plain.adam_names == {"param1": "sharded"}
 
 
 def _two_rank_session(rank, world_size):
