@@ -106,16 +106,17 @@ def test_the_learning_rate_passes_through_each_module_once():
 def test_the_path_finder_sees_a_module_that_reads_the_value_back():
     """The tracer reports a second pass through a module (what a front-end reading the inner
     optimizer's values back, beside its hand-over, would show)."""
-    from anvil_fast.optim import dropin
+    from anvil_fast.optim import contract
 
     def twice():
-        dropin._describe_value(LR)  # a drop-in frame holding the value
+        contract._describe_value(LR)  # a drop-in frame holding the value
         torch.tensor(1.0).add(1)
         check = sys.modules["anvil_fast.optim.frontend"].check_hyperparameters
         check("adam", dict(lr=LR, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8))
-        dropin._describe_value(LR)
+        contract._describe_value(LR)
 
-    assert lr_path(twice, LR) == ["anvil_fast.optim.dropin", "anvil_fast.optim.frontend", "anvil_fast.optim.dropin"]
+    assert lr_path(twice, LR) == ["anvil_fast.optim.contract", "anvil_fast.optim.frontend",
+                                  "anvil_fast.optim.contract"]
 
 
 def _attribute_chains(path: Path) -> set[str]:
