@@ -3,15 +3,22 @@
 take an optimizer class), with torch's AdamW and Muon as controls: optim_db is cut to those three
 before test_optim.py is imported.
 
-Put beside this file (never into the package) pytorch's test/test_optim.py and its test/optim/ folder
-of a torch-2.13-era commit (maggiemoss/pytorch@eb4247c60570b3bd9f6404efae673f748ea0a5ea was used:
-`fetch` it, then `git show <commit>:test/test_optim.py`), and run pytest on test_optim.py from this
-folder, with `-k ANVIL` (pytest's -k ignores case) for the drop-in and `-k "AdamW or Muon"` for the
-controls (ANVIL_ROOT: the repository, by default two folders up). The logs of such a run on the CPU are in results/torch_optim/.
+Put beside this file (a copy or a link, in a folder outside the package) pytorch's test/test_optim.py
+of a torch-2.13-era commit (maggiemoss/pytorch@eb4247c60570b3bd9f6404efae673f748ea0a5ea is the one
+used) and its test/optim/ folder (imported only for torch's other test classes: without it, drop
+those three imports), and run pytest on test_optim.py there, with `-k ANVIL` (pytest's -k ignores
+case, so it selects DropInAnvil) for the drop-in and `-k "AdamW or Muon"` for the controls
+(ANVIL_ROOT: this repository, by default two folders up from this file; torch's test utilities need
+the `expecttest` package). The logs of such runs on the CPU are in results/torch_optim/.
+
+The generic tests that cannot pass for the drop-in are marked here as strict expected failures
+(:data:`EXPECTED_FAILURES`, each with its reason), so a run reports them as xfailed and a change
+that makes one pass (or fail otherwise) shows up as a failure of the run.
 """
 import os
 import sys
 
+import pytest
 import torch
 from torch.nn import Parameter
 
@@ -66,3 +73,26 @@ def _keep(info):
 ANVIL_INFO = C.OptimizerInfo(DropInAnvil, optim_inputs_func=anvil_inputs, optim_error_inputs_func=anvil_errors,
                              supported_impls=(), not_og_supported_flags=(), supports_complex=False)
 C.optim_db[:] = [i for i in C.optim_db if _keep(i)] + [ANVIL_INFO]
+
+
+#: torch's generic tests the drop-in fails, by test name (without its device and dtype suffix) -> why.
+#: All three build the optimizer from param-group dicts with their own options (a second group's lr,
+#: a group without weight decay, a group at lr 1e-28 that must not move): the drop-in plans its own
+#: two groups (anvil and adam) and refuses such dicts with a TypeError, because its step runs every
+#: bank and every Adam parameter with one set of per-step values (one lr, momentum, weight decay and
+#: rail set for the banks, one for Adam).
+EXPECTED_FAILURES = {
+    name: "param-group dicts with their own options: the drop-in plans its own anvil and adam groups and runs "
+          "them with one set of per-step values, so it refuses the dicts (TypeError)"
+    for name in ("test_param_groups_lr", "test_param_groups_weight_decay",
+                 "test_param_group_with_lrscheduler_goes_right_direction")
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "DropInAnvil" not in item.name:
+            continue
+        for name, reason in EXPECTED_FAILURES.items():
+            if item.name.startswith(name + "_"):
+                item.add_marker(pytest.mark.xfail(reason=reason, raises=TypeError, strict=True))
