@@ -336,7 +336,7 @@ class DeviceStep:
                     if not (p.is_contiguous() and st[n]["exp_avg"].is_contiguous()):
                         raise ValueError(f"{n}: the in-place gradient read needs contiguous parameters and moments")
         elif self.grad_read == "transient":
-            # per bank: (its update's AnvilBank, [chunk, rows, cols], (member index, first, count))
+            # id of a bank's AnvilBank -> ([chunk, rows, cols], [(member's index in self.params, first, count)])
             self.assembly = {}
             k = 0
             for b in self.banks:
@@ -588,6 +588,8 @@ class DeviceStep:
                 self.device_part()
         else:
             self.device_part()
+        if self.grad_read == "transient":
+            self._grads = []  # the step holds no gradient past itself (zero_grad(set_to_none=True) frees them)
         self.attempted += 1
         if self.cuda:
             # outside the graph: a pinned copy inside a capture would record the host allocator's
