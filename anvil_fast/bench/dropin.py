@@ -20,8 +20,9 @@ where it can be), with its share of the whole device part.
 the command end to end; its times mean nothing.
 
 ``--memory`` times nothing: it counts the bytes of every tensor each optimizer holds after two
-steps (:func:`anvil_fast.bench.common.held_storages`: state, workspaces, gradient buffers, tables;
-each storage once; the parameters and their gradients excluded) against ``torch.optim.AdamW``'s on
+steps and ``zero_grad(set_to_none=True)`` (:func:`anvil_fast.bench.common.held_storages`: state,
+workspaces, gradient buffers, tables, a gradient it still refers to; each storage once; the
+parameters excluded) against ``torch.optim.AdamW``'s on
 the same model, split by what holds them, and the transient memory of one step of the
 ``"transient"`` read (the largest bank's cascade workspace and bf16 gradient, taken for one
 update and freed). On the CPU it runs the ``small`` GPT (fp32) by default, ``--sizes`` to choose.
@@ -255,14 +256,15 @@ def memory_rows(size: str, device) -> list[tuple]:
         opt = torch.optim.AdamW(ps) if kw is None else ANVIL(model, **kw)
         for _ in range(2):
             opt.step()
-        held = held_storages(opt, exclude=ps + [p.grad for p in ps])
+        eng = getattr(opt, "engine", None)
+        transient = transient_bytes(opt) if eng is not None and eng.grad_read == "transient" else None
+        opt.zero_grad(set_to_none=True)  # a gradient the optimizer still refers to then counts as held
+        held = held_storages(opt, exclude=ps)
         total = sum(held.values())
         adamw = total if kw is None else adamw
         kinds: dict[str, int] = {}
         for path, n in held.items():
             kinds[_kind(path)] = kinds.get(_kind(path), 0) + n
-        eng = getattr(opt, "engine", None)
-        transient = transient_bytes(opt) if eng is not None and eng.grad_read == "transient" else None
         rows.append((size, name, total, total / adamw, kinds, transient))
     return rows
 
