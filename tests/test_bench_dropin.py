@@ -44,3 +44,16 @@ def test_dropin_gpu_quick():
     from anvil_fast.bench import main
 
     assert main(["dropin", "--sizes", "small", "--rep-ms", "50", "--warmup", "3"]) == 0
+
+
+def test_dropin_memory_table_runs_on_cpu():
+    """``--memory`` prints one row per optimizer, AdamW's ratio 1 and the drop-in's next to it (the
+    1.05x bound itself is tests/test_dropin_memory.py's)."""
+    out = subprocess.run([sys.executable, "-m", "anvil_fast.bench", "dropin", "--device", "cpu", "--memory",
+                          "--sizes", "tiny"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [l for l in out.stdout.splitlines() if l.startswith("| tiny ")]
+    assert [r.split("|")[2].strip() for r in rows] == ["torch AdamW", "ANVIL, default arguments",
+                                                       "ANVIL, grad_read='buffers'",
+                                                       "ANVIL, rails_dtype=bf16 (lean state)"]
+    assert rows[0].split("|")[4].strip() == "1.000"
