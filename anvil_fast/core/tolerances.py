@@ -220,6 +220,8 @@ declares -- coefficients of any number of steps, a normalization, an orientation
 
 from __future__ import annotations
 
+import math
+
 FACTOR = 2.0
 ATOL = 2.0 ** -8
 RAILS_ULPS = 2
@@ -249,6 +251,16 @@ CASCADE_SV_MAX_DIM = 128
 EXPLODED_SIGMA = 1.1
 #: Singular values over whose pairs :func:`declared_roundings` sums exactly (see above).
 DECLARED_PAIRS_MAX = 256
+#: The math verdict (anyone's orthogonalizer, below): the largest deviation of the spectrum probe's
+#: singular values from the declared map, beyond every eager form's, in standard errors.
+MATH_Z = 5.0
+#: A relative change of eps up to one bf16 rounding of it is not a slip (a ``clamp_min(eps)`` on a
+#: bf16 norm rounds eps to bf16: 1e-7 becomes 1.0012e-7).
+MATH_EPS_ROUNDING = 2.0 ** -8
+#: An output is vacuous where its cosine with the identity or the input is above 1 - VACUOUS_GAP on a
+#: matrix where the float64 math's own is below 1 - 10 VACUOUS_GAP (or an output is zero where the
+#: math's is not).
+VACUOUS_GAP = 1e-3
 
 
 def gram_side_roundings(n_maps: int, restarts: tuple[int, ...]) -> int:
@@ -471,6 +483,53 @@ def check(component: str, *, fast: float, eager: float, floor: float, ulps: floa
     if ulps is not None and side is not None and not ulps <= side:
         return False
     return fast <= bf16_bound(eager)
+
+
+def orthogonalizer_clauses(row) -> dict[str, list[str]]:
+    """The three verdicts on anyone's orthogonalizer (module docstring, "Anyone's orthogonalizer") for
+    one row of :mod:`anvil_fast.studies.harness`: the failed clauses of ``math`` and ``safety`` (each a
+    FAIL), of ``rounding`` and the other ``findings`` (reported, never a FAIL), every clause naming its
+    value and its limit."""
+    out: dict[str, list[str]] = {"math": [], "rounding": [], "safety": [], "findings": []}
+    note = getattr(row, "note", "")
+    if not row.conforms:
+        (out["math"] if note.startswith("formed a") else out["safety"]).append(
+            ("math: orientation: " if note.startswith("formed a") else "safety: ") + note)
+    if row.nonfinite:
+        out["safety"].append(f"safety: output not finite on {row.nonfinite}/{row.count} matrices (limit 0)")
+    if row.vacuous:
+        out["safety"].append(f"safety: vacuous output: {row.vacuous} (cosine > 1 - {VACUOUS_GAP:g} where the "
+                             f"math's is < 1 - {10 * VACUOUS_GAP:g})")
+    if not row.declared:
+        return out
+    if row.math_z is not None and not row.math_z <= MATH_Z:
+        out["math"].append(f"math: singular values off the declared map along {row.math_clause}: "
+                           f"{row.math_z:.1f} standard errors > {MATH_Z:g} (shift {row.math_shift:.3g} beyond the "
+                           f"{row.math_form} run, {row.math_points} points)")
+    if row.exploded and not row.nonfinite:
+        what = (f"top singular value {row.top_sv:.3g} > {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices")
+        if row.eager_exploded:
+            out["findings"].append(f"the math explodes in bf16: {what} (its eager bf16 runs: {row.eager_top_sv:.3g})")
+        else:
+            out["safety"].append(f"safety: exploded: {what}, where its eager bf16 runs stay at "
+                                 f"{row.eager_top_sv:.3g} (limit {row.sigma_x:.3g})")
+    elif row.cap_ratio is not None and not row.cap_ratio <= 1.0 and not row.nonfinite:
+        if row.eager_cap_ratio is not None and not row.eager_cap_ratio <= 1.0:
+            out["findings"].append(f"the math exceeds its explosion cap in bf16: error / cap {row.cap_ratio:.3g} "
+                                   f"(eager {row.eager_cap_ratio:.3g})")
+        else:
+            out["safety"].append(f"safety: error / explosion cap {row.cap_ratio:.3g} > 1 where its eager bf16 runs "
+                                 f"reach {row.eager_cap_ratio if row.eager_cap_ratio is not None else float('nan'):.3g}")
+    forms = [v for v in (row.eager, row.eager_unfused) if v == v]
+    if forms and row.fast == row.fast and not row.nonfinite:
+        e = max(forms)
+        if not row.fast <= bf16_bound(e):
+            out["rounding"].append(f"rounding: err {row.fast:.3g} = {row.fast / e if e > 0 else math.inf:.2f}x the "
+                                   f"larger eager form's {e:.3g} (limit {FACTOR:g}x + 2^-8 = {bf16_bound(e):.3g})")
+    if row.well_conditioned and row.bound == row.bound and not row.eager <= row.bound:
+        out["findings"].append(f"its math magnifies bf16 rounding past the first-order bound: eager {row.eager:.3g} "
+                               f"> {row.bound:.3g}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
