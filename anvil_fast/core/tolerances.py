@@ -254,9 +254,47 @@ DECLARED_PAIRS_MAX = 256
 #: The math verdict (anyone's orthogonalizer, below): the largest deviation of the spectrum probe's
 #: singular values from the declared map, beyond every eager form's, in standard errors.
 MATH_Z = 5.0
-#: A relative change of eps up to one bf16 rounding of it is not a slip (a ``clamp_min(eps)`` on a
-#: bf16 norm rounds eps to bf16: 1e-7 becomes 1.0012e-7).
-MATH_EPS_ROUNDING = 2.0 ** -8
+#: The normalization as bf16 arithmetic applies it is not a slip: ``clamp_min(eps)`` or ``+ eps`` on a
+#: bf16 norm rounds eps to bf16 (1e-7 becomes 1.0012e-7), and ``norm * margin`` on a bf16 norm rounds
+#: to bf16 with a relative error that is not zero-mean (bf16 norms times 1.02: +3.3e-4 on average over
+#: 4096 random matrices). The math verdict removes the part of the deviation along the margin and eps
+#: directions inside the hull of {exact, bf16, fp16} arithmetic (:func:`scale_rounding`,
+#: :func:`eps_rounding`), widened by MATH_SCALE_SLACK, before it judges.
+MATH_SCALE_SLACK = 2.0 ** -12
+
+
+def _round_rel(v: float, dtype) -> float:
+    import torch
+
+    return float(torch.tensor(v, dtype=torch.float64).to(dtype).double()) / v - 1.0 if v else 0.0
+
+
+def eps_rounding(eps: float) -> tuple[float, float]:
+    """The relative changes of eps that bf16 or fp16 arithmetic makes of it, and none: (lo, hi) of
+    their hull, widened by MATH_SCALE_SLACK."""
+    import torch
+
+    vals = [0.0] + [_round_rel(eps, d) for d in (torch.bfloat16, torch.float16) if eps >= 2.0 ** -14 or d is torch.bfloat16]
+    return min(vals) - MATH_SCALE_SLACK, max(vals) + MATH_SCALE_SLACK
+
+
+def scale_rounding(margin: float, eps: float = 0.0) -> tuple[float, float]:
+    """The mean relative change of ``norm * margin`` when a bf16 (or fp16) norm is multiplied by the
+    margin and the product rounded (norms log-uniform: every mantissa of a binade, weighted 1/n), and
+    none, in units of the margin itself: (lo, hi) of their hull, widened by MATH_SCALE_SLACK."""
+    import numpy as np
+
+    vals = [0.0]
+    for bits in (8, 11):  # bf16, fp16 significands
+        n = 1.0 + np.arange(2 ** (bits - 1)) / 2 ** (bits - 1)
+        p = n * margin
+        e = np.floor(np.log2(p))
+        q = np.round(p / 2.0 ** e * 2 ** (bits - 1)) / 2 ** (bits - 1) * 2.0 ** e
+        w = 1.0 / n
+        vals.append(float(np.sum(w * (q / p - 1.0)) / np.sum(w)) * margin)
+    return min(vals) - MATH_SCALE_SLACK * margin, max(vals) + MATH_SCALE_SLACK * margin
+
+
 #: An output is vacuous where its cosine with the identity or the input is above 1 - VACUOUS_GAP on a
 #: matrix where the float64 math's own is below 1 - 10 VACUOUS_GAP (or an output is zero where the
 #: math's is not).

@@ -324,9 +324,9 @@ def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tenso
 #: Matrices of the ``spectrum`` probe per shape: SPECTRUM_MIN_COUNT, at most as many as fit
 #: SPECTRUM_MAX_ELEMENTS elements (large shapes: fewer matrices, each with many points), at least the
 #: shape's batch. The top of the normalized range, where a first step's coefficients show, has one
-#: point per matrix: 2048 matrices see a 1e-3 slip of any coefficient of Muon's quintic at >= 6
+#: point per matrix: 4096 matrices see a 1e-3 slip of any coefficient of Muon's quintic at >= 7
 #: standard errors (tests/test_harness.py's mutation set).
-SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 2048, 2 ** 26
+SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 4096, 2 ** 26
 #: The probe's matrices reach an implementation in batches of about this many elements.
 SPECTRUM_CHUNK_ELEMENTS = 2 ** 17
 #: The share of the probe's matrices whose Frobenius norm is within a factor 4 of eps x margin^-1
@@ -336,6 +336,8 @@ SPECTRUM_EPS_SHARE, SPECTRUM_SCALE_EXP = 0.125, 4.0
 SPECTRUM_BINS, SPECTRUM_BIN_MIN = 16, 48
 #: The sensitivity direction of a relative change of eps (:func:`sensitivities`).
 EPS_DIRECTION = "eps (relative)"
+#: The sensitivity direction of a change of the margin.
+MARGIN_DIRECTION = "margin"
 
 
 @dataclass
@@ -368,10 +370,9 @@ def spectrum_count(shape) -> int:
 
 
 def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int | None = None) -> Spectrum:
-    """The probe's matrices (the math verdict, :mod:`anvil_fast.core.tolerances`): per matrix a top
-    singular value in [0.2, 1] of the Frobenius norm (half of them in [0.9, 1], where a first step's
-    coefficients show) and the rest log-uniform over three decades, filling the norm; random
-    orthogonal U, V; an overall scale 2^U(-4, 4) (every matrix's bf16 norm rounds differently) or,
+    """The probe's matrices (the math verdict, :mod:`anvil_fast.core.tolerances`): full-rank
+    matrices with a top singular value in [0.2, 1] of the Frobenius norm and the rest log-uniform over
+    three decades, filling the norm, and matrices of rank 1 to 4; random orthogonal U, V; an overall scale 2^U(-4, 4) (every matrix's bf16 norm rounds differently) or,
     for SPECTRUM_EPS_SHARE of them, a norm near eps / margin (where eps and the normalization's kind
     set the scale)."""
     b, m, n = (int(v) for v in shape)
@@ -382,10 +383,9 @@ def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int 
     u = torch.linalg.qr(torch.randn(cnt, m, k, generator=g, **f64))[0]
     v = torch.linalg.qr(torch.randn(cnt, n, k, generator=g, **f64))[0]
     i = torch.arange(cnt)[:, None]
-    # full rank (i % 4 == 0, 1): a top value in [0.2, 1] (i % 4 == 1: in [0.9, 1]), the rest
-    # log-uniform over three decades filling the norm; low rank: rank 1 (i % 4 == 2; its one point is
-    # the top of the normalized range, where the first steps' coefficients show) or 2 to 4 with
-    # uniform weights (i % 4 == 3); a low-rank matrix's points carry less rounding noise
+    # full rank (i % 4 == 0, 1): a top value in [0.2, 1] (i % 4 == 1: in [0.9, 1], where a first
+    # step's coefficients show), the rest log-uniform over three decades filling the norm; low rank:
+    # rank 1 (i % 4 == 2) or 2 to 4 with uniform weights (i % 4 == 3)
     lo = torch.where(i % 4 == 1, 0.9, 0.2).double()
     top = lo + (1 - lo) * torch.rand(cnt, 1, generator=g, **f64)
     rest = torch.exp(torch.rand(cnt, k - 1, generator=g, **f64) * math.log(1e-3))
@@ -457,7 +457,7 @@ def sensitivities(sp: Spectrum, math_: DeclaredMath) -> tuple[list[str], np.ndar
         d = sp.d.cpu().numpy()[:, None]
         scaled = (nrm * math_.margin >= math_.eps) if math_.normalization == "frobenius_clamp" else np.ones_like(d, bool)
         rows.append(np.where(scaled, -slope * key * nrm / d, 0.0))  # d(key)/d(margin) = -key ||X|| / d
-        names.append("margin")
+        names.append(MARGIN_DIRECTION)
         rows.append(np.where(scaled & (math_.normalization == "frobenius_clamp"), 0.0, -slope * key / d)
                     * math_.eps)  # per relative change of eps
         names.append(EPS_DIRECTION)
@@ -498,7 +498,7 @@ class MathStat:
 
 
 def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, names: list[str],
-                   sens: np.ndarray) -> MathStat:
+                   sens: np.ndarray, *, margin: float = 1.0, eps: float = 1e-7) -> MathStat:
     """The implementation's residuals ``r_impl`` (``[matrices, points]``: its singular values minus the
     float64 math's) against each eager form's, paired matrix by matrix, two ways: per bin of ``key``
     (the mean difference) and along each sensitivity direction (a matched filter: the weighted
@@ -535,6 +535,16 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
 
     all_pts = np.flatnonzero(flat_ok)
     ri_flat = np.where(flat_ok, ri.reshape(-1), 0.0)
+    # the normalization's scale as bf16 arithmetic applies it: the part of the residuals along the
+    # margin and eps directions up to their rounding allowance is removed (fitted, clipped to it)
+    nuisance = {MARGIN_DIRECTION: T.scale_rounding(margin, eps), EPS_DIRECTION: T.eps_rounding(eps)}
+    for name, jv in zip(names, sens_full):
+        if name in nuisance:
+            den = float(np.sum(w * jv * jv))
+            if den > 0:
+                shift = float(np.sum(w * jv * ri_flat)) / den
+                lo, hi = nuisance[name]
+                ri_flat = ri_flat - float(np.clip(shift, lo, hi)) * jv
     rf_flat = {f: np.where(flat_ok, r.reshape(-1), 0.0) for f, r in rf.items()}
     worst = MathStat(0.0, "-", 0.0, "-", npts)
 
@@ -564,8 +574,7 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
         norm = float(np.sum(wj * jv))
         if norm <= 0:
             continue
-        judge(lambda r, wj=wj: tstat(wj * r, all_pts), name, norm,
-              T.MATH_EPS_ROUNDING * norm if name == EPS_DIRECTION else 0.0)
+        judge(lambda r, wj=wj: tstat(wj * r, all_pts), name, norm)
     return worst
 
 
@@ -899,7 +908,8 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
             names, sens = cache.sens(shape, m)
             forms = {f: cache.get(("res", shape, family, m, f), lambda f=f: cache.residuals(shape, m, eagers[f]))
                      for f in FORMS}
-            st = math_statistic(cache.residuals(shape, m, y), forms, cache.spectrum(shape, m).key, names, sens)
+            st = math_statistic(cache.residuals(shape, m, y), forms, cache.spectrum(shape, m).key, names, sens,
+                                margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
             row.math_form, row.math_points = st.form, st.points
     else:
