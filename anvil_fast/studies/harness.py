@@ -103,18 +103,27 @@ class OrthogonalizerMismatch(AssertionError):
 class DeclaredMath:
     """What an orthogonalization declares it computes (:mod:`anvil_ref.polar`): the per-step
     coefficients, the normalization (:data:`anvil_ref.polar.NORMALIZATIONS`) with its margin and
-    eps, and the orientation rule (:data:`anvil_ref.polar.ORIENTATIONS`)."""
+    eps, and the orientation rule (:data:`anvil_ref.polar.ORIENTATIONS`); ``restarts``: it evaluates
+    the steps in the Gram form (the polynomial accumulated on the short side's Gram, ``X`` re-formed
+    before each step of ``restarts``, 0-based), whose eager run is then its baseline (:data:`GRAM_FORM`)."""
 
     coeffs: tuple[tuple[float, float, float], ...]
     normalization: str = "frobenius"
     margin: float = 1.0
     eps: float = 1e-7
     transpose_when: str = "tall"
+    restarts: tuple[int, ...] | None = None
+    #: the dtype it iterates in ("bfloat16", "float16"): its eager runs iterate in it too
+    dtype: str = "bfloat16"
 
     def __post_init__(self):
         object.__setattr__(self, "coeffs", load_maps(self.coeffs))
         if self.normalization not in P.NORMALIZATIONS:
             raise ValueError(f"normalization: expected one of {P.NORMALIZATIONS}, got {self.normalization!r}")
+        if self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"dtype: expected 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.restarts is not None:
+            object.__setattr__(self, "restarts", tuple(int(v) for v in self.restarts))
         if self.transpose_when not in P.ORIENTATIONS:
             raise ValueError(f"transpose_when: expected one of {P.ORIENTATIONS}, got {self.transpose_when!r}")
         for name in ("margin", "eps"):
@@ -149,9 +158,14 @@ class DeclaredMath:
     def exploded_sigma(self) -> float:
         return T.exploded_sigma(self.composite_max())
 
+    def forms(self) -> tuple[str, ...]:
+        """The eager forms it is compared with: the Gram form where it declares restarts, else FORMS."""
+        return GRAM_FORMS if self.restarts is not None else FORMS
+
     def to_json(self) -> dict:
         return {"coeffs": [list(t) for t in self.coeffs], "normalization": self.normalization,
-                "margin": self.margin, "eps": self.eps, "transpose_when": self.transpose_when}
+                "margin": self.margin, "eps": self.eps, "transpose_when": self.transpose_when,
+                "restarts": None if self.restarts is None else list(self.restarts), "dtype": self.dtype}
 
 
 @dataclass
@@ -255,45 +269,79 @@ def polar_factor(x: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------------ the same math, eager bf16
 
+#: The dtype the eager runs iterate in (:attr:`DeclaredMath.dtype`; set by :func:`eager_declared`).
+_DT = [torch.bfloat16]
+
+
 def _mm(x: Tensor, y: Tensor) -> Tensor:
     # CPU: the model of a bf16 GEMM with fp32 accumulation (its bits do not depend on which bf16 kernel
     # the BLAS picks, anvil_fast.core.eager.GEMMS); CUDA: the library's bf16 GEMM, as the implementations use
-    return (x.float() @ y.float()).bfloat16() if x.device.type == "cpu" else x @ y
+    return (x.float() @ y.float()).to(_DT[0]) if x.device.type == "cpu" else x @ y
 
 
 def _addmm(beta: float, c: Tensor, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
     """``beta*c + alpha*(x @ y)`` rounded once to bf16 (fp32 accumulation)."""
     if c.device.type == "cpu" or alpha == 0:
-        return (beta * c.float() + alpha * (x.float() @ y.float())).bfloat16()
+        return (beta * c.float() + alpha * (x.float() @ y.float())).to(_DT[0])
     return torch.baddbmm(c, x, y, beta=beta, alpha=alpha)
 
 
 #: The evaluation forms of one step an implementation can write (:func:`eager_declared`):
 #: ``fused`` rounds ``B = b A + c A^2`` and ``Z = a Z + B Z`` once each (``torch.baddbmm`` /
-#: ``addmm`` with beta and alpha, a fused epilogue); ``unfused`` writes them as the field's eager code
-#: does, ``B = b*A + c*A@A; X = a*X + B@X``, every product, scaling and sum rounded to bf16.
-FORMS = ("fused", "unfused")
+#: ``addmm`` with beta and alpha, a fused epilogue), after the normalization in fp32; ``unfused``
+#: writes them as the field's eager code does, ``B = b*A + c*A@A; X = a*X + B@X``, every product,
+#: scaling and sum rounded to bf16, after a normalization by the bf16 norm; ``horner`` as
+#: heavyball writes it, ``Y = c*A; Y += b I; Y = Y@A; Y += a I; X = Y@X``, each rounded (and b and a
+#: with them: torch adds a Python scalar to a bf16 tensor in bf16).
+FORMS = ("fused", "unfused", "horner")
+#: The Gram form (:meth:`DeclaredMath.forms`): ``R = X X^T``; per step ``Z = b R + c R^2`` and the
+#: accumulated ``Q = a Q + Q Z`` (``Z + a I`` first), ``R`` carried as ``a (a R + R Z) + Z (a R + R Z)``;
+#: at a restart and at the end ``X = Q X`` (dion's and Dao AI Lab's gram-newton-schulz, pytorch-optimizer's
+#: gram NS, the package's GRAM_SIDE), each product rounded once to bf16.
+GRAM_FORM = "gram"
+#: The Gram forms: ``gram`` adds ``a I`` in the iteration's dtype (``Z + a * I``, ``diagonal().add_(a)``),
+#: ``gram-a32`` in fp32 (a fused epilogue).
+GRAM_FORMS = (GRAM_FORM, "gram-a32")
+
+
+def _bf(v: float) -> float:
+    # a scalar as torch adds it to a bf16 tensor (``y.add_(b)``, ``y + b``): rounded to bf16 first (a
+    # multiplication keeps it in fp32)
+    return float(torch.tensor(v, dtype=torch.float64).to(_DT[0]))
 
 
 def _ew(x: Tensor) -> Tensor:
     # one element-wise bf16 operation's result: computed in fp32, rounded once (torch's bf16 arithmetic)
-    return x.bfloat16()
+    return x.to(_DT[0])
 
 
 def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tensor:
     """The declared math in plain eager bf16 (the ``eager`` columns): ``x`` cast to bf16 (clamped to its
     finite range), oriented, normalized in fp32 after an exact power-of-two prescale (eps scaled alike:
     nothing over- or underflows, nothing extra is rounded; AOL's row sums from the bf16 first Gram) and
-    rounded to bf16; then per step ``A = Z Z^T`` (one product, fp32 accumulation, rounded once) and, in
-    the ``form`` of :data:`FORMS`, ``B = b A + c A^2`` and ``Z = a Z + B Z``: ``fused``, each one product
-    with fp32 accumulation rounded once to bf16; ``unfused``, ``c*(A@A)``, ``b*A``, their sum,
-    ``B@Z``, ``a*Z`` and that sum each rounded to bf16. Returns bf16 of x's shape."""
-    if form not in FORMS:
-        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    rounded to bf16 (``unfused`` and ``horner``: divided by the norm rounded to bf16, times the margin
+    and plus eps each rounded, as the field's code does); then per step ``A = Z Z^T`` (one product, fp32
+    accumulation, rounded once) and, in the ``form`` of :data:`FORMS`, ``B = b A + c A^2`` and
+    ``Z = a Z + B Z``: ``fused``, each one product with fp32 accumulation rounded once to bf16;
+    ``unfused``, ``c*(A@A)``, ``b*A``, their sum, ``B@Z``, ``a*Z`` and that sum each rounded to bf16;
+    ``horner``, ``(a I + (b I + c A) A) Z`` with every operation rounded. Returns bf16 of x's shape."""
+    if form not in FORMS + GRAM_FORMS:
+        raise ValueError(f"form: expected one of {FORMS + GRAM_FORMS}, got {form!r}")
+    dt = getattr(torch, math_.dtype)
+    old, _DT[0] = _DT[0], dt
+    try:
+        return _eager(x, math_, form, dt)
+    finally:
+        _DT[0] = old
+
+
+def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor:
     bf_max = torch.finfo(torch.bfloat16).max
-    X = x.float().clamp(-bf_max, bf_max).bfloat16()
+    # bf16 input as the field casts it; an fp16 iteration normalizes the fp32 input first
+    X = x.float().clamp(-bf_max, bf_max)
+    X = X.bfloat16() if dt == torch.bfloat16 else X
     if X.ndim == 2:
-        return eager_declared(x[None], math_, form)[0]
+        return _eager(x[None], math_, form, dt)[0]
     flip = P.transposes(tuple(X.shape), transpose_when=math_.transpose_when)
     Z = X.mT.contiguous() if flip else X
     zf = Z.float()
@@ -303,20 +351,53 @@ def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tenso
     if math_.normalization == "aol":
         A = _mm(zf.bfloat16(), zf.bfloat16().mT)
         r = A.float().abs().sum(-1).clamp_min(math_.eps * s[..., 0] ** 2).rsqrt()
-        Z = (zf * r[..., :, None]).bfloat16()
-    else:
+        Z = (zf * r[..., :, None]).to(dt)
+    elif form == "fused":
         nrm = zf.square().sum(dim=(-2, -1), keepdim=True).sqrt() * math_.margin
         d = nrm + math_.eps * s if math_.normalization == "frobenius" else torch.maximum(nrm, math_.eps * s)
-        Z = (zf / d).bfloat16()
+        Z = (zf / d).to(dt)
+    else:  # as the field writes it: the norm of the bf16 matrix a bf16 number, times the margin, plus eps
+        nrm = _ew(zf.square().sum(dim=(-2, -1), keepdim=True).sqrt()).float()
+        if math_.margin != 1.0:
+            nrm = _ew(nrm * math_.margin).float()
+        eps = torch.tensor(math_.eps).bfloat16().float() * s
+        d = _ew(nrm + eps).float() if math_.normalization == "frobenius" else torch.maximum(nrm, eps)
+        Z = (zf / d).to(dt)
+    eye = torch.eye(Z.shape[-2], dtype=torch.float32, device=Z.device)
+    if form in GRAM_FORMS:
+        Z = _gram_form(Z, math_.coeffs, set(math_.restarts or ()), eye, round_a=form == GRAM_FORM)
+        return Z.mT if flip else Z
     for a, b, c in math_.coeffs:
         A = _mm(Z, Z.mT)
         if form == "fused":
             B = _addmm(b, A, A, A, alpha=c)
             Z = _addmm(a, Z, B, Z)
-        else:
+        elif form == "unfused":
             B = _ew(_ew(b * A.float()).float() + _ew(c * _mm(A, A).float()).float())
             Z = _ew(_ew(a * Z.float()).float() + _mm(B, Z).float())
+        else:  # horner: Z = (a I + (b I + c A) A) Z; torch adds a Python scalar to a bf16 tensor as bf16
+            Y = _ew(_ew(c * A.float()).float() + _bf(b) * eye)
+            Y = _ew(_mm(Y, A).float() + _bf(a) * eye)
+            Z = _mm(Y, Z)
     return Z.mT if flip else Z
+
+
+def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = True) -> Tensor:
+    R = _mm(X, X.mT)
+    Q = None
+    n = len(coeffs)
+    for i, (a, b, c) in enumerate(coeffs):
+        if i in restarts and i != 0 and Q is not None:
+            X = _mm(Q, X)
+            R = _mm(X, X.mT)
+            Q = None
+        Zp = _addmm(b, R, R, R, alpha=c)
+        aI = (_bf(a) if round_a else a) * eye  # a I: a in the iteration's dtype, or in fp32
+        Q = _ew(Zp.float() + aI) if Q is None else _addmm(a, Q, Q, Zp)
+        if i < n - 1 and i + 1 not in restarts:
+            RZ = _addmm(a, R, R, Zp)
+            R = _addmm(a, RZ, Zp, RZ)
+    return _mm(Q, X)
 
 
 # ------------------------------------------------------------------------------ the math, seen through known singular values
@@ -334,6 +415,9 @@ SPECTRUM_CHUNK_ELEMENTS = 2 ** 17
 SPECTRUM_EPS_SHARE, SPECTRUM_SCALE_EXP = 0.125, 4.0
 #: The probe's bins: log-spaced in the normalized singular value, each with at least this many points.
 SPECTRUM_BINS, SPECTRUM_BIN_MIN = 16, 48
+#: A residual beyond this (a singular value off the map by more than the map's whole range) marks an
+#: exploded matrix (:func:`math_statistic`).
+MATH_WILD = 10.0
 #: The sensitivity direction of a relative change of eps (:func:`sensitivities`).
 EPS_DIRECTION = "eps (relative)"
 #: The sensitivity direction of a change of the margin.
@@ -509,10 +593,18 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
     kk = key.cpu().double().numpy()
     ok = np.isfinite(kk) & (kk > 0)
     ri = r_impl.cpu().double().numpy()
+    rf = {f: r.cpu().double().numpy() for f, r in r_forms.items()}
+    # a matrix on which the same math explodes in eager bf16 (a residual past the map's own range, or
+    # not finite) is the safety verdict's, not a measurement of the map: left out for everyone
+    wild = np.zeros(kk.shape[0], dtype=bool)
+    for r in rf.values():
+        wild |= ~(np.abs(np.where(ok, r, 0.0)) <= MATH_WILD).all(axis=1)
+    ok &= ~wild[:, None]
     npts = int(ok.sum())
     if not np.isfinite(ri[ok]).all():
         return MathStat(math.inf, "output not finite", math.inf, "-", npts)
-    rf = {f: r.cpu().double().numpy() for f, r in r_forms.items()}
+    if npts < 2:
+        return MathStat(0.0, "no point where the math stays finite in bf16", 0.0, "-", npts)
     flat_ok = ok.reshape(-1)
     groups = _bins(np.where(ok, kk, np.nan).reshape(-1))
     mats = np.broadcast_to(np.arange(kk.shape[0])[:, None], kk.shape).reshape(-1)
@@ -556,12 +648,14 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
         vals = {"float64": (0.0, 0.0)} | {f: stat(r) for f, r in rf_flat.items()}
         lo_f = min(vals, key=lambda f: vals[f][0])
         hi_f = max(vals, key=lambda f: vals[f][0])
-        lo, hi = vals[lo_f][0] - allow, vals[hi_f][0] + allow
+        # an implementation that rounds up to MATH_BIAS_FACTOR times as much as an eager form may carry up
+        # to that many times its rounding bias (the hull scaled about the float64 math's 0)
+        lo, hi = T.MATH_BIAS_FACTOR * vals[lo_f][0] - allow, T.MATH_BIAS_FACTOR * vals[hi_f][0] + allow
         if lo <= tot_i <= hi:
             return
         near = lo_f if tot_i < lo else hi_f
         excess = lo - tot_i if tot_i < lo else tot_i - hi
-        se = math.sqrt(se_i ** 2 + vals[near][1] ** 2)
+        se = math.sqrt(se_i ** 2 + (T.MATH_BIAS_FACTOR * vals[near][1]) ** 2)
         z = excess / se if se > 0 else math.inf
         if z > worst.z:
             worst = MathStat(z, clause, (tot_i - vals[near][0]) / unit, near, npts)
@@ -644,6 +738,7 @@ class Row:
     floor: float = math.nan
     eager: float = math.nan  #: the fused eager form's error (FORMS)
     eager_unfused: float = math.nan  #: the unfused eager form's error
+    eager_horner: float = math.nan  #: the Horner eager form's error
     bound: float = math.nan
     roundings: float | None = None  #: the gain-weighted rounding count of the bound (well-conditioned rows)
     polar: float = math.nan
@@ -682,7 +777,8 @@ class Row:
 
     def rounding_ratio(self) -> float:
         """Its error over the larger eager form's (the form it may have been written in)."""
-        e = max(v for v in (self.eager, self.eager_unfused) if v == v) if self.eager == self.eager else math.nan
+        forms = [v for v in (self.eager, self.eager_unfused, self.eager_horner) if v == v]
+        e = max(forms) if forms else math.nan
         return self.fast / e if e and e == e and e > 0 else math.nan
 
     def verdicts(self) -> dict[str, list[str]]:
@@ -744,8 +840,8 @@ class _Cache:
     float64 result, the eager bf16 results and the bound; the spectrum probe. Shared by every
     implementation judged in one call."""
 
-    def __init__(self, *, seed: int, device, count: int):
-        self.seed, self.device, self.count = seed, torch.device(device), count
+    def __init__(self, *, seed: int, device, count: int, spectrum_count: int | None = None):
+        self.seed, self.device, self.count, self.spectrum_count = seed, torch.device(device), count, spectrum_count
         self.store: dict = {}
 
     def get(self, key, make):
@@ -754,8 +850,9 @@ class _Cache:
         return self.store[key]
 
     def spectrum(self, shape, m: DeclaredMath) -> Spectrum:
-        return self.get(("spectrum", shape, "spectrum", m), lambda: spectrum_input(shape, m, seed=self.seed,
-                                                                                    device=self.device))
+        return self.get(("spectrum", shape, "spectrum", m), lambda: spectrum_input(
+            shape, m, seed=self.seed, device=self.device,
+            count=None if self.spectrum_count is None else max(shape[0], self.spectrum_count)))
 
     def x(self, shape, family, m: DeclaredMath | None = None):
         if family == SPECTRUM:
@@ -816,21 +913,29 @@ def _cosines(y: Tensor, t: Tensor) -> Tensor:
     return torch.where(den > 0, (a * b).sum(1) / den.clamp_min(1e-300), torch.zeros_like(den)).cpu()
 
 
-def vacuous(y: Tensor, ref: Tensor, x: Tensor) -> str:
-    """What a vacuous output is (all zero where the math is not, the identity, the input returned, up
-    to scale: cosine above 1 - VACUOUS_GAP on a matrix where the math's own output's is below
-    1 - 10 VACUOUS_GAP), else ""."""
+def vacuous(y: Tensor, ref: Tensor, x: Tensor, *, top: Tensor | None = None, sigma: float = math.inf,
+            dtype: torch.dtype | None = None) -> str:
+    """What a vacuous output is (all zero where the math's, rounded to the output's dtype, is not; the
+    identity or the input returned, up to scale: cosine above 1 - VACUOUS_GAP on a matrix that has not
+    exploded (``top`` <= ``sigma``: an explosion is its own clause) where the math's own output's is
+    below 1 - 10 VACUOUS_GAP), else ""."""
     yd = y.detach().double().reshape(-1, *y.shape[-2:])
     rd = ref.detach().double().reshape(-1, *ref.shape[-2:])
     if not torch.isfinite(yd).all():
         return ""
-    yn, rn = yd.flatten(1).norm(dim=1).cpu(), rd.flatten(1).norm(dim=1).cpu()
-    if bool(((yn == 0) & (rn > 0)).any()):
+    yn = yd.flatten(1).norm(dim=1).cpu()
+    rn = rd.flatten(1).norm(dim=1).cpu()
+    rn_out = rn
+    for dt in (y.dtype, dtype):  # the math's output as the output's dtype and the declared iteration's hold it
+        if dt is not None and dt.is_floating_point:
+            rn_out = torch.minimum(rn_out, ref.detach().to(dt).double().reshape(rd.shape).flatten(1).norm(dim=1).cpu())
+    if bool(((yn == 0) & (rn_out > 0)).any()):
         return "zero"
+    calm = torch.ones_like(yn, dtype=torch.bool) if top is None else (top.cpu() <= sigma)
     eye = torch.eye(*yd.shape[-2:], dtype=torch.float64, device=yd.device).expand_as(yd)
     for name, t in (("the identity", eye), ("the input", x.reshape(yd.shape))):
         cy, cr = _cosines(yd, t), _cosines(rd, t)
-        hit = (cy > 1 - T.VACUOUS_GAP) & ((cr < 1 - 10 * T.VACUOUS_GAP) | (rn == 0))
+        hit = calm & (cy > 1 - T.VACUOUS_GAP) & ((cr < 1 - 10 * T.VACUOUS_GAP) | (rn == 0))
         if bool(hit.any()):
             return name
     return ""
@@ -842,7 +947,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     m = impl.math
     x = cache.x(shape, family, m)
     dev = cache.device.type
-    chunk = spectrum_chunk(shape) if family == SPECTRUM else shape[0]
+    chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
     row = Row(impl.name, shape, family, count=int(x.shape[0]), declared=m is not None,
               well_conditioned=family in WELL_CONDITIONED, device=dev)
     if m is not None:
@@ -881,16 +986,18 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.polar = float(rel_errs(y, pf).max())
     if m is not None:
         ref = cache.ref(shape, family, m)
-        eagers = {f: cache.eager(shape, family, m, f) for f in FORMS}
+        eagers = {f: cache.eager(shape, family, m, f) for f in m.forms()}
         row.fast = float(rel_errs(y, ref).max())
         row.floor = float(rel_errs(ref.bfloat16(), ref).max())
-        row.eager = float(rel_errs(eagers["fused"], ref).max())
-        row.eager_unfused = float(rel_errs(eagers["unfused"], ref).max())
+        errs = {f: float(rel_errs(e, ref).max()) for f, e in eagers.items()}
+        row.eager = errs.get("fused", errs.get(GRAM_FORM, math.nan))
+        row.eager_unfused = errs.get("unfused", math.nan)
+        row.eager_horner = errs.get("horner", math.nan)
         etop = torch.stack([cache.get(("etop", shape, family, m, f), lambda f=f: _top(eagers[f], shape, family))
-                            for f in FORMS])
+                            for f in m.forms()])
         row.eager_top_sv = float(etop.max())
         row.eager_exploded = int((etop > row.sigma_x).any(dim=0).sum())
-        row.vacuous = vacuous(y, ref, x)
+        row.vacuous = vacuous(y, ref, x, top=top, sigma=row.sigma_x, dtype=getattr(torch, m.dtype))
         k = min(shape[1:])
         norms = ref.detach().double().reshape(-1, *ref.shape[-2:]).flatten(1).norm(dim=1).cpu()
         caps = torch.tensor([T.cascade_error_cap(float(n), k, sigma=row.sigma_x) for n in norms], dtype=torch.float64)
@@ -907,7 +1014,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         if family == SPECTRUM:
             names, sens = cache.sens(shape, m)
             forms = {f: cache.get(("res", shape, family, m, f), lambda f=f: cache.residuals(shape, m, eagers[f]))
-                     for f in FORMS}
+                     for f in m.forms()}
             st = math_statistic(cache.residuals(shape, m, y), forms, cache.spectrum(shape, m).key, names, sens,
                                 margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
@@ -930,9 +1037,11 @@ def warm_up(impl: Implementation, shape, cache: _Cache) -> float:
     try:
         x = cache.x(tuple(shape), "gaussian")
         run_impl(impl, x, seed=cache.seed, record=False, chunk=shape[0])
-        if impl.math is not None and spectrum_chunk(shape) != shape[0]:  # the probe's batch
-            run_impl(impl, x[:1].expand(spectrum_chunk(shape), *x.shape[1:]).contiguous(), seed=cache.seed,
-                     record=False)
+        sc = spectrum_chunk(shape)
+        if cache.spectrum_count is not None:
+            sc = min(sc, max(shape[0], cache.spectrum_count))
+        if impl.math is not None and sc != shape[0]:  # the probe's batch
+            run_impl(impl, x[:1].expand(sc, *x.shape[1:]).contiguous(), seed=cache.seed, record=False)
         if cache.device.type == "cuda":
             torch.cuda.synchronize(cache.device)
     except Exception:
@@ -943,14 +1052,15 @@ def warm_up(impl: Implementation, shape, cache: _Cache) -> float:
 def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SHAPES, families=DEFAULT_FAMILIES,
           seed: int = 0, device="cpu", near_rank1_count: int = 8, time_reps: int = 0, progress: bool | None = None,
           time_limit: float | None = None, checkpoint: Callable[[list[Row]], None] | None = None,
-          done: Sequence[Row] = (), warmups: dict | None = None) -> list[Row]:
+          done: Sequence[Row] = (), warmups: dict | None = None, spectrum_count: int | None = None) -> list[Row]:
     """Every row for every implementation, shape and family (same inputs for all implementations),
     shape by shape, implementation by implementation (each one's first call at a shape, the warm-up,
     outside its rows: :func:`warm_up`). ``near_rank1_count``: inputs of the near-rank-1 family per
     shape; ``time_reps``: timed calls per shape on CUDA (0: none); ``time_limit``: seconds after which
     no new implementation is started at a shape (the rows done are returned); ``checkpoint``: called
     with the rows so far after every row; ``done``: rows of an earlier run (``--resume``), kept and not
-    measured again; ``warmups``: filled with the warm-up seconds per "impl shape"."""
+    measured again; ``warmups``: filled with the warm-up seconds per "impl shape"; ``spectrum_count``:
+    matrices of the spectrum probe per shape (default :func:`spectrum_count`: fewer see less)."""
     from anvil_ref.progress import Progress
 
     impls = [impls] if isinstance(impls, Implementation) else list(impls)
@@ -962,7 +1072,7 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
             raise ValueError(f"shapes: expected (chunk, rows, cols) of positive integers, got {s!r}")
-    cache = _Cache(seed=seed, device=device, count=near_rank1_count)
+    cache = _Cache(seed=seed, device=device, count=near_rank1_count, spectrum_count=spectrum_count)
     have = {(r.impl, tuple(r.shape), r.family): r for r in done}
     rows = list(done)
     warmups = {} if warmups is None else warmups
@@ -1089,7 +1199,7 @@ def assert_orthogonalizer(fn: Callable[[Tensor], Tensor], *, coeffs: MapsLike | 
                           eps: float = 1e-7, transpose_when: str = "tall", shapes=DEFAULT_SHAPES,
                           families: Sequence[str] = DEFAULT_FAMILIES, seed: int = 0, per_matrix: bool = False,
                           input_dtype: torch.dtype = torch.float32, device="cpu", near_rank1_count: int = 8,
-                          name: str | None = None) -> list[Row]:
+                          name: str | None = None, spectrum_count: int | None = None) -> list[Row]:
     """Judge ``fn`` (module docstring) and raise :class:`OrthogonalizerMismatch` naming every failed
     clause (its verdict, value and limit) and the table if a row FAILs; returns the rows (findings
     do not raise: read them with ``row.verdicts()``). ``coeffs`` (with ``steps``, ``cycle``,
@@ -1099,7 +1209,7 @@ def assert_orthogonalizer(fn: Callable[[Tensor], Tensor], *, coeffs: MapsLike | 
                                                      margin=margin, eps=eps, transpose_when=transpose_when)
     impl = Implementation(name or callable_name(fn), fn, m, per_matrix=per_matrix, input_dtype=input_dtype)
     rows = judge(impl, shapes=shapes, families=families, seed=seed, device=device, near_rank1_count=near_rank1_count,
-                 progress=False)
+                 progress=False, spectrum_count=spectrum_count)
     failed = [r for r in rows if r.verdict() == "FAIL"]
     if failed:
         clauses = [f"  {'x'.join(map(str, r.shape))} {r.family}: {c}" for r in failed for c in r.failures()]
