@@ -39,7 +39,7 @@ TORCH_MATH = dict(coeffs=[KJ], steps=STEPS, normalization="frobenius_clamp", mar
 #: small and quick: a tall shape (the orientation matters), the probe of the math verdict (fewer
 #: matrices than a default run: a 1% slip stands far out of their noise) and the families of safety
 CASE = dict(shapes=[(2, 48, 32)], families=("spectrum", "gaussian", "near_rank1"), near_rank1_count=4,
-            spectrum_count=512)
+            spectrum_count=256)
 #: without the probe (the orientation and safety only)
 NO_PROBE = dict(CASE, families=("gaussian", "well_conditioned", "near_rank1"))
 
@@ -111,7 +111,7 @@ def test_a_slipped_coefficient_in_torch_muon_fails_the_math():
     text = str(info.value)
     assert "torch-muon" not in text and "slipped" in text
     # the clause names its value and its limit
-    assert re.search(r"\d+\.\d standard errors > 5", text), text
+    assert re.search(r"\d+\.\d standard errors > 6", text), text
 
 
 def test_a_dropped_transpose_in_torch_muon_fails():
@@ -381,14 +381,15 @@ def test_a_run_keeps_every_finished_row_when_a_later_one_never_ends():
 
 from anvil_fast import testing as AT  # noqa: E402  (the public testing API)
 
-#: one shape, the probe at its default size (the mutation set's weakest slip, step 1's c of Muon's
-#: quintic off by 1e-3, stands at ~7 standard errors there) and the families the safety slips need
-MUTATION_CASE = dict(shapes=[(2, 48, 32)], families=("spectrum", "zero", "tiny"))
+#: one small shape, the probe at its default size (the mutation set's weakest slip, step 1's c of
+#: Muon's quintic off by 1e-3, stands at 8 standard errors and more there) and the families the
+#: safety slips need
+MUTATION_CASE = dict(shapes=[(2, 24, 16)], families=("spectrum", "zero", "tiny"))
 
 
 def test_the_field_s_own_code_passes():
     impls = [H.Implementation(n, getattr(AT, n), H.DeclaredMath.of(**m)) for n, m in AT.FIELD_EXAMPLES.items()]
-    rows = H.judge(impls, shapes=[(2, 48, 32), (2, 32, 32)], families=AT.DEFAULT_FAMILIES, progress=False)
+    rows = H.judge(impls, shapes=[(2, 32, 32)], families=AT.DEFAULT_FAMILIES, progress=False, spectrum_count=1024)
     bad = [(r.impl, r.shape, r.family, r.failures()) for r in rows if r.verdict() == "FAIL"]
     assert not bad, bad
     assert {r.impl for r in rows} == set(AT.FIELD_EXAMPLES)
@@ -409,15 +410,15 @@ def test_every_slip_of_the_mutation_set_fails_through_the_api():
         assert fails and all(re.search(r"^(math|safety): ", c) for c in fails), (n, fails)
     assert by[("step1_c_plus_1e-3", "spectrum")].math_z > T.MATH_Z
     assert "zero" in by[("float16_input", "tiny")].failures()[0]  # float16 flushes 2^-100 to zero
-    assert by[("no_transpose", "zero")].failures() == ["math: orientation: formed a 48x48 Gram; transpose when tall "
-                                                       "forms 32x32"]
+    assert by[("no_transpose", "zero")].failures() == ["math: orientation: formed a 24x24 Gram; transpose when tall "
+                                                       "forms 16x16 (seen 24, limit: the declared 16)"]
 
 
 def test_every_slip_of_the_mutation_set_fails_through_the_command_line(tmp_path, capsys):
     out = tmp_path / "mutants.json"
     specs = ",".join(f"anvil_fast.studies.field_examples:{f.__name__}" for f in AT.MUTANTS.values())
     rc, text, err = _cli(capsys, "--impl", specs, "--coeffs", ",".join(map(str, AT.MUON_MATH["coeffs"][0])),
-                         "--steps", "5", "--normalization", "frobenius", "--shapes", "2x48x32",
+                         "--steps", "5", "--normalization", "frobenius", "--shapes", "2x24x16",
                          "--families", ",".join(MUTATION_CASE["families"]), "--json", str(out), "--no-progress")
     assert rc == 1, text + err
     data = json.loads(out.read_text())

@@ -405,7 +405,7 @@ def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = Tr
 #: Matrices of the ``spectrum`` probe per shape: SPECTRUM_MIN_COUNT, at most as many as fit
 #: SPECTRUM_MAX_ELEMENTS elements (large shapes: fewer matrices, each with many points), at least the
 #: shape's batch. The top of the normalized range, where a first step's coefficients show, has one
-#: point per matrix: 4096 matrices see a 1e-3 slip of any coefficient of Muon's quintic at >= 7
+#: point per matrix: 4096 matrices see a 1e-3 slip of any coefficient of Muon's quintic at >= 8
 #: standard errors (tests/test_harness.py's mutation set).
 SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 4096, 2 ** 26
 #: The probe's matrices reach an implementation in batches of about this many elements.
