@@ -43,7 +43,7 @@ RUNS = tuple((f"{group}_{shape.replace('x', '_')}.json", adapters, shape)
                                      ("emerging_syrk", _EMERGING_SYRK), ("anvil", _ANVIL))
              for shape in SHAPES)
 #: Seconds after which a run starts no new (adapter, shape) (the rest waits for its --resume).
-BUDGET_S = 420
+BUDGET_S = 300
 
 
 def command(name: str, adapters: str, shape: str) -> str:
@@ -194,7 +194,7 @@ def table(data: dict | None = None) -> str:
     notes = [f"*Generated from `{where}/*.json` ({data.get('device', '?')}, torch {data.get('torch', '?')}), "
              f"written by {len(gen)} run(s) of the study, e.g. `{gen[0] if gen else COMMAND}`"
              + ("" if data.get("complete", True) else "; some runs stopped at their time budget before every row")
-             + (". These are the CPU run's small shapes: the H200 runs write the bank shapes." if where == CPU_DIR
+             + (". These are the CPU run's small shapes: the H200 runs write the bank shapes" if where == CPU_DIR
                 else "") + ".*"]
     if data.get("unavailable"):
         notes.append("*Not run there: " + "; ".join(f"{k} ({v})" for k, v in sorted(data["unavailable"].items())) + ".*")

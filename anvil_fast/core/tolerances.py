@@ -253,8 +253,8 @@ EXPLODED_SIGMA = 1.1
 DECLARED_PAIRS_MAX = 256
 #: The math verdict (anyone's orthogonalizer, below): the largest deviation of the spectrum probe's
 #: singular values from the declared map, beyond every eager form's, in standard errors. Measured on
-#: the CPU: correct code of the field up to 5.1 (the package's SAFE with polar_express_nanogpt5, 2x48x32),
-#: mostly below 3; the mutation set's 1e-3 slips of Muon's quintic from 8.0 (step 1's c) up.
+#: the CPU (2x48x32, 2x32x48): the field's code up to 3.4, mostly below 3; the mutation set's 1e-3
+#: slips of Muon's quintic from 8.0 (step 1's c) up.
 MATH_Z = 6.0
 #: The math verdict compares the implementation with the hull of the float64 math (0) and the eager
 #: forms' mean deviations (FORMS: fused, unfused, Horner; or the Gram form it declares, in its declared

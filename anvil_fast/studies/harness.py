@@ -8,39 +8,41 @@ a batch ``[chunk, rows, cols]`` (or on one matrix, ``per_matrix=True``), and the
 
 ``err``        its relative error against the same math in float64 (:func:`reference`)
 ``floor``      the float64 result rounded once to bf16: no bf16 output can do better
-``eager``      the harness's plain eager bf16 run of the same math (:func:`eager_declared`): what that
-               math loses in bf16 with library matmuls, the "as accurate as its math allows" mark
-``bound``      the derived bound of eager's error for that math (:func:`anvil_fast.core.tolerances.declared_roundings`;
-               applied on the well-conditioned family)
+``eager``      the harness's plain eager bf16 runs of the same math in each evaluation form the field
+               writes (:data:`FORMS`: fused, unfused, Horner; or the Gram form it declares, in its
+               declared dtype; :func:`eager_declared`); ``k`` its error over the largest of them
+``bound``      the derived bound of the fused eager error for that math
+               (:func:`anvil_fast.core.tolerances.declared_roundings`; the well-conditioned family)
 ``polar``      its error against the exact polar factor ``U V^T`` (float64 SVD), next to ``math``, the
-               float64 math's own: where the second is as large as the first, the math (not the rounding)
-               limits it
-``sv``         min / mean / max of its output's singular values divided by their RMS (a polar factor: 1/1/1)
+               float64 math's own
+``math z``     on the ``spectrum`` family (:func:`spectrum_input`: inputs of known singular values),
+               the largest deviation of its output's singular values from the declared map beyond
+               every eager form's, in standard errors (:func:`math_statistic`)
+``sv``         min / mean / max of its output's singular values divided by their RMS
 ``exploded``   outputs whose top singular value passes the math's explosion threshold
-               (:func:`anvil_fast.core.tolerances.exploded_sigma`; on the near-rank-1 family the inputs are
-               :func:`anvil_fast.studies.near_rank1.near_rank1`'s)
+               (:func:`anvil_fast.core.tolerances.exploded_sigma`), next to the eager runs'
 ``gram``       the side of the largest square product it formed, seen through torch's dispatcher
                (:class:`GramRecorder`; not seen for Triton kernels), next to the one its orientation
                rule forms
-``ms``         median time per call on CUDA
+``ms``         median time per call on CUDA (after a warm-up call per shape, :func:`warm_up`)
 
-and the verdict of the package's one rule, :func:`anvil_fast.core.tolerances.check_row` (:data:`VERDICT_RULE`):
-``ok``, or ``FAIL`` where it errs by more than twice the eager bf16 run of its own math plus one bf16
-rounding, explodes, or does not do what it declares (another output shape, a Gram on the other side).
-Undeclared math (``math=None``) gets the polar, singular-value and explosion columns (the explosion
-threshold then is EXPLODED_SIGMA, ANVIL's: a map set that peaks higher, like Muon's quintic at ~1.2,
-counts there; declare the math for its own), verdict ``unjudged`` (``FAIL`` where an output is not
-finite or has another shape).
+and three verdicts (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`, :data:`VERDICT_RULE`),
+every failed clause naming its value and its limit: **math** (the spectrum probe, the Gram side) and
+**safety** (non-finite, vacuous, an explosion its eager math does not have) FAIL; **rounding** (``err``
+over the largest eager form's, beyond twice plus one bf16 rounding) is a finding, as is a math that
+explodes in bf16 in its own eager run. Undeclared math (``math=None``) gets safety only, verdict
+``unjudged`` unless that fails.
 
-From another project's test::
+The public place is :mod:`anvil_fast.testing`; from another project's test::
 
-    import anvil_fast.studies.harness as H
-    H.assert_orthogonalizer(my_newton_schulz, coeffs=[(3.4445, -4.7750, 2.0315)] * 5,
-                            normalization="frobenius_clamp", margin=1.0, eps=1e-7, transpose_when="tall")
+    from anvil_fast.testing import assert_orthogonalizer
+    assert_orthogonalizer(my_newton_schulz, coeffs=[(3.4445, -4.7750, 2.0315)], steps=5,
+                          normalization="frobenius", margin=1.0, eps=1e-7, transpose_when="tall")
 
-raises :class:`OrthogonalizerMismatch` (an AssertionError) with the table when a row fails. The
-command line is ``python -m anvil_fast.studies.difftest --impl package.module:function ...`` or
-``--adapter NAME`` (:mod:`anvil_fast.studies.adapters`), with ``--json``.
+raises :class:`OrthogonalizerMismatch` (an AssertionError) naming every failed clause, with the
+table. The command line is ``python -m anvil_fast.studies.difftest --impl package.module:function
+...`` or ``--adapter NAME`` (:mod:`anvil_fast.studies.adapters`), with ``--json``, ``--resume``,
+``--time-budget-s`` and ``--cache-dir``; both share :data:`DEFAULT_FAMILIES` and :data:`DEFAULT_SHAPES`.
 """
 
 from __future__ import annotations
@@ -1008,7 +1010,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
             row.cap_ratio = math.inf
         if family in POLAR_FAMILIES:
             row.math_polar = float(rel_errs(ref, cache.polar(shape, family)).max())
-        if row.well_conditioned:
+        if row.well_conditioned and m.restarts is None:  # the bound counts the standard form's roundings
             row.roundings = cache.roundings(shape, family, m)
             row.bound = T.eager_bound("cascade", floor=row.floor, roundings=row.roundings)
         if family == SPECTRUM:
@@ -1085,8 +1087,8 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     t0, n = time.monotonic(), 0
     with Progress(max(total, 1), "harness", enabled=progress) as bar:
         for j, (s, impl) in enumerate(todo):
-            if time_limit is not None and time.monotonic() - t0 > time_limit:
-                break
+            if j and time_limit is not None and time.monotonic() - t0 > time_limit:
+                break  # (the first always runs: every run makes progress)
             warmups[f"{impl.name} {'x'.join(map(str, s))}"] = warm_up(impl, s, cache)
             for f in fams(impl):
                 if (impl.name, s, f) in have:
