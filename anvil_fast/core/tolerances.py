@@ -216,6 +216,36 @@ declares -- coefficients of any number of steps, a normalization, an orientation
   a Gram on another side than its orientation rule forms -- fails whatever its errors: a dropped
   transpose forms the long side's Gram, the same matrix in exact arithmetic and at bf16 an error
   indistinguishable from the declared one's, so only the products it forms show it.
+
+Anyone's orthogonalizer: three verdicts (:func:`orthogonalizer_clauses`, every failed clause with its
+value and its limit). The cascade's rule ``fast <= FACTOR * eager + ATOL`` against one eager form cannot
+judge another library's code: the field writes the same math in several evaluation forms, and they
+round differently (measured, CPU, 2x48x32 Gaussian, Muon's quintic: fused ``baddbmm`` 0.0154, the
+field's unfused ``B = b*A + c*A@A; X = a*X + B@X`` 0.0372, 2.0-2.4x; heavyball's Horner form with its
+scalars added in bf16 2.9-3.1x its fused sibling), while a 1e-3 slip of one coefficient moves one
+matrix's output by 0.003-0.0075, under any form's bf16 noise. So:
+
+* **the math** (FAIL): on the ``spectrum`` family (4096 matrices of known singular values: a top
+  value in [0.2, 1] or [0.9, 1] of the Frobenius norm and three decades below it, or rank 1 to 4;
+  random scales, an eighth near eps) each output singular value ``u_i^T Y v_i`` minus the declared
+  composite ``F`` at that point is a residual whose rounding part is nearly zero-mean and whose slip
+  part is not. The residuals are compared, matrix by matrix, with those of the eager runs of the same
+  math in every form (:data:`anvil_fast.studies.harness.FORMS`, or the declared Gram form in its
+  dtype) and of the float64 math itself (0): per log-spaced bin of the normalized singular value
+  (the mean), and along each coefficient's, the margin's and eps's sensitivity direction (a matched
+  filter weighted by the inverse variance of the eager residuals). Each statistic's distance from
+  the hull of the forms' values is measured in standard errors estimated from the spread of the
+  per-matrix sums (a matrix's points share its norm's rounding); FAIL above MATH_Z. The part of the
+  deviation along margin and eps within what bf16 and fp16 arithmetic do to them (:func:`scale_rounding`,
+  :func:`eps_rounding`) is removed first; matrices on which an eager form explodes are left to safety.
+* **the safety** (FAIL, every family): a non-finite output; a vacuous one (zero where the math's output,
+  in the output's and the declared dtype, is not; the identity or the input returned, cosine above
+  1 - VACUOUS_GAP where the math's is below 1 - 10 VACUOUS_GAP, on matrices that did not explode); an
+  explosion (exploded_sigma, the error cap) where no eager form of the same math explodes. Where one
+  does, it is a finding about the math in bf16, not a FAIL.
+* **the rounding** (a finding): ``err > FACTOR * max(eager forms) + ATOL``, reported as ``k`` = err over
+  the largest eager form's: an implementation that rounds more than the field's eager code of its
+  own math is worth knowing, and is not wrong.
 """
 
 from __future__ import annotations
