@@ -577,7 +577,10 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
             out["safety"].append(f"safety: {note} (limit: the declared shape, no exception)")
     if row.nonfinite:
         out["safety"].append(f"safety: output not finite on {row.nonfinite}/{row.count} matrices (limit 0)")
-    if row.vacuous:
+    if row.vacuous == "zero":
+        out["safety"].append("safety: vacuous output: zero on a matrix where the math's output, in the output's "
+                             "dtype, is not (limit: nonzero)")
+    elif row.vacuous:
         out["safety"].append(f"safety: vacuous output: {row.vacuous} (cosine > 1 - {VACUOUS_GAP:g} where the "
                              f"math's is < 1 - {10 * VACUOUS_GAP:g})")
     if not row.declared:
