@@ -24,6 +24,10 @@ and every ``python -m`` entry lives in ``bench`` or ``studies``. The reference o
 same-named ``anvil_ref`` module; the rules both share (orientation, lane reduction, fp32 split/join,
 constants) are imported from ``anvil_ref``, never restated.
 
+Outside the layers, two facades: this package (its lazy names below) and ``anvil_fast.testing``, the
+public testing API (``assert_orthogonalizer``: anyone's orthogonalization judged from a pytest suite,
+over ``studies.harness``); no library module imports either.
+
 Which module owns which concept:
 
 =============================  ==========================================================================
@@ -101,6 +105,8 @@ module                         concept
 ``studies.harness``            anyone's orthogonalization judged against the math it declares
 ``studies.adapters``           the other libraries' orthogonalizations and the package's own, each with
                                its declared math, for ``harness``
+``studies.field_examples``     the field's Newton-Schulz and Polar Express written as the field writes
+                               them, and the mutation set of slips the harness must catch
 ``studies.near_rank1``         the near-rank-1 study (SAFE's headroom under bf16, measured)
 ``studies.gram_side_study``    the Gram side's error study (its schedule)
 ``studies.scaling``            equivalence and step time of the optimizer step at several ranks

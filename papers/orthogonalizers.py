@@ -1,14 +1,14 @@
 """The paper's table of other libraries' orthogonalizations (section 6.1), rendered from the JSON the
-harness writes (``python -m anvil_fast.studies.difftest --adapter ... --json``, :mod:`anvil_fast.studies.harness`),
-kept under results/ (:data:`SOURCE`).
+harness writes (``python -m anvil_fast.studies.difftest --adapter ... --json``, :mod:`anvil_fast.studies.harness`).
 
-Per (adapter, shape), from its rows: the error against its own math in float64 on the
-well-conditioned family next to the plain eager bf16 run of that math and the derived bound; the
-error against the exact polar factor on the Gaussian family next to the float64 math's own; the
-singular-value range there; the explosions on the near-rank-1 family; the median time per call; the
-verdict of the harness's rule over every family measured. The last column states, by fixed rules on
-those numbers (:func:`classify`), whether the kernel is as accurate as its math allows, whether its
-math limits it, and whether it explodes.
+The H200 run's JSON files (:data:`H200_DIR`, one per run of :data:`RUNS`, each under ten minutes and
+resumable) are read where present, else the CPU run's (:data:`CPU_DIR`, small shapes). Per (adapter,
+shape): the error against its own math in float64 on the Gaussian family next to the eager bf16 runs
+of that math (``k``: the error over the largest eager form's), the math verdict's deviation on the
+spectrum probe, the safety clauses, the verdicts over every family, and the findings written as
+findings (:func:`findings`): an implementation that rounds more than its sibling with the same
+math, a math that explodes in bf16 (its own eager run explodes too), a rounding past a form's eager.
+A FAIL is a math or safety clause; nothing else is.
 """
 
 from __future__ import annotations
@@ -18,24 +18,70 @@ import math
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The H200 run's JSON (written by :data:`COMMAND`, run from the repository root).
-SOURCE = "results/h200_orthogonalizers/orthogonalizers.json"
-#: The adapters of the paper's run: every one the harness has (``all``), on the bank shapes.
-SHAPES = "4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096"
-FAMILIES = "gaussian,well_conditioned,near_rank1"
-COMMAND = (f"python -m anvil_fast.studies.difftest --adapter all --shapes {SHAPES} --families {FAMILIES} "
-           f"--near-rank1-count 8 --time-reps 10 --time-limit 200 --no-progress --json {SOURCE}")
-#: A kernel's error against its own math within this factor of the eager bf16 run counts as "as
-#: accurate as its math allows" (the harness's own factor, anvil_fast.core.tolerances.FACTOR).
+#: The H200 run's JSON files (written by :data:`RUNS`, run from the repository root).
+H200_DIR = "results/h200_orthogonalizers"
+#: The CPU run's (small shapes): what the table shows until the H200's exist.
+CPU_DIR = "results/cpu_orthogonalizers"
+#: The bank shapes of the record.
+SHAPES = ("4x256x768", "4x768x768", "2x2816x768", "2x768x3072", "1x4096x4096")
+#: The H200 runs: (JSON name, adapters, shapes), each well under ten minutes with its compilations
+#: in the warm-up; run each again (``--resume``) until its JSON says ``"complete": true``.
+_EAGER = ("torch-muon,dion-muon,dion-polar-express,dion-normuon,heavyball-ns5,heavyball-msign,"
+          "pytorch-optimizer-original,pytorch-optimizer-quintic,pytorch-optimizer-polar-express,"
+          "pytorch-optimizer-polar-express-safer,pytorch-optimizer-gram-ns,field-muon-newton-schulz,"
+          "field-muon-newton-schulz-fused,field-polar-express,gram-newton-schulz,gram-newton-schulz-standard")
+_TRITON = ("dion-newton-schulz-triton,dion-newton-schulz-triton-fast,dion-polar-express-triton,dion-normuon-triton,"
+           "gram-newton-schulz-quack")
+_EMERGING = ",".join(f"emerging-{k}" for k in ("simple", "quintic", "polar-express", "cans", "aol", "deepseekv4"))
+_EMERGING_SYRK = ",".join(f"emerging-{k}-syrk" for k in ("simple", "quintic", "polar-express", "cans", "aol",
+                                                          "deepseekv4"))
+_ANVIL = ("anvil-safe,anvil-faithful,anvil-gram-side,anvil-safe-anvil-express,anvil-safe-anvil-optimal,"
+          "anvil-safe-anvil-polished,anvil-safe-muon-jordan5,anvil-safe-polar-express-nanogpt5,"
+          "anvil-safe-polar-express-paper6")
+RUNS = tuple((f"{group}_{shape.replace('x', '_')}.json", adapters, shape)
+             for group, adapters in (("eager", _EAGER), ("triton", _TRITON), ("emerging", _EMERGING),
+                                     ("emerging_syrk", _EMERGING_SYRK), ("anvil", _ANVIL))
+             for shape in SHAPES)
+#: Seconds after which a run starts no new (adapter, shape) (the rest waits for its --resume).
+BUDGET_S = 300
+
+
+def command(name: str, adapters: str, shape: str) -> str:
+    """One H200 run's command line (repository root; the JSON under results/, its copy in ``$OUT``, the
+    compilers' caches in the ignored ``.compile_cache``, kept on a warm machine between runs)."""
+    return (f"PYTHONPATH=.peers/dion python -m anvil_fast.studies.difftest --adapter {adapters} --shapes {shape} "
+            f"--time-reps 10 --time-budget-s {BUDGET_S} --cache-dir .compile_cache --resume --no-progress "
+            f"--json {H200_DIR}/{name}; cp {H200_DIR}/{name} $OUT/")
+
+
+COMMAND = command(*RUNS[0])
+#: A kernel's error within this factor of the largest eager form's is "as accurate as its math allows"
+#: (the harness's factor, anvil_fast.core.tolerances.FACTOR).
 AS_ACCURATE = 2.0
-#: Its math limits it where the float64 math's own distance from the polar factor is at least this
-#: share of the kernel's.
-MATH_SHARE = 0.5
+#: Siblings (the same declared math) whose errors differ by at least this factor are a finding.
+SIBLING_RATIO = 1.5
 
 
 def load(path: Path | None = None) -> dict | None:
-    p = ROOT / SOURCE if path is None else path
-    return json.loads(p.read_text()) if p.is_file() else None
+    """The rows of every JSON under the H200 directory (else the CPU one), merged; ``path``: one file."""
+    if path is not None:
+        return json.loads(Path(path).read_text()) if Path(path).is_file() else None
+    for d in (H200_DIR, CPU_DIR):
+        files = sorted((ROOT / d).glob("*.json"))
+        if files:
+            parts = [json.loads(f.read_text()) for f in files]
+            out = {"source": d, "device": parts[0].get("device", "?"), "torch": parts[0].get("torch", "?"),
+                   "generated_by": [p.get("generated_by", "") for p in parts],
+                   "complete": all(p.get("complete", True) for p in parts), "implementations": {},
+                   "unavailable": {}, "rows": []}
+            for p in parts:
+                out["implementations"].update(p.get("implementations", {}))
+                out["unavailable"].update(p.get("unavailable", {}))
+                out["rows"] += p.get("rows", [])
+            for n in out["implementations"]:
+                out["unavailable"].pop(n, None)
+            return out
+    return None
 
 
 def _f(v, fmt=".3g") -> str:
@@ -53,57 +99,115 @@ def summarize(data: dict) -> list[dict]:
     return list(out.values())
 
 
+def _eager_max(r: dict) -> float | None:
+    forms = [r.get(k) for k in ("eager", "eager_unfused", "eager_horner") if r.get(k) is not None]
+    return max(forms) if forms else None
+
+
 def classify(e: dict) -> str:
     """The plain statement of the last column, from the entry's numbers."""
-    wc, g, nr = (e["families"].get(f) for f in ("well_conditioned", "gaussian", "near_rank1"))
+    g, sp = e["families"].get("gaussian"), e["families"].get("spectrum")
     words = []
-    if wc and wc.get("fast") is not None and wc.get("eager"):
-        ratio = wc["fast"] / wc["eager"]
-        words.append("as accurate as its math allows" if ratio <= AS_ACCURATE else
-                     f"{ratio:.1f}x the bf16 error of its math")
-        if wc.get("bound") is not None and wc["eager"] > wc["bound"]:
-            words.append(f"its math magnifies bf16 rounding past the first-order bound ({_f(wc['eager'])} > "
-                         f"{_f(wc['bound'])})")
-    if g and g.get("polar") is not None and g.get("math_polar") is not None:
-        if g["math_polar"] >= MATH_SHARE * g["polar"]:
-            words.append(f"its math limits it ({_f(g['math_polar'], '.2g')} from the polar factor in float64)")
-        else:
-            words.append("its rounding limits it")
-    if nr and nr.get("exploded"):
-        words.append(f"explodes on {nr['exploded']}/{nr['count']} near-rank-1 inputs")
-    if any(v == "FAIL" for v in e["verdicts"]):
-        bad = [f for f, r in e["families"].items() if r["verdict"] == "FAIL"]
+    if g and g.get("fast") is not None and _eager_max(g):
+        k = g["fast"] / _eager_max(g)
+        words.append("as accurate as its math allows" if k <= AS_ACCURATE else
+                     f"finding: rounds {k:.1f}x its form's eager")
+        if g.get("polar") is not None and g.get("math_polar") is not None:
+            words.append("its math limits it" if g["math_polar"] >= 0.5 * g["polar"] else "its rounding limits it")
+    for r in e["families"].values():
+        for f in (r.get("verdicts") or {}).get("findings", []):
+            if f.startswith("the math explodes"):
+                words.append(f"finding: the math explodes in bf16 on {r['family']}")
+                break
+    if sp and sp.get("math_z") is not None:
+        words.append(f"math within {sp['math_z']:.1f} standard errors" if sp["verdict"] != "FAIL" or
+                     not (sp.get("verdicts") or {}).get("math") else f"FAIL: math off along {sp['math_clause']}")
+    bad = [f"{f} ({'; '.join((r.get('verdicts') or {}).get('math', []) + (r.get('verdicts') or {}).get('safety', []))})"
+           for f, r in e["families"].items() if r["verdict"] == "FAIL"]
+    if bad:
         words.append("FAIL on " + ", ".join(bad))
-    return "; ".join(words) or "-"
+    return "; ".join(dict.fromkeys(words)) or "-"
+
+
+def findings(data: dict) -> list[str]:
+    """The findings of the run, each a sentence: siblings with the same math that round differently,
+    maths that explode in bf16, FAILs."""
+    out = []
+    maths = {n: json.dumps(i.get("math"), sort_keys=True) for n, i in data.get("implementations", {}).items()
+             if i.get("math") is not None}
+    by = {(r["impl"], tuple(r["shape"]), r["family"]): r for r in data["rows"]}
+    shapes = sorted({tuple(r["shape"]) for r in data["rows"]})
+    names = list(dict.fromkeys(r["impl"] for r in data["rows"]))
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if a not in maths or maths.get(a) != maths.get(b):
+                continue
+            for s in shapes:
+                ra, rb = by.get((a, s, "gaussian")), by.get((b, s, "gaussian"))
+                if not ra or not rb or not ra.get("fast") or not rb.get("fast"):
+                    continue
+                hi, lo = (ra, rb) if ra["fast"] >= rb["fast"] else (rb, ra)
+                if hi["fast"] >= SIBLING_RATIO * lo["fast"]:
+                    out.append(f"Finding: {hi['impl']} rounds {hi['fast'] / lo['fast']:.1f}x more than its sibling "
+                               f"{lo['impl']} with the same math (error {hi['fast']:.3g} against {lo['fast']:.3g} at "
+                               f"{'x'.join(map(str, s))}, Gaussian input); its largest eager form rounds "
+                               f"{_f(_eager_max(hi))}: a property of its evaluation form, not of its math.")
+    seen = set()
+    for r in data["rows"]:
+        for f in (r.get("verdicts") or {}).get("findings", []):
+            if f.startswith("the math explodes") and (r["impl"], r["family"]) not in seen:
+                seen.add((r["impl"], r["family"]))
+                out.append(f"Finding: the math of {r['impl']} explodes in bf16 on {r['family']} input "
+                           f"({'x'.join(map(str, r['shape']))}: {f[len('the math explodes in bf16: '):]}); the "
+                           "eager bf16 run of the same declared math explodes as well, so it is the math, not a "
+                           "slip of the implementation.")
+    for r in data["rows"]:
+        if r["verdict"] == "FAIL":
+            v = r.get("verdicts") or {}
+            out.append(f"FAIL: {r['impl']} at {'x'.join(map(str, r['shape']))}, {r['family']}: "
+                       + "; ".join(v.get("math", []) + v.get("safety", [])) + ".")
+    return out
 
 
 def table(data: dict | None = None) -> str:
     data = load() if data is None else data
     if data is None:
-        return f"*(no data yet: `{SOURCE}` is written by `{COMMAND}`)*"
-    head = ("| adapter | shape | err vs its math (well-cond.) | eager bf16 of its math | derived bound | "
-            "err vs polar (Gaussian) | its math vs polar | sv min/mean/max | exploded (near-rank-1) | ms | "
-            "verdict | what limits it |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]
+        return f"*(no data yet: `{H200_DIR}/*.json` is written by `{COMMAND}` and the other runs of the study)*"
+    head = ("| adapter | shape | err vs its math (Gaussian) | eager fused | eager unfused | eager Horner | k | "
+            "math z (spectrum) | err vs polar | its math vs polar | exploded (near-rank-1) | ms | verdicts | "
+            "what it is |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for e in summarize(data):
-        wc, g, nr = (e["families"].get(f) or {} for f in ("well_conditioned", "gaussian", "near_rank1"))
-        sv = "-" if g.get("sv_mean") is None else f"{g['sv_min']:.2f}/{g['sv_mean']:.2f}/{g['sv_max']:.2f}"
-        ok = sum(v == "ok" for v in e["verdicts"])
-        exploded = "-" if not nr else f"{nr['exploded']}/{nr['count']}"
-        lines.append(f"| {e['impl']} | {e['shape']} | {_f(wc.get('fast'))} | {_f(wc.get('eager'))} | "
-                     f"{_f(wc.get('bound'))} | {_f(g.get('polar'))} | {_f(g.get('math_polar'))} | {sv} | "
-                     f"{exploded} | {_f(g.get('ms'), '.3f')} | {ok}/{len(e['verdicts'])} ok | {classify(e)} |")
-    notes = [f"*Generated from `{SOURCE}` ({data.get('device', '?')}, torch {data.get('torch', '?')}), "
-             f"written by `{data.get('generated_by', COMMAND)}`"
-             + ("" if data.get("complete", True) else "; the run stopped at its time limit before every row") + ".*"]
+        g = e["families"].get("gaussian") or {}
+        sp = e["families"].get("spectrum") or {}
+        nr = e["families"].get("near_rank1") or {}
+        counts = {v: e["verdicts"].count(v) for v in ("ok", "finding", "FAIL", "unjudged") if v in e["verdicts"]}
+        k = (g["fast"] / _eager_max(g)) if g.get("fast") is not None and _eager_max(g) else None
+        exploded = "-" if not nr else f"{nr.get('exploded', 0)}/{nr.get('count', 0)}"
+        lines.append(f"| {e['impl']} | {e['shape']} | {_f(g.get('fast'))} | {_f(g.get('eager'))} | "
+                     f"{_f(g.get('eager_unfused'))} | {_f(g.get('eager_horner'))} | {_f(k, '.2f')} | "
+                     f"{_f(sp.get('math_z'), '.1f')} | {_f(g.get('polar'))} | {_f(g.get('math_polar'))} | {exploded} | "
+                     f"{_f(g.get('ms'), '.3f')} | {', '.join(f'{n} {v}' for v, n in counts.items())} | {classify(e)} |")
+    gen = data.get("generated_by", "")
+    gen = gen if isinstance(gen, list) else [gen]
+    where = data.get("source", H200_DIR)
+    notes = [f"*Generated from `{where}/*.json` ({data.get('device', '?')}, torch {data.get('torch', '?')}), "
+             f"written by {len(gen)} run(s) of the study, e.g. `{gen[0] if gen else COMMAND}`"
+             + ("" if data.get("complete", True) else "; some runs stopped at their time budget before every row")
+             + (". These are the CPU run's small shapes: the H200 runs write the bank shapes" if where == CPU_DIR
+                else "") + ".*"]
     if data.get("unavailable"):
         notes.append("*Not run there: " + "; ".join(f"{k} ({v})" for k, v in sorted(data["unavailable"].items())) + ".*")
+    found = findings(data)
+    if found:
+        notes.append("\n".join(f"* {f}" for f in found))
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes)
 
 
 def values(data: dict | None = None) -> dict[str, str]:
     data = load() if data is None else data
     return {"peers_command": f"`{COMMAND}`",
+            "peers_runs": str(len(RUNS)),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}
 
 

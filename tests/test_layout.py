@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ROOT / "anvil_fast"
 #: The layers a library module may stand in: everything below the benchmarks and the studies.
 LIBRARY = ("kernels", "core", "parallel", "optim", "models")
+#: Modules outside every layer: the package's facades (the front door, and the public testing API
+#: over the studies), which no library module imports.
+FACADES = ("anvil_fast", "anvil_fast.testing")
 
 
 def module_name(path: Path) -> str:
@@ -58,7 +61,7 @@ def layer_of(module: str) -> str | None:
 def test_the_layers_are_packages_holding_every_module():
     assert len(anvil_fast.LAYERS) <= 8
     assert {p.name for p in FAST.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == set(anvil_fast.LAYERS)
-    loose = [m for m in modules() if layer_of(m) is None and m != "anvil_fast"]
+    loose = [m for m in modules() if layer_of(m) is None and m not in FACADES]
     assert not loose, f"modules outside every layer package: {loose}"
 
 
@@ -71,9 +74,9 @@ def test_no_module_imports_a_layer_above_its_own():
         if own is None:
             continue
         for dep in imports_of(path, known):
-            if dep == "anvil_fast":
+            if dep in FACADES:
                 if own in LIBRARY:
-                    upward.append(f"{mod} -> anvil_fast (the facade, which imports the front-ends)")
+                    upward.append(f"{mod} -> {dep} (a facade, which imports the layers above)")
                 continue
             if rank[layer_of(dep)] > rank[own]:
                 upward.append(f"{mod} -> {dep}")
@@ -89,6 +92,16 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     got = imports_of(fake / "x.py", {"anvil_fast.studies.difftest"})
     assert got == {"anvil_fast.studies.difftest"}
     assert layer_of("anvil_fast.studies.difftest") == "studies"
+
+
+def test_the_testing_facade_offers_the_harness_and_imports_only_the_studies():
+    import anvil_fast.testing as testing
+    from anvil_fast.studies import harness
+
+    assert testing.assert_orthogonalizer is harness.assert_orthogonalizer
+    assert testing.DEFAULT_FAMILIES == harness.DEFAULT_FAMILIES
+    deps = imports_of(FAST / "testing.py", set(modules()))
+    assert deps and all(layer_of(d) == "studies" for d in deps), deps
 
 
 def test_library_layers_hold_no_command_line():

@@ -11,9 +11,9 @@ from papers import orthogonalizers as peers
 
 
 def _data(tmp_path):
-    impls, _ = A.load(["torch-muon", "anvil-safe"])
-    rows = H.judge(impls, shapes=[(2, 24, 16)], families=("gaussian", "well_conditioned", "near_rank1"),
-                   near_rank1_count=4, progress=False)
+    impls, _ = A.load(["torch-muon", "anvil-safe", "field-muon-newton-schulz", "field-muon-newton-schulz-fused"])
+    rows = H.judge(impls, shapes=[(2, 24, 16)], families=("spectrum", "gaussian", "near_rank1"),
+                   near_rank1_count=4, progress=False, spectrum_count=64)
     path = tmp_path / "orthogonalizers.json"
     H.write_json(H.to_json(rows, command="python -m anvil_fast.studies.difftest --adapter torch-muon,anvil-safe", impls=impls,
                            unavailable={"dion-muon": "dion not installed"}), str(path))
@@ -27,10 +27,10 @@ def test_the_table_renders_the_json(tmp_path):
     assert len(lines) == 2
     by = {(r.impl, r.family): r for r in rows}
     muon = lines[0].split(" | ")
-    assert muon[1] == "24x16" and muon[2] == f"{by['torch-muon', 'well_conditioned'].fast:.3g}"
-    assert muon[5] == f"{by['torch-muon', 'gaussian'].polar:.3g}"
+    assert muon[1] == "24x16" and muon[2] == f"{by['torch-muon', 'gaussian'].fast:.3g}"
+    assert muon[7] == f"{by['torch-muon', 'spectrum'].math_z:.1f}"
     assert "Not run there: dion-muon (dion not installed)" in text
-    assert "generated_by" not in text and "python -m anvil_fast.studies.difftest --adapter torch-muon,anvil-safe" in text
+    assert "python -m anvil_fast.studies.difftest --adapter torch-muon,anvil-safe" in text
 
 
 def test_the_statements_follow_the_numbers(tmp_path):
@@ -39,10 +39,31 @@ def test_the_statements_follow_the_numbers(tmp_path):
     # Muon's quintic is ~0.2 from the polar factor in float64 already: its math limits it
     assert "its math limits it" in said["torch-muon"] and "as accurate as its math allows" in said["torch-muon"]
     assert "its rounding limits it" in said["anvil-safe"]
+    assert "FAIL" not in " ".join(said.values())
+
+
+def test_siblings_with_the_same_math_that_round_differently_are_a_finding(tmp_path):
+    data, _ = _data(tmp_path)
+    by = {(r["impl"], r["family"]): r for r in data["rows"]}
+    by["field-muon-newton-schulz", "gaussian"]["fast"] = 4 * by["field-muon-newton-schulz-fused", "gaussian"]["fast"]
+    found = peers.findings(data)
+    assert any(f.startswith("Finding: field-muon-newton-schulz rounds 4.0x more than its sibling "
+                            "field-muon-newton-schulz-fused") for f in found), found
+    by["torch-muon", "near_rank1"]["verdict"] = "FAIL"
+    by["torch-muon", "near_rank1"]["verdicts"]["safety"] = ["safety: output not finite on 1/4 matrices (limit 0)"]
+    assert any(f.startswith("FAIL: torch-muon") and "limit 0" in f for f in peers.findings(data))
 
 
 def test_without_data_the_table_says_which_command_writes_it(monkeypatch):
-    monkeypatch.setattr(peers, "SOURCE", "results/no_such_run/orthogonalizers.json")
+    monkeypatch.setattr(peers, "H200_DIR", "results/no_such_run")
+    monkeypatch.setattr(peers, "CPU_DIR", "results/no_such_run_either")
     text = peers.table()
-    assert "no data yet" in text and "results/no_such_run/orthogonalizers.json" in text
-    assert "--adapter all" in peers.COMMAND and "--json" in peers.COMMAND
+    assert "no data yet" in text and "results/no_such_run/*.json" in text
+    assert "--adapter" in peers.COMMAND and "--json" in peers.COMMAND and "--resume" in peers.COMMAND
+
+
+def test_the_h200_runs_cover_every_adapter_and_shape():
+    named = {n for _, adapters, _ in peers.RUNS for n in adapters.split(",")}
+    assert named == set(A.ADAPTERS)
+    assert {s for _, _, s in peers.RUNS} == set(peers.SHAPES)
+    assert len({name for name, _, _ in peers.RUNS}) == len(peers.RUNS)

@@ -216,9 +216,41 @@ declares -- coefficients of any number of steps, a normalization, an orientation
   a Gram on another side than its orientation rule forms -- fails whatever its errors: a dropped
   transpose forms the long side's Gram, the same matrix in exact arithmetic and at bf16 an error
   indistinguishable from the declared one's, so only the products it forms show it.
+
+Anyone's orthogonalizer: three verdicts (:func:`orthogonalizer_clauses`, every failed clause with its
+value and its limit). The cascade's rule ``fast <= FACTOR * eager + ATOL`` against one eager form cannot
+judge another library's code: the field writes the same math in several evaluation forms, and they
+round differently (measured, CPU, 2x48x32 Gaussian, Muon's quintic: fused ``baddbmm`` 0.0154, the
+field's unfused ``B = b*A + c*A@A; X = a*X + B@X`` 0.0372, 2.0-2.4x; heavyball's Horner form with its
+scalars added in bf16 2.9-3.1x its fused sibling), while a 1e-3 slip of one coefficient moves one
+matrix's output by 0.003-0.0075, under any form's bf16 noise. So:
+
+* **the math** (FAIL): on the ``spectrum`` family (4096 matrices of known singular values: a top
+  value in [0.2, 1] or [0.9, 1] of the Frobenius norm and three decades below it, or rank 1 to 4;
+  random scales, an eighth near eps) each output singular value ``u_i^T Y v_i`` minus the declared
+  composite ``F`` at that point is a residual whose rounding part is nearly zero-mean and whose slip
+  part is not. The residuals are compared, matrix by matrix, with those of the eager runs of the same
+  math in every form (:data:`anvil_fast.studies.harness.FORMS`, or the declared Gram form in its
+  dtype) and of the float64 math itself (0): per log-spaced bin of the normalized singular value
+  (the mean), and along each coefficient's, the margin's and eps's sensitivity direction (a matched
+  filter weighted by the inverse variance of the eager residuals). Each statistic's distance from
+  the hull of the forms' values is measured in standard errors estimated from the spread of the
+  per-matrix sums (a matrix's points share its norm's rounding); FAIL above MATH_Z. The part of the
+  deviation along margin and eps within what bf16 and fp16 arithmetic do to them (:func:`scale_rounding`,
+  :func:`eps_rounding`) is removed first; matrices on which an eager form explodes are left to safety.
+* **the safety** (FAIL, every family): a non-finite output; a vacuous one (zero where the math's output,
+  in the output's and the declared dtype, is not; the identity or the input returned, cosine above
+  1 - VACUOUS_GAP where the math's is below 1 - 10 VACUOUS_GAP, on matrices that did not explode); an
+  explosion (exploded_sigma, the error cap) where no eager form of the same math explodes. Where one
+  does, it is a finding about the math in bf16, not a FAIL.
+* **the rounding** (a finding): ``err > FACTOR * max(eager forms) + ATOL``, reported as ``k`` = err over
+  the largest eager form's: an implementation that rounds more than the field's eager code of its
+  own math is worth knowing, and is not wrong.
 """
 
 from __future__ import annotations
+
+import math
 
 FACTOR = 2.0
 ATOL = 2.0 ** -8
@@ -249,6 +281,63 @@ CASCADE_SV_MAX_DIM = 128
 EXPLODED_SIGMA = 1.1
 #: Singular values over whose pairs :func:`declared_roundings` sums exactly (see above).
 DECLARED_PAIRS_MAX = 256
+#: The math verdict (anyone's orthogonalizer, below): the largest deviation of the spectrum probe's
+#: singular values from the declared map, beyond every eager form's, in standard errors. Measured on
+#: the CPU (2x48x32, 2x32x48): the field's code up to 3.4, mostly below 3; the mutation set's 1e-3
+#: slips of Muon's quintic from 8.0 (step 1's c) up.
+MATH_Z = 6.0
+#: The math verdict compares the implementation with the hull of the float64 math (0) and the eager
+#: forms' mean deviations (FORMS: fused, unfused, Horner; or the Gram form it declares, in its declared
+#: dtype): rounding biases the singular values where the composite bends (second order in the
+#: rounding), each form its own way. MATH_BIAS_FACTOR scales that hull about 0; 1: the hull itself
+#: (measured: heavyball's stochastic rounding and every CPU adapter inside it; 3 cost the first two
+#: steps' 1e-3 slips their detection).
+MATH_BIAS_FACTOR = 1.0
+#: The normalization as bf16 arithmetic applies it is not a slip: ``clamp_min(eps)`` or ``+ eps`` on a
+#: bf16 norm rounds eps to bf16 (1e-7 becomes 1.0012e-7), and ``norm * margin`` on a bf16 norm rounds
+#: to bf16 with a relative error that is not zero-mean (bf16 norms times 1.02: +3.3e-4 on average over
+#: 4096 random matrices). The math verdict removes the part of the deviation along the margin and eps
+#: directions inside the hull of {exact, bf16, fp16} arithmetic (:func:`scale_rounding`,
+#: :func:`eps_rounding`), widened by MATH_SCALE_SLACK, before it judges.
+MATH_SCALE_SLACK = 2.0 ** -12
+
+
+def _round_rel(v: float, dtype) -> float:
+    import torch
+
+    return float(torch.tensor(v, dtype=torch.float64).to(dtype).double()) / v - 1.0 if v else 0.0
+
+
+def eps_rounding(eps: float) -> tuple[float, float]:
+    """The relative changes of eps that bf16 or fp16 arithmetic makes of it, and none: (lo, hi) of
+    their hull, widened by MATH_SCALE_SLACK."""
+    import torch
+
+    vals = [0.0] + [_round_rel(eps, d) for d in (torch.bfloat16, torch.float16) if eps >= 2.0 ** -14 or d is torch.bfloat16]
+    return min(vals) - MATH_SCALE_SLACK, max(vals) + MATH_SCALE_SLACK
+
+
+def scale_rounding(margin: float, eps: float = 0.0) -> tuple[float, float]:
+    """The mean relative change of ``norm * margin`` when a bf16 (or fp16) norm is multiplied by the
+    margin and the product rounded (norms log-uniform: every mantissa of a binade, weighted 1/n), and
+    none, in units of the margin itself: (lo, hi) of their hull, widened by MATH_SCALE_SLACK."""
+    import numpy as np
+
+    vals = [0.0]
+    for bits in (8, 11):  # bf16, fp16 significands
+        n = 1.0 + np.arange(2 ** (bits - 1)) / 2 ** (bits - 1)
+        p = n * margin
+        e = np.floor(np.log2(p))
+        q = np.round(p / 2.0 ** e * 2 ** (bits - 1)) / 2 ** (bits - 1) * 2.0 ** e
+        w = 1.0 / n
+        vals.append(float(np.sum(w * (q / p - 1.0)) / np.sum(w)) * margin)
+    return min(vals) - MATH_SCALE_SLACK * margin, max(vals) + MATH_SCALE_SLACK * margin
+
+
+#: An output is vacuous where its cosine with the identity or the input is above 1 - VACUOUS_GAP on a
+#: matrix where the float64 math's own is below 1 - 10 VACUOUS_GAP (or an output is zero where the
+#: math's is not).
+VACUOUS_GAP = 1e-3
 
 
 def gram_side_roundings(n_maps: int, restarts: tuple[int, ...]) -> int:
@@ -471,6 +560,60 @@ def check(component: str, *, fast: float, eager: float, floor: float, ulps: floa
     if ulps is not None and side is not None and not ulps <= side:
         return False
     return fast <= bf16_bound(eager)
+
+
+def orthogonalizer_clauses(row) -> dict[str, list[str]]:
+    """The three verdicts on anyone's orthogonalizer (module docstring, "Anyone's orthogonalizer") for
+    one row of :mod:`anvil_fast.studies.harness`: the failed clauses of ``math`` and ``safety`` (each a
+    FAIL), of ``rounding`` and the other ``findings`` (reported, never a FAIL), every clause naming its
+    value and its limit."""
+    out: dict[str, list[str]] = {"math": [], "rounding": [], "safety": [], "findings": []}
+    note = getattr(row, "note", "")
+    if not row.conforms:
+        if note.startswith("formed a"):
+            out["math"].append(f"math: orientation: {note} (seen {row.gram_seen}, limit: the declared "
+                               f"{row.gram_declared})")
+        else:
+            out["safety"].append(f"safety: {note} (limit: the declared shape, no exception)")
+    if row.nonfinite:
+        out["safety"].append(f"safety: output not finite on {row.nonfinite}/{row.count} matrices (limit 0)")
+    if row.vacuous == "zero":
+        out["safety"].append("safety: vacuous output: zero on a matrix where the math's output, in the output's "
+                             "dtype, is not (limit: nonzero)")
+    elif row.vacuous:
+        out["safety"].append(f"safety: vacuous output: {row.vacuous} (cosine > 1 - {VACUOUS_GAP:g} where the "
+                             f"math's is < 1 - {10 * VACUOUS_GAP:g})")
+    if not row.declared:
+        return out
+    if row.math_z is not None and not row.math_z <= MATH_Z:
+        out["math"].append(f"math: singular values off the declared map along {row.math_clause}: "
+                           f"{row.math_z:.1f} standard errors > {MATH_Z:g} (shift {row.math_shift:.3g} beyond the "
+                           f"{row.math_form} run, {row.math_points} points)")
+    if row.exploded and not row.nonfinite:
+        what = (f"top singular value {row.top_sv:.3g} > {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices")
+        if row.eager_exploded:
+            out["findings"].append(f"the math explodes in bf16: {what} (its eager bf16 runs: {row.eager_top_sv:.3g})")
+        else:
+            out["safety"].append(f"safety: exploded: {what}, where its eager bf16 runs stay at "
+                                 f"{row.eager_top_sv:.3g} (limit {row.sigma_x:.3g})")
+    elif row.cap_ratio is not None and not row.cap_ratio <= 1.0 and not row.nonfinite:
+        if row.eager_cap_ratio is not None and not row.eager_cap_ratio <= 1.0:
+            out["findings"].append(f"the math exceeds its explosion cap in bf16: error / cap {row.cap_ratio:.3g} "
+                                   f"(eager {row.eager_cap_ratio:.3g})")
+        else:
+            out["safety"].append(f"safety: error / explosion cap {row.cap_ratio:.3g} > 1 where its eager bf16 runs "
+                                 f"reach {row.eager_cap_ratio if row.eager_cap_ratio is not None else float('nan'):.3g}")
+    forms = [v for v in (row.eager, getattr(row, "eager_unfused", math.nan), getattr(row, "eager_horner", math.nan))
+             if v == v]
+    if forms and row.fast == row.fast and not row.nonfinite:
+        e = max(forms)
+        if not row.fast <= bf16_bound(e):
+            out["rounding"].append(f"rounding: err {row.fast:.3g} = {row.fast / e if e > 0 else math.inf:.2f}x the "
+                                   f"largest eager form's {e:.3g} (limit {FACTOR:g}x + 2^-8 = {bf16_bound(e):.3g})")
+    if row.well_conditioned and row.bound == row.bound and not row.eager <= row.bound:
+        out["findings"].append(f"its math magnifies bf16 rounding past the first-order bound: eager {row.eager:.3g} "
+                               f"> {row.bound:.3g}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Each adapter imports its library only when asked for, and says why it cannot run
 (:class:`Unavailable`: not installed, not importable, needs CUDA, no such function in this version).
 The declared math is read from the library's own constants where it exports them (torch's
 ``DEFAULT_A/B/C``, dion's ``_POLAR_EXPRESS_COEFFS``, emerging-optimizers' coefficient table,
-heavyball's ``ABC_LIST_STABLE``, pytorch-optimizer's ``NS_COEFFICIENTS``), else from the function's
+heavyball's ``ABC_LIST_STABLE``, pytorch-optimizer's ``NS_COEFFICIENTS``, gram-newton-schulz's
+``ns_coefficients``), else from the function's
 source as written (dion's and heavyball's quintic: local lists), as the ``note`` of each says.
 
 Compilation (``compile``: "auto", "yes", "no"): a library that compiles its function
@@ -209,9 +210,71 @@ def _pto_gram(device: str, compile: str) -> Implementation:
     mx = _import("pytorch_optimizer.optimizer.utils.matrix", "pytorch-optimizer")
     fn = _attr(mx, "zero_power_via_gram_newton_schulz", "pytorch-optimizer")
     m = DeclaredMath.of(mx.NS_COEFFICIENTS["original"], steps=5, normalization="frobenius_clamp", margin=1.0, eps=1e-7,
-                        transpose_when="tall")
+                        transpose_when="tall", restarts=(2,), dtype="float16")  # its defaults
     return Implementation("pytorch-optimizer-gram-ns", lambda x: fn(x, num_steps=5), m,
                           note="pytorch_optimizer zero_power_via_gram_newton_schulz (defaults: fp16, restart at step 2)")
+
+
+# ---------------------------------------------------------------------------------------- dion's NorMuon
+
+def _dion_normuon(triton: bool):
+    def build(device: str, compile: str) -> Implementation:
+        _import("dion", "dion", hint=_DION_HINT)
+        mod = _import("dion.normuon", "dion", hint=_DION_HINT)
+        pe = _import("dion.polar_express", "dion", hint=_DION_HINT)
+        cls = _attr(mod, "NorMuon", "dion")
+        opt = cls([torch.nn.Parameter(torch.zeros(8, 8, device=device))], use_triton=triton)
+        fn = opt._newton_schulz_func  # the orthogonalization its step runs
+        if not triton:
+            fn = _uncompiled(fn, device, compile, compiled_on_cuda=True)
+        eps = opt.defaults["epsilon"]
+        m = DeclaredMath(tuple(tuple(t) for t in pe._POLAR_EXPRESS_COEFFS), normalization="frobenius", margin=1.02,
+                         eps=eps, transpose_when="tall")
+        name = "dion-normuon" + ("-triton" if triton else "")
+        return Implementation(name, lambda x: fn(x, epsilon=torch.tensor(eps)), m,
+                              observe=not triton and not hasattr(fn, "_torchdynamo_orig_callable"),
+                              note=f"dion.normuon.NorMuon(use_triton={triton})'s orthogonalization "
+                                   f"({fn.__name__ if hasattr(fn, '__name__') else fn}, epsilon={eps:g})")
+    return build
+
+
+# ---------------------------------------------------------------------------------------- Dao AI Lab's gram-newton-schulz
+
+def _gns(kind: str, kernels: bool):
+    """gram_newton_schulz's GramNewtonSchulz (restarted Gram form, reset before step 3) or
+    StandardNewtonSchulz, Polar Express's coefficients over 1.05^(1, 3, 5), normalized in fp32 and
+    iterated in fp16; its pure-torch backend (``ns_use_kernels=False``) anywhere, its quack kernels
+    (CUDA) with ``kernels``; compiled as it compiles by default on CUDA, uncompiled on the CPU under
+    "auto"."""
+    def build(device: str, compile: str) -> Implementation:
+        g = _import("gram_newton_schulz", "gram-newton-schulz")
+        if kernels:
+            _import("quack.gemm_interface", "quack (gram-newton-schulz's kernels)")
+        run_compiled = compile == "yes" or (compile == "auto" and device == "cuda")
+        kw = {} if run_compiled else {"compile_kwargs": None}
+        cls = _attr(g, "GramNewtonSchulz" if kind == "gram" else "StandardNewtonSchulz", "gram-newton-schulz")
+        obj = cls(ns_use_kernels=kernels, **kw)
+        coeffs = tuple(tuple(float(v) for v in t) for t in obj.ns_coefficients)
+        restarts = tuple(obj.gram_newton_schulz_reset_iterations) if kind == "gram" else None
+        m = DeclaredMath(coeffs, normalization="frobenius", margin=1.0, eps=obj.ns_epsilon, transpose_when="tall",
+                         restarts=restarts, dtype="float16")
+        name = "gram-newton-schulz" + ("" if kind == "gram" else "-standard") + ("-quack" if kernels else "")
+        return Implementation(name, obj, m, observe=not run_compiled,
+                              note=f"gram_newton_schulz.{cls.__name__}(ns_use_kernels={kernels}"
+                                   + ("" if run_compiled else ", compile_kwargs=None") + "): fp16 iteration"
+                                   + (", reset before step 3" if kind == "gram" else ""))
+    return build
+
+
+# ---------------------------------------------------------------------------------------- the field's code as written
+
+def _field(name: str):
+    def build(device: str, compile: str) -> Implementation:
+        from . import field_examples as E
+
+        return Implementation(f"field-{name.replace('_', '-')}", getattr(E, name), DeclaredMath.of(**E.DECLARED[name]),
+                              note=f"anvil_fast.studies.field_examples.{name} (the field's code as it writes it)")
+    return build
 
 
 # ---------------------------------------------------------------------------------------- the package's own
@@ -222,8 +285,10 @@ def _anvil(config: str, maps: str = "anvil"):
 
         cfg = CONFIGS[config]
         comp = {"auto": None, "yes": True, "no": False}[compile]
+        # the Gram side declares its form: restarts before the maps of cfg.gram_side (1-based there)
+        restarts = None if cfg.gram_side is None else tuple(k - 1 for k in cfg.gram_side)
         m = DeclaredMath(load_maps(maps), normalization="frobenius", margin=cfg.margin(), eps=FROBENIUS_EPS,
-                         transpose_when="tall")
+                         transpose_when="tall", restarts=restarts)
         if config == "gram_side":
             fn = lambda x: fast_gram_side(x, maps=maps, compile=comp)  # noqa: E731  (on every shape)
         else:
@@ -259,6 +324,23 @@ def _registry() -> dict[str, Adapter]:
                             normalization="frobenius", margin=1.02, eps=1e-6, compiled=True,
                             name="dion-polar-express-triton")),
     ]
+    out += [Adapter("dion-normuon", "dion", "the orthogonalization dion's NorMuon runs (polar_express, compiled)",
+                    _dion_normuon(False)),
+            Adapter("dion-normuon-triton", "dion", "the orthogonalization dion's NorMuon(use_triton=True) runs",
+                    _dion_normuon(True), cuda_only=True),
+            Adapter("gram-newton-schulz", "gram-newton-schulz",
+                    "Dao AI Lab's GramNewtonSchulz, pure-torch backend (fp16, restarted Gram form)", _gns("gram", False)),
+            Adapter("gram-newton-schulz-standard", "gram-newton-schulz",
+                    "Dao AI Lab's StandardNewtonSchulz, pure-torch backend (fp16)", _gns("standard", False)),
+            Adapter("gram-newton-schulz-quack", "gram-newton-schulz",
+                    "Dao AI Lab's GramNewtonSchulz on its quack kernels", _gns("gram", True), cuda_only=True),
+            Adapter("field-muon-newton-schulz", "anvil",
+                    "Muon's Newton-Schulz as Keller Jordan's Muon and modded-nanogpt write it (unfused)",
+                    _field("muon_newton_schulz")),
+            Adapter("field-muon-newton-schulz-fused", "anvil", "the same, each step fused (baddbmm)",
+                    _field("muon_newton_schulz_fused")),
+            Adapter("field-polar-express", "anvil", "Polar Express as its reference code writes it",
+                    _field("polar_express"))]
     for kind in EMERGING_TYPES:
         out.append(Adapter(f"emerging-{kind.replace('_', '-')}", "emerging-optimizers", f"emerging-optimizers newton_schulz, {kind!r}",
                            _emerging(kind, False)))

@@ -326,14 +326,28 @@ declares; each row is judged against that math in float64 and against a plain ea
 
   --coeffs takes triples a,b,c;a,b,c;... (one per step), a map-set name of anvil_ref (muon_jordan5,
   polar_express_nanogpt5, ...) or a JSON file; --steps repeats the last triple (--cycle: the whole
-  list). Without --coeffs the math is undeclared: polar-factor, singular-value and explosion columns
-  only. --impl-kwargs '{"steps": 5}' passes keyword arguments on every call.
+  list). Without --coeffs the math is undeclared: safety only. --impl-kwargs '{"steps": 5}' passes
+  keyword arguments on every call; --impl takes several functions, comma-separated (one math).
+
+Three verdicts per row (anvil_fast/core/tolerances.py): math (the spectrum family's singular values
+against the declared map; the Gram side) and safety (finite, not vacuous, no explosion its eager bf16
+math does not have) FAIL; rounding (error against float64 over the fused and unfused eager bf16
+runs of the same math) is a finding. The field's own code, and the slips a harness must catch:
+
+  python -m anvil_fast.studies.difftest --impl anvil_fast.studies.field_examples:muon_newton_schulz \\
+      --coeffs 3.4445,-4.7750,2.0315 --steps 5
 
 The real implementations of other libraries, where installed (--list-adapters says which):
 
   python -m anvil_fast.studies.difftest --adapter torch-muon,pytorch-optimizer-quintic,anvil-safe
 
-Exit status: 0, or 1 if a row is FAIL; 2 for bad arguments."""
+A long table in runs of under ten minutes, compilers' caches kept:
+
+  python -m anvil_fast.studies.difftest --adapter all --shapes 4x256x768 --json t.json --resume \\
+      --time-budget-s 420 --cache-dir cache     # again until its JSON says "complete": true
+
+Exit status: 0, or 1 if a row is FAIL (every failed clause printed with its value and limit); 2 for
+bad arguments."""
 
 
 def _coeffs(text: str):
@@ -389,13 +403,36 @@ def _harness_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON ('-': stdout)")
     g.add_argument("--near-rank1-count", type=positive_int, default=8,
                    help="near-rank-1 inputs per shape, the explosion count (default: %(default)s)")
+    g.add_argument("--spectrum-count", type=positive_int, default=None,
+                   help="matrices of the spectrum probe per shape (default: 4096, fewer on large shapes; "
+                        "fewer see less of a slip)")
     g.add_argument("--time-reps", type=int, default=0, help="timed calls per shape on CUDA (default: none)")
-    g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="start no new row after this many seconds (the rows done are written)")
+    g.add_argument("--time-budget-s", "--time-limit", dest="time_limit", type=float, default=None, metavar="SECONDS",
+                   help="start no new (implementation, shape) after this many seconds; the rows done are written "
+                        "and --resume continues from them")
+    g.add_argument("--resume", action="store_true",
+                   help="keep the rows of --json FILE from an earlier run of the same command and measure the rest")
+    g.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep the compilers' caches here between runs (TRITON_CACHE_DIR=DIR/triton, "
+                        "TORCHINDUCTOR_CACHE_DIR=DIR/inductor): a second run compiles and autotunes nothing again")
+
+
+def _set_cache_dir(path: str) -> None:
+    import os
+    from pathlib import Path
+
+    root = Path(path).resolve()
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(root / sub)
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 
 
 def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> int:
+    import json
     import shlex
+    from pathlib import Path
 
     from . import adapters as AD
     from . import harness as H
@@ -407,13 +444,14 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
         ap.error("give either --impl package.module:function or --adapter NAME, not both")
     if a.time_reps < 0:
         ap.error(f"argument --time-reps: expected a count >= 0, got {a.time_reps}")
+    if a.resume and a.json in (None, "-"):
+        ap.error("argument --resume: needs --json FILE (the rows it continues from)")
+    if a.cache_dir is not None:
+        _set_cache_dir(a.cache_dir)
     shapes = a.shapes or [tuple(s) for s in H.DEFAULT_SHAPES]
+    families = list(a.families) if a.families is not None else list(H.DEFAULT_FAMILIES)
     unavailable: dict[str, str] = {}
     if a.impl is not None:
-        try:
-            fn = H.resolve(a.impl)
-        except ValueError as exc:
-            ap.error(str(exc))
         math_ = None
         if a.coeffs is not None:
             try:
@@ -422,8 +460,14 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
             except ValueError as exc:
                 ap.error(f"declared math: {exc}")
         kw = dict(a.impl_kwargs)
-        impls = [H.Implementation(a.impl, (lambda x: fn(x, **kw)) if kw else fn, math_, per_matrix=a.per_matrix,
-                                  input_dtype=getattr(torch, a.input_dtype))]
+        impls = []
+        for spec in [v.strip() for v in a.impl.split(",") if v.strip()]:
+            try:
+                fn = H.resolve(spec)
+            except ValueError as exc:
+                ap.error(str(exc))
+            impls.append(H.Implementation(spec, (lambda x, fn=fn: fn(x, **kw)) if kw else fn, math_,
+                                          per_matrix=a.per_matrix, input_dtype=getattr(torch, a.input_dtype)))
     else:
         names = list(AD.ADAPTERS) if a.adapter == "all" else [n.strip() for n in a.adapter.split(",")]
         bad = [n for n in names if n not in AD.ADAPTERS]
@@ -435,23 +479,36 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
         if not impls:
             ap.error("no requested adapter can run here (see above)")
     cmd = "python -m anvil_fast.studies.difftest " + " ".join(shlex.quote(v) for v in (argv if argv is not None else sys.argv[1:]))
+    done: list = []
+    warmups: dict = {}
+    if a.resume and Path(a.json).is_file():
+        old = json.loads(Path(a.json).read_text())
+        names_now = {i.name for i in impls}
+        done = [H.row_from_json(r) for r in old.get("rows", []) if r["impl"] in names_now
+                and tuple(r["shape"]) in set(shapes) and r["family"] in families]
+        warmups = dict(old.get("warmups", {}))
+        print(f"resumed: {len(done)} rows of {a.json} kept", file=sys.stderr)
 
     def write(rows):
         if a.json is not None:
-            done = len(rows) == len(impls) * len(shapes) * len(a.families)
+            total = sum(len([f for f in families if not (f == H.SPECTRUM and i.math is None)]) for i in impls) * len(shapes)
             H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
-                                   meta={"complete": done, "shapes": [list(s) for s in shapes],
-                                         "families": list(a.families), "seed": a.seed}), a.json)
+                                   meta={"complete": len(rows) >= total, "shapes": [list(s) for s in shapes],
+                                         "families": families, "seed": a.seed, "warmups": warmups}), a.json)
 
-    rows = H.judge(impls, shapes=shapes, families=a.families, seed=a.seed, device=a.device,
+    rows = H.judge(impls, shapes=shapes, families=families, seed=a.seed, device=a.device,
                    near_rank1_count=a.near_rank1_count, time_reps=a.time_reps, progress=a.progress,
-                   time_limit=a.time_limit, checkpoint=write if a.json not in (None, "-") else None)
+                   time_limit=a.time_limit, checkpoint=write if a.json not in (None, "-") else None, done=done,
+                   warmups=warmups, spectrum_count=a.spectrum_count)
     print(H.format_table(rows))
     print("\n" + H.summary(rows))
     for n, why in unavailable.items():
         print(f"unavailable: {n}: {why}")
+    failed = [(r, c) for r in rows if r.verdict() == "FAIL" for c in r.failures()]
+    for r, c in failed:
+        print(f"FAIL {r.impl} {'x'.join(map(str, r.shape))} {r.family}: {c}")
     write(rows)
-    return 1 if any(r.verdict() == "FAIL" for r in rows) else 0
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
@@ -463,8 +520,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", type=shapes, default=None,
                     help="comma-separated CHUNKxROWSxCOLS (default: 4x96x96,2x256x768,2x768x768,2x2816x768; "
                          "with --impl or --adapter: 2x48x32,2x32x48,2x32x32)")
-    ap.add_argument("--families", type=name_list(FAMILIES, what="family"), default=",".join(FAMILIES),
-                    help=f"comma-separated input families, any of: {', '.join(FAMILIES)} (default: all)")
+    from .harness import DEFAULT_FAMILIES, HARNESS_FAMILIES, SPECTRUM
+
+    ap.add_argument("--families", type=name_list(HARNESS_FAMILIES, what="family"), default=None,
+                    help=f"comma-separated input families, any of: {', '.join(HARNESS_FAMILIES)} (default: every "
+                         f"one but {SPECTRUM}; with --impl or --adapter, as anvil_fast.testing: "
+                         f"{', '.join(DEFAULT_FAMILIES)})")
     ap.add_argument("--configs", type=name_list(CONFIGS, what="config"), default="safe,faithful",
                     help=f"comma-separated cascade configurations, any of: {', '.join(CONFIGS)} "
                          "(default: %(default)s)")
@@ -480,6 +541,10 @@ def main(argv=None) -> int:
     check_device(ap, a.device)
     if a.impl is not None or a.adapter is not None or a.list_adapters:
         return harness_main(ap, a, argv)
+    if a.families is None:
+        a.families = list(FAMILIES)
+    if SPECTRUM in a.families:
+        ap.error(f"argument --families: {SPECTRUM} is the harness's (--impl or --adapter)")
     if a.shapes is None:
         a.shapes = shapes("4x96x96,2x256x768,2x768x768,2x2816x768")
     comp = {"auto": None, "yes": True, "no": False}[a.compile]

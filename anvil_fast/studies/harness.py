@@ -8,44 +8,47 @@ a batch ``[chunk, rows, cols]`` (or on one matrix, ``per_matrix=True``), and the
 
 ``err``        its relative error against the same math in float64 (:func:`reference`)
 ``floor``      the float64 result rounded once to bf16: no bf16 output can do better
-``eager``      the harness's plain eager bf16 run of the same math (:func:`eager_declared`): what that
-               math loses in bf16 with library matmuls, the "as accurate as its math allows" mark
-``bound``      the derived bound of eager's error for that math (:func:`anvil_fast.core.tolerances.declared_roundings`;
-               applied on the well-conditioned family)
+``eager``      the harness's plain eager bf16 runs of the same math in each evaluation form the field
+               writes (:data:`FORMS`: fused, unfused, Horner; or the Gram form it declares, in its
+               declared dtype; :func:`eager_declared`); ``k`` its error over the largest of them
+``bound``      the derived bound of the fused eager error for that math
+               (:func:`anvil_fast.core.tolerances.declared_roundings`; the well-conditioned family)
 ``polar``      its error against the exact polar factor ``U V^T`` (float64 SVD), next to ``math``, the
-               float64 math's own: where the second is as large as the first, the math (not the rounding)
-               limits it
-``sv``         min / mean / max of its output's singular values divided by their RMS (a polar factor: 1/1/1)
+               float64 math's own
+``math z``     on the ``spectrum`` family (:func:`spectrum_input`: inputs of known singular values),
+               the largest deviation of its output's singular values from the declared map beyond
+               every eager form's, in standard errors (:func:`math_statistic`)
+``sv``         min / mean / max of its output's singular values divided by their RMS
 ``exploded``   outputs whose top singular value passes the math's explosion threshold
-               (:func:`anvil_fast.core.tolerances.exploded_sigma`; on the near-rank-1 family the inputs are
-               :func:`anvil_fast.studies.near_rank1.near_rank1`'s)
+               (:func:`anvil_fast.core.tolerances.exploded_sigma`), next to the eager runs'
 ``gram``       the side of the largest square product it formed, seen through torch's dispatcher
                (:class:`GramRecorder`; not seen for Triton kernels), next to the one its orientation
                rule forms
-``ms``         median time per call on CUDA
+``ms``         median time per call on CUDA (after a warm-up call per shape, :func:`warm_up`)
 
-and the verdict of the package's one rule, :func:`anvil_fast.core.tolerances.check_row` (:data:`VERDICT_RULE`):
-``ok``, or ``FAIL`` where it errs by more than twice the eager bf16 run of its own math plus one bf16
-rounding, explodes, or does not do what it declares (another output shape, a Gram on the other side).
-Undeclared math (``math=None``) gets the polar, singular-value and explosion columns (the explosion
-threshold then is EXPLODED_SIGMA, ANVIL's: a map set that peaks higher, like Muon's quintic at ~1.2,
-counts there; declare the math for its own), verdict ``unjudged`` (``FAIL`` where an output is not
-finite or has another shape).
+and three verdicts (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`, :data:`VERDICT_RULE`),
+every failed clause naming its value and its limit: **math** (the spectrum probe, the Gram side) and
+**safety** (non-finite, vacuous, an explosion its eager math does not have) FAIL; **rounding** (``err``
+over the largest eager form's, beyond twice plus one bf16 rounding) is a finding, as is a math that
+explodes in bf16 in its own eager run. Undeclared math (``math=None``) gets safety only, verdict
+``unjudged`` unless that fails.
 
-From another project's test::
+The public place is :mod:`anvil_fast.testing`; from another project's test::
 
-    import anvil_fast.studies.harness as H
-    H.assert_orthogonalizer(my_newton_schulz, coeffs=[(3.4445, -4.7750, 2.0315)] * 5,
-                            normalization="frobenius_clamp", margin=1.0, eps=1e-7, transpose_when="tall")
+    from anvil_fast.testing import assert_orthogonalizer
+    assert_orthogonalizer(my_newton_schulz, coeffs=[(3.4445, -4.7750, 2.0315)], steps=5,
+                          normalization="frobenius", margin=1.0, eps=1e-7, transpose_when="tall")
 
-raises :class:`OrthogonalizerMismatch` (an AssertionError) with the table when a row fails. The
-command line is ``python -m anvil_fast.studies.difftest --impl package.module:function ...`` or
-``--adapter NAME`` (:mod:`anvil_fast.studies.adapters`), with ``--json``.
+raises :class:`OrthogonalizerMismatch` (an AssertionError) naming every failed clause, with the
+table. The command line is ``python -m anvil_fast.studies.difftest --impl package.module:function
+...`` or ``--adapter NAME`` (:mod:`anvil_fast.studies.adapters`), with ``--json``, ``--resume``,
+``--time-budget-s`` and ``--cache-dir``; both share :data:`DEFAULT_FAMILIES` and :data:`DEFAULT_SHAPES`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import math
@@ -69,18 +72,29 @@ from .families import FAMILIES, WELL_CONDITIONED, make_matrix, rel_errs
 #: the top one or decaying smoothly (on the others the polar factor is set by directions the input
 #: barely has, which no bf16 output can follow).
 POLAR_FAMILIES = ("gaussian", "well_conditioned", "decaying")
-#: The families of a default judgement (every family of the package).
-DEFAULT_FAMILIES = FAMILIES
+#: The harness's own family: inputs with known singular values, where the math verdict is measured
+#: (:func:`spectrum_input`; declared math only).
+SPECTRUM = "spectrum"
+#: Every family the harness can run: the probe and the differential tests' families.
+HARNESS_FAMILIES = (SPECTRUM,) + FAMILIES
+#: The families of a default judgement, the API's and the command line's: every one but ``huge``
+#: (2^100: its squares overflow fp32, so a bf16 norm is inf there in most of the field's code; ask for it).
+DEFAULT_FAMILIES = tuple(f for f in HARNESS_FAMILIES if f != "huge")
+#: The family of the timed calls (CUDA, ``time_reps``).
+TIMED_FAMILY = "gaussian"
 #: Shapes of a default judgement on the CPU (small: seconds per implementation).
 DEFAULT_SHAPES = ((2, 48, 32), (2, 32, 48), (2, 32, 32))
 #: Matrix products whose shapes :class:`GramRecorder` records.
 PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul"})
 
 VERDICT_RULE = (
-    f"verdict: ok = within anvil_fast/core/tolerances.py's rule for a declared iteration: err <= {T.FACTOR:g} eager "
-    f"+ 2**{math.log2(T.ATOL):g} (eager: the same math in plain eager bf16), err <= its explosion cap "
-    "1 + sigma_x sqrt(k) / ||ref|| (sigma_x = exploded_sigma), eager <= bound on well-conditioned input, output "
-    "shape and Gram side as declared; FAIL = outside; unjudged = no math declared (FAIL if not finite)")
+    "verdicts (anvil_fast/core/tolerances.py, orthogonalizer_clauses): math = the spectrum probe's singular values "
+    f"within {T.MATH_Z:g} standard errors of the declared map beyond every eager form's (and the float64 math's), "
+    "the Gram on the declared side; safety = finite, not vacuous (zero, the identity, the input), no explosion "
+    "where the same math in eager bf16 does not explode; rounding = err <= "
+    f"{T.FACTOR:g} x the larger eager form's + 2**{math.log2(T.ATOL):g}, else a finding (k = err / eager). "
+    "FAIL = a math or safety clause fails; finding = a rounding clause or the math's own bf16 behaviour; "
+    "unjudged = no math declared (safety judged)")
 
 
 class OrthogonalizerMismatch(AssertionError):
@@ -91,18 +105,27 @@ class OrthogonalizerMismatch(AssertionError):
 class DeclaredMath:
     """What an orthogonalization declares it computes (:mod:`anvil_ref.polar`): the per-step
     coefficients, the normalization (:data:`anvil_ref.polar.NORMALIZATIONS`) with its margin and
-    eps, and the orientation rule (:data:`anvil_ref.polar.ORIENTATIONS`)."""
+    eps, and the orientation rule (:data:`anvil_ref.polar.ORIENTATIONS`); ``restarts``: it evaluates
+    the steps in the Gram form (the polynomial accumulated on the short side's Gram, ``X`` re-formed
+    before each step of ``restarts``, 0-based), whose eager run is then its baseline (:data:`GRAM_FORM`)."""
 
     coeffs: tuple[tuple[float, float, float], ...]
     normalization: str = "frobenius"
     margin: float = 1.0
     eps: float = 1e-7
     transpose_when: str = "tall"
+    restarts: tuple[int, ...] | None = None
+    #: the dtype it iterates in ("bfloat16", "float16"): its eager runs iterate in it too
+    dtype: str = "bfloat16"
 
     def __post_init__(self):
         object.__setattr__(self, "coeffs", load_maps(self.coeffs))
         if self.normalization not in P.NORMALIZATIONS:
             raise ValueError(f"normalization: expected one of {P.NORMALIZATIONS}, got {self.normalization!r}")
+        if self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"dtype: expected 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.restarts is not None:
+            object.__setattr__(self, "restarts", tuple(int(v) for v in self.restarts))
         if self.transpose_when not in P.ORIENTATIONS:
             raise ValueError(f"transpose_when: expected one of {P.ORIENTATIONS}, got {self.transpose_when!r}")
         for name in ("margin", "eps"):
@@ -137,9 +160,14 @@ class DeclaredMath:
     def exploded_sigma(self) -> float:
         return T.exploded_sigma(self.composite_max())
 
+    def forms(self) -> tuple[str, ...]:
+        """The eager forms it is compared with: the Gram form where it declares restarts, else FORMS."""
+        return GRAM_FORMS if self.restarts is not None else FORMS
+
     def to_json(self) -> dict:
         return {"coeffs": [list(t) for t in self.coeffs], "normalization": self.normalization,
-                "margin": self.margin, "eps": self.eps, "transpose_when": self.transpose_when}
+                "margin": self.margin, "eps": self.eps, "transpose_when": self.transpose_when,
+                "restarts": None if self.restarts is None else list(self.restarts), "dtype": self.dtype}
 
 
 @dataclass
@@ -197,7 +225,8 @@ def run_impl(impl: Implementation, x: Tensor, *, seed: int = 0, record: bool = T
         torch.manual_seed(seed)
         rec = GramRecorder() if record else None
         with rec if rec is not None else contextlib.nullcontext():
-            ys = [impl(part) for part in parts]
+            ys = [impl(parts[0])]  # the products of one batch show the Gram side
+        ys += [impl(part) for part in parts[1:]]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return y, None if rec is None else rec.gram_side()
 
@@ -242,29 +271,79 @@ def polar_factor(x: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------------ the same math, eager bf16
 
+#: The dtype the eager runs iterate in (:attr:`DeclaredMath.dtype`; set by :func:`eager_declared`).
+_DT = [torch.bfloat16]
+
+
 def _mm(x: Tensor, y: Tensor) -> Tensor:
     # CPU: the model of a bf16 GEMM with fp32 accumulation (its bits do not depend on which bf16 kernel
     # the BLAS picks, anvil_fast.core.eager.GEMMS); CUDA: the library's bf16 GEMM, as the implementations use
-    return (x.float() @ y.float()).bfloat16() if x.device.type == "cpu" else x @ y
+    return (x.float() @ y.float()).to(_DT[0]) if x.device.type == "cpu" else x @ y
 
 
 def _addmm(beta: float, c: Tensor, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
     """``beta*c + alpha*(x @ y)`` rounded once to bf16 (fp32 accumulation)."""
     if c.device.type == "cpu" or alpha == 0:
-        return (beta * c.float() + alpha * (x.float() @ y.float())).bfloat16()
+        return (beta * c.float() + alpha * (x.float() @ y.float())).to(_DT[0])
     return torch.baddbmm(c, x, y, beta=beta, alpha=alpha)
 
 
-def eager_declared(x: Tensor, math_: DeclaredMath) -> Tensor:
-    """The declared math in plain eager bf16 (the ``eager`` column): ``x`` cast to bf16 (clamped to its
+#: The evaluation forms of one step an implementation can write (:func:`eager_declared`):
+#: ``fused`` rounds ``B = b A + c A^2`` and ``Z = a Z + B Z`` once each (``torch.baddbmm`` /
+#: ``addmm`` with beta and alpha, a fused epilogue), after the normalization in fp32; ``unfused``
+#: writes them as the field's eager code does, ``B = b*A + c*A@A; X = a*X + B@X``, every product,
+#: scaling and sum rounded to bf16, after a normalization by the bf16 norm; ``horner`` as
+#: heavyball writes it, ``Y = c*A; Y += b I; Y = Y@A; Y += a I; X = Y@X``, each rounded (and b and a
+#: with them: torch adds a Python scalar to a bf16 tensor in bf16).
+FORMS = ("fused", "unfused", "horner")
+#: The Gram form (:meth:`DeclaredMath.forms`): ``R = X X^T``; per step ``Z = b R + c R^2`` and the
+#: accumulated ``Q = a Q + Q Z`` (``Z + a I`` first), ``R`` carried as ``a (a R + R Z) + Z (a R + R Z)``;
+#: at a restart and at the end ``X = Q X`` (dion's and Dao AI Lab's gram-newton-schulz, pytorch-optimizer's
+#: gram NS, the package's GRAM_SIDE), each product rounded once to bf16.
+GRAM_FORM = "gram"
+#: The Gram forms: ``gram`` adds ``a I`` in the iteration's dtype (``Z + a * I``, ``diagonal().add_(a)``),
+#: ``gram-a32`` in fp32 (a fused epilogue).
+GRAM_FORMS = (GRAM_FORM, "gram-a32")
+
+
+def _bf(v: float) -> float:
+    # a scalar as torch adds it to a bf16 tensor (``y.add_(b)``, ``y + b``): rounded to bf16 first (a
+    # multiplication keeps it in fp32)
+    return float(torch.tensor(v, dtype=torch.float64).to(_DT[0]))
+
+
+def _ew(x: Tensor) -> Tensor:
+    # one element-wise bf16 operation's result: computed in fp32, rounded once (torch's bf16 arithmetic)
+    return x.to(_DT[0])
+
+
+def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tensor:
+    """The declared math in plain eager bf16 (the ``eager`` columns): ``x`` cast to bf16 (clamped to its
     finite range), oriented, normalized in fp32 after an exact power-of-two prescale (eps scaled alike:
     nothing over- or underflows, nothing extra is rounded; AOL's row sums from the bf16 first Gram) and
-    rounded to bf16; then per step ``A = Z Z^T``, ``B = b A + c A^2`` and ``Z = a Z + B Z``, each one
-    product with fp32 accumulation rounded once to bf16. Returns bf16 of x's shape."""
+    rounded to bf16 (``unfused`` and ``horner``: divided by the norm rounded to bf16, times the margin
+    and plus eps each rounded, as the field's code does); then per step ``A = Z Z^T`` (one product, fp32
+    accumulation, rounded once) and, in the ``form`` of :data:`FORMS`, ``B = b A + c A^2`` and
+    ``Z = a Z + B Z``: ``fused``, each one product with fp32 accumulation rounded once to bf16;
+    ``unfused``, ``c*(A@A)``, ``b*A``, their sum, ``B@Z``, ``a*Z`` and that sum each rounded to bf16;
+    ``horner``, ``(a I + (b I + c A) A) Z`` with every operation rounded. Returns bf16 of x's shape."""
+    if form not in FORMS + GRAM_FORMS:
+        raise ValueError(f"form: expected one of {FORMS + GRAM_FORMS}, got {form!r}")
+    dt = getattr(torch, math_.dtype)
+    old, _DT[0] = _DT[0], dt
+    try:
+        return _eager(x, math_, form, dt)
+    finally:
+        _DT[0] = old
+
+
+def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor:
     bf_max = torch.finfo(torch.bfloat16).max
-    X = x.float().clamp(-bf_max, bf_max).bfloat16()
+    # bf16 input as the field casts it; an fp16 iteration normalizes the fp32 input first
+    X = x.float().clamp(-bf_max, bf_max)
+    X = X.bfloat16() if dt == torch.bfloat16 else X
     if X.ndim == 2:
-        return eager_declared(x[None], math_)[0]
+        return _eager(x[None], math_, form, dt)[0]
     flip = P.transposes(tuple(X.shape), transpose_when=math_.transpose_when)
     Z = X.mT.contiguous() if flip else X
     zf = Z.float()
@@ -274,16 +353,325 @@ def eager_declared(x: Tensor, math_: DeclaredMath) -> Tensor:
     if math_.normalization == "aol":
         A = _mm(zf.bfloat16(), zf.bfloat16().mT)
         r = A.float().abs().sum(-1).clamp_min(math_.eps * s[..., 0] ** 2).rsqrt()
-        Z = (zf * r[..., :, None]).bfloat16()
-    else:
+        Z = (zf * r[..., :, None]).to(dt)
+    elif form == "fused":
         nrm = zf.square().sum(dim=(-2, -1), keepdim=True).sqrt() * math_.margin
         d = nrm + math_.eps * s if math_.normalization == "frobenius" else torch.maximum(nrm, math_.eps * s)
-        Z = (zf / d).bfloat16()
+        Z = (zf / d).to(dt)
+    else:  # as the field writes it: the norm of the bf16 matrix a bf16 number, times the margin, plus eps
+        nrm = _ew(zf.square().sum(dim=(-2, -1), keepdim=True).sqrt()).float()
+        if math_.margin != 1.0:
+            nrm = _ew(nrm * math_.margin).float()
+        eps = torch.tensor(math_.eps).bfloat16().float() * s
+        d = _ew(nrm + eps).float() if math_.normalization == "frobenius" else torch.maximum(nrm, eps)
+        Z = (zf / d).to(dt)
+    eye = torch.eye(Z.shape[-2], dtype=torch.float32, device=Z.device)
+    if form in GRAM_FORMS:
+        Z = _gram_form(Z, math_.coeffs, set(math_.restarts or ()), eye, round_a=form == GRAM_FORM)
+        return Z.mT if flip else Z
     for a, b, c in math_.coeffs:
         A = _mm(Z, Z.mT)
-        B = _addmm(b, A, A, A, alpha=c)
-        Z = _addmm(a, Z, B, Z)
+        if form == "fused":
+            B = _addmm(b, A, A, A, alpha=c)
+            Z = _addmm(a, Z, B, Z)
+        elif form == "unfused":
+            B = _ew(_ew(b * A.float()).float() + _ew(c * _mm(A, A).float()).float())
+            Z = _ew(_ew(a * Z.float()).float() + _mm(B, Z).float())
+        else:  # horner: Z = (a I + (b I + c A) A) Z; torch adds a Python scalar to a bf16 tensor as bf16
+            Y = _ew(_ew(c * A.float()).float() + _bf(b) * eye)
+            Y = _ew(_mm(Y, A).float() + _bf(a) * eye)
+            Z = _mm(Y, Z)
     return Z.mT if flip else Z
+
+
+def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = True) -> Tensor:
+    R = _mm(X, X.mT)
+    Q = None
+    n = len(coeffs)
+    for i, (a, b, c) in enumerate(coeffs):
+        if i in restarts and i != 0 and Q is not None:
+            X = _mm(Q, X)
+            R = _mm(X, X.mT)
+            Q = None
+        Zp = _addmm(b, R, R, R, alpha=c)
+        aI = (_bf(a) if round_a else a) * eye  # a I: a in the iteration's dtype, or in fp32
+        Q = _ew(Zp.float() + aI) if Q is None else _addmm(a, Q, Q, Zp)
+        if i < n - 1 and i + 1 not in restarts:
+            RZ = _addmm(a, R, R, Zp)
+            R = _addmm(a, RZ, Zp, RZ)
+    return _mm(Q, X)
+
+
+# ------------------------------------------------------------------------------ the math, seen through known singular values
+
+#: Matrices of the ``spectrum`` probe per shape: SPECTRUM_MIN_COUNT, at most as many as fit
+#: SPECTRUM_MAX_ELEMENTS elements (large shapes: fewer matrices, each with many points), at least the
+#: shape's batch. The top of the normalized range, where a first step's coefficients show, has one
+#: point per matrix: 4096 matrices see a 1e-3 slip of any coefficient of Muon's quintic at >= 8
+#: standard errors (tests/test_harness.py's mutation set).
+SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 4096, 2 ** 26
+#: The probe's matrices reach an implementation in batches of about this many elements.
+SPECTRUM_CHUNK_ELEMENTS = 2 ** 17
+#: The share of the probe's matrices whose Frobenius norm is within a factor 4 of eps x margin^-1
+#: (where eps and the normalization's kind decide the scale), and the range of the others' scales.
+SPECTRUM_EPS_SHARE, SPECTRUM_SCALE_EXP = 0.125, 4.0
+#: The probe's bins: log-spaced in the normalized singular value, each with at least this many points.
+SPECTRUM_BINS, SPECTRUM_BIN_MIN = 16, 48
+#: A residual beyond this (a singular value off the map by more than the map's whole range) marks an
+#: exploded matrix (:func:`math_statistic`).
+MATH_WILD = 10.0
+#: The sensitivity direction of a relative change of eps (:func:`sensitivities`).
+EPS_DIRECTION = "eps (relative)"
+#: The sensitivity direction of a change of the margin.
+MARGIN_DIRECTION = "margin"
+
+
+@dataclass
+class Spectrum:
+    """The ``spectrum`` probe of one shape: float32 inputs ``x``; per matrix, the float64 SVD of the
+    declared normalization of x (oriented as declared, then oriented back): ``u``, ``v`` (columns:
+    singular vectors) and ``key`` (its singular values), so that the declared math's output is
+    ``u diag(F(key)) v^T`` with F the composite of the declared steps."""
+
+    x: Tensor
+    u: Tensor
+    v: Tensor
+    key: Tensor
+    #: per matrix: the declared normalization's scale d (Z_0 = X / d) and ||X||_F (float64; NaN for AOL)
+    d: Tensor
+    nrm: Tensor
+
+
+def spectrum_chunk(shape) -> int:
+    """The batch the probe's matrices reach the implementation in: SPECTRUM_CHUNK_ELEMENTS elements'
+    worth (at least the shape's batch; one compilation more for a compiled function, in its warm-up)."""
+    b, m, n = shape
+    return max(b, min(spectrum_count(shape), SPECTRUM_CHUNK_ELEMENTS // (m * n)))
+
+
+def spectrum_count(shape) -> int:
+    b, m, n = shape
+    want = max(SPECTRUM_MIN_COUNT, b)
+    return max(b, min(want, SPECTRUM_MAX_ELEMENTS // (m * n)))
+
+
+def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int | None = None) -> Spectrum:
+    """The probe's matrices (the math verdict, :mod:`anvil_fast.core.tolerances`): full-rank
+    matrices with a top singular value in [0.2, 1] of the Frobenius norm and the rest log-uniform over
+    three decades, filling the norm, and matrices of rank 1 to 4; random orthogonal U, V; an overall scale 2^U(-4, 4) (every matrix's bf16 norm rounds differently) or,
+    for SPECTRUM_EPS_SHARE of them, a norm near eps / margin (where eps and the normalization's kind
+    set the scale)."""
+    b, m, n = (int(v) for v in shape)
+    k = min(m, n)
+    cnt = spectrum_count(shape) if count is None else count
+    g = torch.Generator().manual_seed(seed + 7919)
+    f64 = dict(dtype=torch.float64)
+    u = torch.linalg.qr(torch.randn(cnt, m, k, generator=g, **f64))[0]
+    v = torch.linalg.qr(torch.randn(cnt, n, k, generator=g, **f64))[0]
+    i = torch.arange(cnt)[:, None]
+    # full rank (i % 4 == 0, 1): a top value in [0.2, 1] (i % 4 == 1: in [0.9, 1], where a first
+    # step's coefficients show), the rest log-uniform over three decades filling the norm; low rank:
+    # rank 1 (i % 4 == 2) or 2 to 4 with uniform weights (i % 4 == 3)
+    lo = torch.where(i % 4 == 1, 0.9, 0.2).double()
+    top = lo + (1 - lo) * torch.rand(cnt, 1, generator=g, **f64)
+    rest = torch.exp(torch.rand(cnt, k - 1, generator=g, **f64) * math.log(1e-3))
+    rest = rest * ((1 - top.square()) / rest.square().sum(-1, keepdim=True).clamp_min(1e-300)).sqrt()
+    full = torch.cat([top, rest], dim=-1)
+    rank = torch.where(i % 4 == 2, 1, 2 + torch.randint(0, 3, (cnt, 1), generator=g))
+    low = torch.rand(cnt, k, generator=g, **f64) * (torch.arange(k)[None, :] < rank)
+    low = low / low.square().sum(-1, keepdim=True).sqrt()
+    s = torch.where(i % 4 < 2, full, low)
+    s = s.sort(dim=-1, descending=True).values  # unit Frobenius norm
+    scale = torch.exp2((2 * torch.rand(cnt, 1, generator=g, **f64) - 1) * SPECTRUM_SCALE_EXP)
+    n_eps = int(round(cnt * SPECTRUM_EPS_SHARE)) if math_.eps > 0 else 0
+    if n_eps:
+        at = math_.eps ** 0.5 if math_.normalization == "aol" else math_.eps / math_.margin
+        scale[-n_eps:] = at * torch.exp2((2 * torch.rand(n_eps, 1, generator=g, **f64) - 1) * 2)
+    x = ((u * (s * scale)[:, None, :]) @ v.mT).float()
+    x64 = x.double()
+    nrm = x64.square().sum(dim=(-2, -1)).sqrt()
+    if math_.normalization == "aol":  # the row scaling changes the singular vectors: an SVD of Z_0
+        flip = P.transposes(tuple(x64.shape), transpose_when=math_.transpose_when)
+        z = x64.mT if flip else x64
+        z0 = torch.as_tensor(P.normalize(z, normalization="aol", margin=math_.margin, eps=math_.eps))
+        u, key, vh = torch.linalg.svd(z0, full_matrices=False)
+        v = vh.mT
+        if flip:
+            u, v = v, u
+        d = torch.full_like(nrm, math.nan)
+    else:  # X / d scales every singular value alike (u, v: exact to the float32 rounding of x)
+        d = nrm * math_.margin + math_.eps if math_.normalization == "frobenius" else \
+            torch.maximum(nrm * math_.margin, torch.full_like(nrm, math_.eps))
+        key = s * scale / d[:, None]
+    keep = key > 0  # a low-rank matrix's zero singular values carry no point
+    key = torch.where(keep, key, torch.full_like(key, math.nan))
+    return Spectrum(x.to(device), u.to(device), v.to(device), key.to(device), d, nrm)
+
+
+def projections(y: Tensor, sp: Spectrum) -> Tensor:
+    """``u_i^T y v_i`` per matrix and point (float64): the output's singular value at each singular
+    pair of the declared normalized input (NaN where y is not finite)."""
+    yd = y.detach().double().to(sp.u.device)
+    t = ((sp.u.mT @ yd) * sp.v.mT).sum(-1)
+    finite = torch.isfinite(yd).flatten(1).all(dim=1)
+    return torch.where(finite[:, None], t, torch.full_like(t, math.nan))
+
+
+def sensitivities(sp: Spectrum, math_: DeclaredMath) -> tuple[list[str], np.ndarray]:
+    """Per point, the float64 change of the declared output's singular value F(key) per unit change of
+    each coefficient of each step (a, b, c), of the margin and of eps (central differences of the
+    composite; the normalization's scale through d): the directions a slip of one of them moves the
+    output. Returns their names and an array [directions, points]."""
+    from anvil_ref.cascade import composite
+    from anvil_ref.polar import composite_slope
+
+    key = sp.key.cpu().double().numpy()
+    maps_ = [list(t) for t in math_.coeffs]
+    names, rows = [], []
+    for j, triple in enumerate(maps_):
+        for i, letter in enumerate("abc"):
+            h = 1e-6 * max(1.0, abs(triple[i]))
+            up = [list(t) for t in maps_]
+            dn = [list(t) for t in maps_]
+            up[j][i] += h
+            dn[j][i] -= h
+            rows.append((composite(key, maps=[tuple(t) for t in up]) - composite(key, maps=[tuple(t) for t in dn])) / (2 * h))
+            names.append(f"step {j + 1} {letter}")
+    if math_.normalization != "aol":
+        slope = composite_slope(key, maps=math_.coeffs)
+        nrm = sp.nrm.cpu().numpy()[:, None]
+        d = sp.d.cpu().numpy()[:, None]
+        scaled = (nrm * math_.margin >= math_.eps) if math_.normalization == "frobenius_clamp" else np.ones_like(d, bool)
+        rows.append(np.where(scaled, -slope * key * nrm / d, 0.0))  # d(key)/d(margin) = -key ||X|| / d
+        names.append(MARGIN_DIRECTION)
+        rows.append(np.where(scaled & (math_.normalization == "frobenius_clamp"), 0.0, -slope * key / d)
+                    * math_.eps)  # per relative change of eps
+        names.append(EPS_DIRECTION)
+    return names, np.stack([np.broadcast_to(r, key.shape).reshape(-1) for r in rows])
+
+
+def _bins(key: np.ndarray) -> list[np.ndarray]:
+    """Indices of the points in each bin: log-spaced edges in ``key``, merged from the top down until
+    each holds at least SPECTRUM_BIN_MIN points."""
+    ok = np.isfinite(key) & (key > 0)
+    lk = np.log(np.where(ok, key, 1.0))
+    lo, hi = lk[ok].min(), lk[ok].max() + 1e-12
+    idx = np.where(ok, np.minimum(((lk - lo) / (hi - lo) * SPECTRUM_BINS).astype(int), SPECTRUM_BINS - 1), -1)
+    groups, cur = [], []
+    for b in range(SPECTRUM_BINS - 1, -1, -1):
+        cur.append(np.flatnonzero(idx == b))
+        if sum(len(c) for c in cur) >= SPECTRUM_BIN_MIN:
+            groups.append(np.concatenate(cur))
+            cur = []
+    if cur and groups:
+        groups[-1] = np.concatenate([groups[-1]] + cur)
+    return groups[::-1]
+
+
+@dataclass
+class MathStat:
+    """The math verdict's measurement (:func:`math_statistic`): ``z`` the largest deviation of the
+    implementation's singular values from the eager bf16 run of the declared math closest to it, in
+    standard errors; ``clause`` where (a direction such as ``step 3 c``, or a bin ``sigma in [lo, hi)``);
+    ``shift`` the mean deviation there (absolute, in singular value) or the slip it amounts to along
+    that direction; ``form`` the eager form it was compared with; ``points``."""
+
+    z: float
+    clause: str
+    shift: float
+    form: str
+    points: int
+
+
+def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, names: list[str],
+                   sens: np.ndarray, *, margin: float = 1.0, eps: float = 1e-7) -> MathStat:
+    """The implementation's residuals ``r_impl`` (``[matrices, points]``: its singular values minus the
+    float64 math's) against each eager form's, paired matrix by matrix, two ways: per bin of ``key``
+    (the mean difference) and along each sensitivity direction (a matched filter: the weighted
+    projection of the differences on the output change a slip of that coefficient makes, weights the
+    inverse of the eager residuals' variance in the bin). Each in standard errors estimated from the
+    spread of the per-matrix sums (a matrix's points share its norm's rounding, so they are not
+    independent). The largest |z| of a form, the smallest over the forms."""
+    kk = key.cpu().double().numpy()
+    ok = np.isfinite(kk) & (kk > 0)
+    ri = r_impl.cpu().double().numpy()
+    rf = {f: r.cpu().double().numpy() for f, r in r_forms.items()}
+    # a matrix on which the same math explodes in eager bf16 (a residual past the map's own range, or
+    # not finite) is the safety verdict's, not a measurement of the map: left out for everyone
+    wild = np.zeros(kk.shape[0], dtype=bool)
+    for r in rf.values():
+        wild |= ~(np.abs(np.where(ok, r, 0.0)) <= MATH_WILD).all(axis=1)
+    ok &= ~wild[:, None]
+    npts = int(ok.sum())
+    if not np.isfinite(ri[ok]).all():
+        return MathStat(math.inf, "output not finite", math.inf, "-", npts)
+    if npts < 2:
+        return MathStat(0.0, "no point where the math stays finite in bf16", 0.0, "-", npts)
+    flat_ok = ok.reshape(-1)
+    groups = _bins(np.where(ok, kk, np.nan).reshape(-1))
+    mats = np.broadcast_to(np.arange(kk.shape[0])[:, None], kk.shape).reshape(-1)
+    pooled = np.zeros(kk.size)
+    for gi in groups:
+        pooled[gi] = np.mean([r.reshape(-1)[gi].var() for r in rf.values()])
+    w = np.where(flat_ok, 1.0 / np.maximum(pooled, pooled[flat_ok].max() * 1e-12 + 1e-300), 0.0)
+    sens_full = np.zeros((len(names), kk.size))
+    sens_full[:, :] = np.nan_to_num(sens)
+    sens_full[:, ~flat_ok] = 0.0
+
+    def tstat(per_point: np.ndarray, sel: np.ndarray) -> tuple[float, float]:
+        """(sum, its standard error) of per_point over the points sel, clustered by matrix."""
+        sums = np.bincount(mats[sel], weights=per_point[sel], minlength=kk.shape[0])
+        used = np.bincount(mats[sel], minlength=kk.shape[0]) > 0
+        c = sums[used]
+        if len(c) < 2:
+            return float(c.sum()), math.inf
+        return float(c.sum()), float(math.sqrt(len(c) * c.var(ddof=1)))
+
+    all_pts = np.flatnonzero(flat_ok)
+    ri_flat = np.where(flat_ok, ri.reshape(-1), 0.0)
+    # the normalization's scale as bf16 arithmetic applies it: the part of the residuals along the
+    # margin and eps directions up to their rounding allowance is removed (fitted, clipped to it)
+    nuisance = {MARGIN_DIRECTION: T.scale_rounding(margin, eps), EPS_DIRECTION: T.eps_rounding(eps)}
+    for name, jv in zip(names, sens_full):
+        if name in nuisance:
+            den = float(np.sum(w * jv * jv))
+            if den > 0:
+                shift = float(np.sum(w * jv * ri_flat)) / den
+                lo, hi = nuisance[name]
+                ri_flat = ri_flat - float(np.clip(shift, lo, hi)) * jv
+    rf_flat = {f: np.where(flat_ok, r.reshape(-1), 0.0) for f, r in rf.items()}
+    worst = MathStat(0.0, "-", 0.0, "-", npts)
+
+    def judge(stat: Callable[[np.ndarray], tuple[float, float]], clause: str, unit: float, allow: float = 0.0):
+        # the implementation's value against the hull of the forms' (the float64 math: 0): its
+        # distance from the nearest, in standard errors of the difference
+        nonlocal worst
+        tot_i, se_i = stat(ri_flat)
+        vals = {"float64": (0.0, 0.0)} | {f: stat(r) for f, r in rf_flat.items()}
+        lo_f = min(vals, key=lambda f: vals[f][0])
+        hi_f = max(vals, key=lambda f: vals[f][0])
+        # an implementation that rounds up to MATH_BIAS_FACTOR times as much as an eager form may carry up
+        # to that many times its rounding bias (the hull scaled about the float64 math's 0)
+        lo, hi = T.MATH_BIAS_FACTOR * vals[lo_f][0] - allow, T.MATH_BIAS_FACTOR * vals[hi_f][0] + allow
+        if lo <= tot_i <= hi:
+            return
+        near = lo_f if tot_i < lo else hi_f
+        excess = lo - tot_i if tot_i < lo else tot_i - hi
+        se = math.sqrt(se_i ** 2 + (T.MATH_BIAS_FACTOR * vals[near][1]) ** 2)
+        z = excess / se if se > 0 else math.inf
+        if z > worst.z:
+            worst = MathStat(z, clause, (tot_i - vals[near][0]) / unit, near, npts)
+
+    for gi in groups:  # per bin: the mean residual
+        judge(lambda r, gi=gi: tstat(r, gi), f"sigma in [{kk.reshape(-1)[gi].min():.3g}, {kk.reshape(-1)[gi].max():.3g}]",
+              len(gi))
+    for name, jv in zip(names, sens_full):  # along each slip's direction
+        wj = w * jv
+        norm = float(np.sum(wj * jv))
+        if norm <= 0:
+            continue
+        judge(lambda r, wj=wj: tstat(wj * r, all_pts), name, norm)
+    return worst
 
 
 # ------------------------------------------------------------------------------ measures
@@ -342,16 +730,17 @@ def sv_range(s: Tensor) -> tuple[float, float, float]:
 
 @dataclass
 class Row:
-    """One (implementation, shape, family): the columns of the module docstring. The fields ``fast``,
-    ``eager``, ``floor``, ``cap_ratio``, ``roundings``, ``conforms`` and ``well_conditioned`` are what
-    :func:`anvil_fast.core.tolerances.check_row` reads."""
+    """One (implementation, shape, family): the columns of the module docstring and its three verdicts
+    (:meth:`verdicts`), each clause with its value and its limit."""
 
     impl: str
     shape: tuple[int, ...]
     family: str
     fast: float = math.nan  #: error against the same math in float64
     floor: float = math.nan
-    eager: float = math.nan
+    eager: float = math.nan  #: the fused eager form's error (FORMS)
+    eager_unfused: float = math.nan  #: the unfused eager form's error
+    eager_horner: float = math.nan  #: the Horner eager form's error
     bound: float = math.nan
     roundings: float | None = None  #: the gain-weighted rounding count of the bound (well-conditioned rows)
     polar: float = math.nan
@@ -361,40 +750,83 @@ class Row:
     sv_max: float = math.nan
     top_sv: float = math.nan
     exploded: int = 0
+    eager_top_sv: float = math.nan  #: the largest top singular value of the eager forms' outputs
+    eager_exploded: int = 0  #: matrices on which an eager form exploded
+    nonfinite: int = 0  #: matrices whose output is not finite
+    vacuous: str = ""  #: what a vacuous output equals ("zero", "identity", "the input"), else ""
     count: int = 0
     sigma_x: float = T.EXPLODED_SIGMA
     cap_ratio: float | None = None
+    eager_cap_ratio: float | None = None
     gram_seen: int | None = None
     gram_declared: int | None = None
     conforms: bool = True
+    #: spectrum rows: the math statistic (MathStat's fields)
+    math_z: float | None = None
+    math_clause: str = ""
+    math_shift: float | None = None
+    math_form: str = ""
+    math_points: int = 0
     note: str = ""
     ms: float | None = None
     declared: bool = True
     well_conditioned: bool = False
     device: str = "cpu"
-    # what check_row reads of a difftest row, and has no meaning here
-    component: str = field(default="cascade", repr=False)
-    ulps: float | None = field(default=None, repr=False)
-    same_bits: float | None = field(default=None, repr=False)
-    eager_sv: float | None = field(default=None, repr=False)
 
     @property
     def config(self) -> str:
         return self.impl
 
+    def rounding_ratio(self) -> float:
+        """Its error over the larger eager form's (the form it may have been written in)."""
+        forms = [v for v in (self.eager, self.eager_unfused, self.eager_horner) if v == v]
+        e = max(forms) if forms else math.nan
+        return self.fast / e if e and e == e and e > 0 else math.nan
+
+    def verdicts(self) -> dict[str, list[str]]:
+        """``{"math": [...], "rounding": [...], "safety": [...], "findings": [...]}``: the failed
+        clauses of each verdict, every one naming its value and its limit
+        (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`), and the findings (reported,
+        never a FAIL)."""
+        return T.orthogonalizer_clauses(self)
+
     def verdict(self) -> str:
-        """"ok", "FAIL" or "unjudged" (:data:`VERDICT_RULE`)."""
+        """"ok", "finding", "FAIL" or "unjudged" (:data:`VERDICT_RULE`)."""
+        v = self.verdicts()
+        if v["math"] or v["safety"]:
+            return "FAIL"
         if not self.declared:
-            return "FAIL" if not self.conforms or not self.top_sv < math.inf else "unjudged"
-        return "ok" if T.check_row(self, same_backend=False) else "FAIL"
+            return "unjudged"
+        return "finding" if v["rounding"] or v["findings"] else "ok"
+
+    def failures(self) -> list[str]:
+        v = self.verdicts()
+        return v["math"] + v["safety"]
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for k in ("component", "ulps", "same_bits", "eager_sv"):
-            d.pop(k)
         d["shape"] = list(self.shape)
         d["verdict"] = self.verdict()
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+        d["verdicts"] = self.verdicts()
+        d["rounding_ratio"] = self.rounding_ratio()
+        return _finite(d)
+
+
+def _finite(d):
+    if isinstance(d, dict):
+        return {k: _finite(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_finite(v) for v in d]
+    return None if isinstance(d, float) and not math.isfinite(d) else d
+
+
+def row_from_json(d: dict) -> Row:
+    """A row written by :meth:`Row.to_json` (``--resume``)."""
+    names = {f.name for f in dataclasses.fields(Row)}
+    kw = {k: (math.nan if v is None and isinstance(getattr(Row, k, None), float) else v)
+          for k, v in d.items() if k in names}
+    kw["shape"] = tuple(kw["shape"])
+    return Row(**kw)
 
 
 def _input(family: str, shape: tuple[int, int, int], *, seed: int, count: int, device) -> Tensor:
@@ -407,10 +839,11 @@ def _input(family: str, shape: tuple[int, int, int], *, seed: int, count: int, d
 
 class _Cache:
     """Per (shape, family): the input, its polar factor and singular values; per declared math: the
-    float64 result, the eager bf16 result and the bound. Shared by every implementation judged in one call."""
+    float64 result, the eager bf16 results and the bound; the spectrum probe. Shared by every
+    implementation judged in one call."""
 
-    def __init__(self, *, seed: int, device, count: int):
-        self.seed, self.device, self.count = seed, torch.device(device), count
+    def __init__(self, *, seed: int, device, count: int, spectrum_count: int | None = None):
+        self.seed, self.device, self.count, self.spectrum_count = seed, torch.device(device), count, spectrum_count
         self.store: dict = {}
 
     def get(self, key, make):
@@ -418,7 +851,14 @@ class _Cache:
             self.store[key] = make()
         return self.store[key]
 
-    def x(self, shape, family):
+    def spectrum(self, shape, m: DeclaredMath) -> Spectrum:
+        return self.get(("spectrum", shape, "spectrum", m), lambda: spectrum_input(
+            shape, m, seed=self.seed, device=self.device,
+            count=None if self.spectrum_count is None else max(shape[0], self.spectrum_count)))
+
+    def x(self, shape, family, m: DeclaredMath | None = None):
+        if family == SPECTRUM:
+            return self.spectrum(shape, m).x
         return self.get(("x", shape, family), lambda: _input(family, shape, seed=self.seed, count=self.count,
                                                                device=self.device))
 
@@ -426,10 +866,20 @@ class _Cache:
         return self.get(("polar", shape, family), lambda: polar_factor(self.x(shape, family)))
 
     def ref(self, shape, family, m: DeclaredMath):
-        return self.get(("ref", shape, family, m), lambda: reference(self.x(shape, family), m))
+        return self.get(("ref", shape, family, m), lambda: reference(self.x(shape, family, m), m))
 
-    def eager(self, shape, family, m: DeclaredMath):
-        return self.get(("eager", shape, family, m), lambda: eager_declared(self.x(shape, family), m))
+    def eager(self, shape, family, m: DeclaredMath, form: str = "fused"):
+        return self.get(("eager", shape, family, m, form), lambda: eager_declared(self.x(shape, family, m), m, form))
+
+    def residuals(self, shape, m: DeclaredMath, y: Tensor) -> Tensor:
+        sp = self.spectrum(shape, m)
+        g = self.get(("g", shape, SPECTRUM, m), lambda: torch.as_tensor(
+            __import__("anvil_ref.cascade", fromlist=["composite"]).composite(
+                sp.key.cpu().numpy(), maps=m.coeffs)))
+        return projections(y, sp).cpu() - g
+
+    def sens(self, shape, m: DeclaredMath):
+        return self.get(("sens", shape, SPECTRUM, m), lambda: sensitivities(self.spectrum(shape, m), m))
 
     def input_sv(self, shape, family):
         """Singular values of the input, descending, float64 NumPy (for the bounds)."""
@@ -450,12 +900,56 @@ class _Cache:
         return self.get(("roundings", shape, family, m), make)
 
 
+def _top(y: Tensor, shape, family) -> Tensor:
+    if family in POLAR_FAMILIES or min(shape[1:]) <= EXACT_SV_MAX:
+        s = singular_values(y)
+        return torch.where(torch.isnan(s[:, -1]), torch.full_like(s[:, -1], math.inf), s[:, -1]).cpu()
+    return top_singular_values(y)
+
+
+def _cosines(y: Tensor, t: Tensor) -> Tensor:
+    """Per matrix <y, t> / (||y|| ||t||) (float64; 0 where either is zero)."""
+    a = y.detach().double().reshape(-1, *y.shape[-2:]).flatten(1)
+    b = t.detach().double().to(a.device).reshape(-1, *t.shape[-2:]).flatten(1)
+    den = a.norm(dim=1) * b.norm(dim=1)
+    return torch.where(den > 0, (a * b).sum(1) / den.clamp_min(1e-300), torch.zeros_like(den)).cpu()
+
+
+def vacuous(y: Tensor, ref: Tensor, x: Tensor, *, top: Tensor | None = None, sigma: float = math.inf,
+            dtype: torch.dtype | None = None) -> str:
+    """What a vacuous output is (all zero where the math's, rounded to the output's dtype, is not; the
+    identity or the input returned, up to scale: cosine above 1 - VACUOUS_GAP on a matrix that has not
+    exploded (``top`` <= ``sigma``: an explosion is its own clause) where the math's own output's is
+    below 1 - 10 VACUOUS_GAP), else ""."""
+    yd = y.detach().double().reshape(-1, *y.shape[-2:])
+    rd = ref.detach().double().reshape(-1, *ref.shape[-2:])
+    if not torch.isfinite(yd).all():
+        return ""
+    yn = yd.flatten(1).norm(dim=1).cpu()
+    rn = rd.flatten(1).norm(dim=1).cpu()
+    rn_out = rn
+    for dt in (y.dtype, dtype):  # the math's output as the output's dtype and the declared iteration's hold it
+        if dt is not None and dt.is_floating_point:
+            rn_out = torch.minimum(rn_out, ref.detach().to(dt).double().reshape(rd.shape).flatten(1).norm(dim=1).cpu())
+    if bool(((yn == 0) & (rn_out > 0)).any()):
+        return "zero"
+    calm = torch.ones_like(yn, dtype=torch.bool) if top is None else (top.cpu() <= sigma)
+    eye = torch.eye(*yd.shape[-2:], dtype=torch.float64, device=yd.device).expand_as(yd)
+    for name, t in (("the identity", eye), ("the input", x.reshape(yd.shape))):
+        cy, cr = _cosines(yd, t), _cosines(rd, t)
+        hit = calm & (cy > 1 - T.VACUOUS_GAP) & ((cr < 1 - 10 * T.VACUOUS_GAP) | (rn == 0))
+        if bool(hit.any()):
+            return name
+    return ""
+
+
 def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_reps: int = 0) -> Row:
     """One row (module docstring)."""
     shape = tuple(int(v) for v in shape)
-    x = cache.x(shape, family)
     m = impl.math
+    x = cache.x(shape, family, m)
     dev = cache.device.type
+    chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
     row = Row(impl.name, shape, family, count=int(x.shape[0]), declared=m is not None,
               well_conditioned=family in WELL_CONDITIONED, device=dev)
     if m is not None:
@@ -463,11 +957,11 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.sigma_x = m.exploded_sigma()
     try:
         try:
-            y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=shape[0])
+            y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=chunk)
         except Exception:
             if not impl.observe:
                 raise
-            y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=False, chunk=shape[0])  # not observable
+            y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=False, chunk=chunk)  # not observable
             row.note = "products not observable (it fails under a dispatch mode)"
     except Exception as exc:  # a crash is a failure of the row, reported, not of the whole table
         row.conforms, row.note = False, f"raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
@@ -482,12 +976,11 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.conforms = False
         row.note = (f"formed a {row.gram_seen}x{row.gram_seen} Gram; transpose when {m.transpose_when} forms "
                     f"{row.gram_declared}x{row.gram_declared}")
+    row.nonfinite = int((~torch.isfinite(y.detach().reshape(y.shape[0], -1)).all(dim=1)).sum())
     if family in POLAR_FAMILIES or min(shape[1:]) <= EXACT_SV_MAX:
         s = singular_values(y)
         row.sv_min, row.sv_mean, row.sv_max = sv_range(s)
-        top = torch.where(torch.isnan(s[:, -1]), torch.full_like(s[:, -1], math.inf), s[:, -1]).cpu()
-    else:
-        top = top_singular_values(y)
+    top = _top(y, shape, family)
     row.top_sv = float(top.max())
     row.exploded = int((top > row.sigma_x).sum())
     if family in POLAR_FAMILIES:
@@ -495,19 +988,42 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.polar = float(rel_errs(y, pf).max())
     if m is not None:
         ref = cache.ref(shape, family, m)
+        eagers = {f: cache.eager(shape, family, m, f) for f in m.forms()}
         row.fast = float(rel_errs(y, ref).max())
         row.floor = float(rel_errs(ref.bfloat16(), ref).max())
-        row.eager = float(rel_errs(cache.eager(shape, family, m), ref).max())
+        errs = {f: float(rel_errs(e, ref).max()) for f, e in eagers.items()}
+        row.eager = errs.get("fused", errs.get(GRAM_FORM, math.nan))
+        row.eager_unfused = errs.get("unfused", math.nan)
+        row.eager_horner = errs.get("horner", math.nan)
+        etop = torch.stack([cache.get(("etop", shape, family, m, f), lambda f=f: _top(eagers[f], shape, family))
+                            for f in m.forms()])
+        row.eager_top_sv = float(etop.max())
+        row.eager_exploded = int((etop > row.sigma_x).any(dim=0).sum())
+        row.vacuous = vacuous(y, ref, x, top=top, sigma=row.sigma_x, dtype=getattr(torch, m.dtype))
         k = min(shape[1:])
         norms = ref.detach().double().reshape(-1, *ref.shape[-2:]).flatten(1).norm(dim=1).cpu()
         caps = torch.tensor([T.cascade_error_cap(float(n), k, sigma=row.sigma_x) for n in norms], dtype=torch.float64)
-        row.cap_ratio = float((rel_errs(y, ref) / caps).max()) if torch.isfinite(norms).all() else math.inf
+        if torch.isfinite(norms).all():
+            row.cap_ratio = float((rel_errs(y, ref) / caps).max())
+            row.eager_cap_ratio = max(float((rel_errs(e, ref) / caps).max()) for e in eagers.values())
+        else:
+            row.cap_ratio = math.inf
         if family in POLAR_FAMILIES:
             row.math_polar = float(rel_errs(ref, cache.polar(shape, family)).max())
-        if row.well_conditioned:
+        if row.well_conditioned and m.restarts is None:  # the bound counts the standard form's roundings
             row.roundings = cache.roundings(shape, family, m)
             row.bound = T.eager_bound("cascade", floor=row.floor, roundings=row.roundings)
-    if time_reps and dev == "cuda" and family == DEFAULT_FAMILIES[0]:
+        if family == SPECTRUM:
+            names, sens = cache.sens(shape, m)
+            forms = {f: cache.get(("res", shape, family, m, f), lambda f=f: cache.residuals(shape, m, eagers[f]))
+                     for f in m.forms()}
+            st = math_statistic(cache.residuals(shape, m, y), forms, cache.spectrum(shape, m).key, names, sens,
+                                margin=m.margin, eps=m.eps)
+            row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
+            row.math_form, row.math_points = st.form, st.points
+    else:
+        row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
+    if time_reps and dev == "cuda" and family == TIMED_FAMILY:
         from anvil_fast.kernels.timing import median_ms
 
         with torch.no_grad():
@@ -515,38 +1031,76 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     return row
 
 
+def warm_up(impl: Implementation, shape, cache: _Cache) -> float:
+    """One call of ``impl`` on a batch of ``shape`` before any row of that shape is timed or judged:
+    where it compiles or autotunes per shape (torch.compile, Triton's autotuner), that happens here,
+    outside the rows. Returns its seconds (inf where it raised: the rows report the error)."""
+    t0 = time.monotonic()
+    try:
+        x = cache.x(tuple(shape), "gaussian")
+        run_impl(impl, x, seed=cache.seed, record=False, chunk=shape[0])
+        sc = spectrum_chunk(shape)
+        if cache.spectrum_count is not None:
+            sc = min(sc, max(shape[0], cache.spectrum_count))
+        if impl.math is not None and sc != shape[0]:  # the probe's batch
+            run_impl(impl, x[:1].expand(sc, *x.shape[1:]).contiguous(), seed=cache.seed, record=False)
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
+    except Exception:
+        return math.inf
+    return time.monotonic() - t0
+
+
 def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SHAPES, families=DEFAULT_FAMILIES,
           seed: int = 0, device="cpu", near_rank1_count: int = 8, time_reps: int = 0, progress: bool | None = None,
-          time_limit: float | None = None, checkpoint: Callable[[list[Row]], None] | None = None) -> list[Row]:
-    """Every row for every implementation, shape and family (same inputs for all implementations).
-    ``near_rank1_count``: inputs of the near-rank-1 family per shape; ``time_reps``: timed calls per
-    shape on CUDA (0: none); ``time_limit``: seconds after which no new row is started (the rows done
-    are returned); ``checkpoint``: called with the rows so far after every row (a run that is
-    stopped from outside keeps what it measured)."""
+          time_limit: float | None = None, checkpoint: Callable[[list[Row]], None] | None = None,
+          done: Sequence[Row] = (), warmups: dict | None = None, spectrum_count: int | None = None) -> list[Row]:
+    """Every row for every implementation, shape and family (same inputs for all implementations),
+    shape by shape, implementation by implementation (each one's first call at a shape, the warm-up,
+    outside its rows: :func:`warm_up`). ``near_rank1_count``: inputs of the near-rank-1 family per
+    shape; ``time_reps``: timed calls per shape on CUDA (0: none); ``time_limit``: seconds after which
+    no new implementation is started at a shape (the rows done are returned); ``checkpoint``: called
+    with the rows so far after every row; ``done``: rows of an earlier run (``--resume``), kept and not
+    measured again; ``warmups``: filled with the warm-up seconds per "impl shape"; ``spectrum_count``:
+    matrices of the spectrum probe per shape (default :func:`spectrum_count`: fewer see less)."""
     from anvil_ref.progress import Progress
 
     impls = [impls] if isinstance(impls, Implementation) else list(impls)
-    bad = sorted(set(families) - set(FAMILIES))
+    families = list(families)
+    bad = sorted(set(families) - set(HARNESS_FAMILIES))
     if bad:
-        raise ValueError(f"families: unknown {bad}; expected a subset of {FAMILIES}")
-    shapes = [tuple(s) for s in shapes]
+        raise ValueError(f"families: unknown {bad}; expected a subset of {HARNESS_FAMILIES}")
+    shapes = [tuple(int(v) for v in s) for s in shapes]
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
             raise ValueError(f"shapes: expected (chunk, rows, cols) of positive integers, got {s!r}")
-    cache = _Cache(seed=seed, device=device, count=near_rank1_count)
-    cases = [(i, s, f) for s in shapes for f in families for i in impls]
-    rows, t0 = [], time.monotonic()
-    with Progress(len(cases), "harness", enabled=progress) as bar:
-        for n, (impl, s, f) in enumerate(cases):
-            if time_limit is not None and time.monotonic() - t0 > time_limit:
-                break
-            bar.update(n, label=f"harness: {impl.name} {'x'.join(map(str, s))} {f} ({n + 1}/{len(cases)})")
-            rows.append(judge_one(impl, s, f, cache, time_reps=time_reps))
-            if checkpoint is not None:
-                checkpoint(rows)  # after every row: one implementation's compilation can outlast a run's box
-            if n + 1 == len(cases) or cases[n + 1][1] != s:  # this shape is done
+    cache = _Cache(seed=seed, device=device, count=near_rank1_count, spectrum_count=spectrum_count)
+    have = {(r.impl, tuple(r.shape), r.family): r for r in done}
+    rows = list(done)
+    warmups = {} if warmups is None else warmups
+
+    def fams(impl):
+        return [f for f in families if not (f == SPECTRUM and impl.math is None)]
+
+    todo = [(s, i) for s in shapes for i in impls if any((i.name, s, f) not in have for f in fams(i))]
+    total = sum(len(fams(i)) for s, i in todo)
+    t0, n = time.monotonic(), 0
+    with Progress(max(total, 1), "harness", enabled=progress) as bar:
+        for j, (s, impl) in enumerate(todo):
+            if j and time_limit is not None and time.monotonic() - t0 > time_limit:
+                break  # (the first always runs: every run makes progress)
+            warmups[f"{impl.name} {'x'.join(map(str, s))}"] = warm_up(impl, s, cache)
+            for f in fams(impl):
+                if (impl.name, s, f) in have:
+                    continue
+                bar.update(n, label=f"harness: {impl.name} {'x'.join(map(str, s))} {f} ({n + 1}/{total})")
+                rows.append(judge_one(impl, s, f, cache, time_reps=time_reps))
+                n += 1
+                if checkpoint is not None:
+                    checkpoint(rows)  # after every row: a run stopped from outside keeps what it measured
+            if j + 1 == len(todo) or todo[j + 1][0] != s:  # this shape is done
                 cache.store = {k: v for k, v in cache.store.items() if k[1] != s}
-        bar.update(len(cases))
+        bar.update(max(total, 1))
     return rows
 
 
@@ -557,27 +1111,32 @@ def _g(v, fmt=".3g") -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'impl':<26} {'shape':<12} {'family':<16} {'err':>9} {'floor':>8} {'eager':>8} {'bound':>8} "
-            f"{'polar':>8} {'math':>8} {'sv min/mean/max':>17} {'exploded':>9} {'gram':>9} {'ms':>8} {'verdict':>9}  notes")
+    head = (f"{'impl':<26} {'shape':<10} {'family':<16} {'err':>8} {'eager':>8} {'unfused':>8} {'k':>5} "
+            f"{'floor':>8} {'polar':>7} {'math':>7} {'math z':>7} {'sv min/mean/max':>17} {'exploded':>9} "
+            f"{'gram':>7} {'ms':>7} {'verdict':>9}  clauses")
     lines = [head, "-" * len(head)]
     for r in rows:
         sv = "-" if math.isnan(r.sv_mean) else f"{r.sv_min:.2f}/{r.sv_mean:.2f}/{r.sv_max:.2f}"
         gram = "-" if r.gram_declared is None and r.gram_seen is None else f"{_g(r.gram_seen, 'd')}/{_g(r.gram_declared, 'd')}"
-        lines.append(f"{r.impl:<26} {'x'.join(map(str, r.shape)):<12} {r.family:<16} {_g(r.fast):>9} {_g(r.floor):>8} "
-                     f"{_g(r.eager):>8} {_g(r.bound):>8} {_g(r.polar):>8} {_g(r.math_polar):>8} {sv:>17} "
-                     f"{r.exploded:>4}/{r.count:<4} {gram:>9} {_g(r.ms):>8} {r.verdict():>9}  {r.note}")
-    lines.append("err: relative Frobenius error against the same math in float64 (max over matrices); floor: the "
-                 "float64 result rounded to bf16; eager: the same math in plain eager bf16; bound: eager's derived bound "
-                 "(well-conditioned input); polar / math: the implementation's and the float64 math's error against the "
-                 "exact polar factor; sv: singular values / their RMS; exploded: top singular value > the math's "
-                 "explosion threshold; gram: side of the largest square product seen / declared; ms: median per call "
-                 "(CUDA)")
+        v = r.verdicts()
+        clauses = "; ".join(v["math"] + v["safety"] + v["rounding"] + v["findings"] + ([r.note] if r.note else []))
+        lines.append(f"{r.impl:<26} {'x'.join(map(str, r.shape)):<10} {r.family:<16} {_g(r.fast):>8} {_g(r.eager):>8} "
+                     f"{_g(r.eager_unfused):>8} {_g(r.rounding_ratio(), '.2f'):>5} {_g(r.floor):>8} {_g(r.polar):>7} "
+                     f"{_g(r.math_polar):>7} {_g(r.math_z, '.2f'):>7} {sv:>17} {r.exploded:>4}/{r.count:<4} {gram:>7} "
+                     f"{_g(r.ms):>7} {r.verdict():>9}  {clauses}")
+    lines.append("err: relative Frobenius error against the same math in float64 (max over matrices); eager / unfused: "
+                 "the same math in plain eager bf16, fused and unfused form; k: err / the larger of the two; floor: the "
+                 "float64 result rounded to bf16; polar / math: the implementation's and the float64 math's error "
+                 "against the exact polar factor; math z: the spectrum probe's largest deviation from the declared "
+                 "map, in standard errors; sv: singular values / their RMS; exploded: top singular value > the "
+                 "math's explosion threshold; gram: side of the largest square product seen / declared; ms: median "
+                 "per call (CUDA)")
     lines.append(VERDICT_RULE)
     return "\n".join(lines)
 
 
 def summary(rows: list[Row]) -> str:
-    counts = {v: 0 for v in ("ok", "FAIL", "unjudged")}
+    counts = {v: 0 for v in ("ok", "finding", "FAIL", "unjudged")}
     for r in rows:
         counts[r.verdict()] += 1
     return f"{len(rows)} rows: " + ", ".join(f"{n} {v}" for v, n in counts.items())
@@ -615,23 +1174,49 @@ def resolve(spec: str) -> Callable:
     return obj
 
 
+def callable_name(fn: Callable) -> str:
+    """A name for ``fn`` in a table: its qualified name; a lambda, a partial or a callable object by
+    where it was written (``<lambda> at tests/test_x.py:12``), the function a partial wraps."""
+    import functools
+    import os
+
+    if isinstance(fn, functools.partial):
+        return f"partial({callable_name(fn.func)})"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
+    if "<lambda>" in name or "<locals>" in name:
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            where = code.co_filename
+            try:
+                where = os.path.relpath(where)
+            except ValueError:
+                pass
+            base = name.rsplit(".", 1)[-1]
+            return f"{base} at {where}:{code.co_firstlineno}"
+    return name
+
+
 def assert_orthogonalizer(fn: Callable[[Tensor], Tensor], *, coeffs: MapsLike | None = None, steps: int | None = None,
-                          normalization: str = "frobenius", margin: float = 1.0, eps: float = 1e-7,
-                          transpose_when: str = "tall", shapes=DEFAULT_SHAPES,
-                          families: Sequence[str] = ("gaussian", "well_conditioned", "near_rank1", "decaying", "zero"),
-                          seed: int = 0, per_matrix: bool = False, input_dtype: torch.dtype = torch.float32,
-                          device="cpu", near_rank1_count: int = 8, name: str | None = None) -> list[Row]:
-    """Judge ``fn`` (module docstring) and raise :class:`OrthogonalizerMismatch` with the table if a
-    row fails; returns the rows. ``coeffs`` (with ``steps``, :meth:`DeclaredMath.of`), ``normalization``,
-    ``margin``, ``eps`` and ``transpose_when`` declare its math; ``coeffs=None``: undeclared (only
-    explosions and the output's shape are judged)."""
-    m = None if coeffs is None else DeclaredMath.of(coeffs, steps=steps, normalization=normalization, margin=margin,
-                                                     eps=eps, transpose_when=transpose_when)
-    impl = Implementation(name or getattr(fn, "__name__", "fn"), fn, m, per_matrix=per_matrix, input_dtype=input_dtype)
+                          cycle: bool = False, normalization: str = "frobenius", margin: float = 1.0,
+                          eps: float = 1e-7, transpose_when: str = "tall", shapes=DEFAULT_SHAPES,
+                          families: Sequence[str] = DEFAULT_FAMILIES, seed: int = 0, per_matrix: bool = False,
+                          input_dtype: torch.dtype = torch.float32, device="cpu", near_rank1_count: int = 8,
+                          name: str | None = None, spectrum_count: int | None = None) -> list[Row]:
+    """Judge ``fn`` (module docstring) and raise :class:`OrthogonalizerMismatch` naming every failed
+    clause (its verdict, value and limit) and the table if a row FAILs; returns the rows (findings
+    do not raise: read them with ``row.verdicts()``). ``coeffs`` (with ``steps``, ``cycle``,
+    :meth:`DeclaredMath.of`), ``normalization``, ``margin``, ``eps`` and ``transpose_when`` declare its
+    math; ``coeffs=None``: undeclared (only safety is judged)."""
+    m = None if coeffs is None else DeclaredMath.of(coeffs, steps=steps, cycle=cycle, normalization=normalization,
+                                                     margin=margin, eps=eps, transpose_when=transpose_when)
+    impl = Implementation(name or callable_name(fn), fn, m, per_matrix=per_matrix, input_dtype=input_dtype)
     rows = judge(impl, shapes=shapes, families=families, seed=seed, device=device, near_rank1_count=near_rank1_count,
-                 progress=False)
-    if any(r.verdict() == "FAIL" for r in rows):
-        raise OrthogonalizerMismatch(f"{impl.name} fails the harness's rule:\n" + format_table(rows) + "\n" + summary(rows))
+                 progress=False, spectrum_count=spectrum_count)
+    failed = [r for r in rows if r.verdict() == "FAIL"]
+    if failed:
+        clauses = [f"  {'x'.join(map(str, r.shape))} {r.family}: {c}" for r in failed for c in r.failures()]
+        raise OrthogonalizerMismatch(f"{impl.name} fails the harness:\n" + "\n".join(clauses) + "\n\n"
+                                     + format_table(rows) + "\n" + summary(rows))
     return rows
 
 

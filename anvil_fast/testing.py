@@ -1,0 +1,41 @@
+"""anvil_fast.testing: judge anyone's orthogonalization from a test suite, as ``torch.testing`` judges tensors.
+
+A stable facade over the package's harness (``anvil_fast.studies.harness``, its adapters and
+examples); another project imports it in its pytest suite::
+
+    from anvil_fast.testing import assert_orthogonalizer
+
+    def test_my_newton_schulz():
+        assert_orthogonalizer(my_newton_schulz, coeffs=[(3.4445, -4.7750, 2.0315)], steps=5,
+                              normalization="frobenius", margin=1.0, eps=1e-7, transpose_when="tall")
+
+``assert_orthogonalizer`` raises :class:`OrthogonalizerMismatch` (an ``AssertionError``) naming every
+failed clause -- its verdict, its value and its limit -- and the table of every row. Three verdicts
+per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
+
+* **math** (FAIL): on the ``spectrum`` family, inputs of known singular values, the output's singular
+  values against the declared composite map, averaged over thousands of points (a 1e-3 slip in any
+  coefficient of any step is seen); the Gram on the declared side;
+* **safety** (FAIL, every family): a non-finite output, a vacuous one (zero, the identity, the input),
+  an explosion where the same math in eager bf16 does not explode;
+* **rounding** (a finding, not a FAIL): the error against the float64 math over the larger of two
+  eager bf16 runs of it, fused (``baddbmm``) and unfused (``B = b*A + c*A@A; X = a*X + B@X``).
+
+The command line shares these defaults (:data:`DEFAULT_FAMILIES`, :data:`DEFAULT_SHAPES`):
+``python -m anvil_fast.studies.difftest --impl package.module:function --coeffs ...``.
+:data:`MUTANTS` is the set of slips the harness must catch, each a function that FAILs against
+:data:`MUON_MATH`; :data:`FIELD_EXAMPLES` are correct code of the field that must pass.
+"""
+
+from anvil_fast.studies.field_examples import (DECLARED as FIELD_EXAMPLES, MUON_MATH, MUTANTS, POLAR_EXPRESS_MATH,
+                                               muon_newton_schulz, muon_newton_schulz_fused, polar_express)
+from anvil_fast.studies.harness import (DEFAULT_FAMILIES, DEFAULT_SHAPES, FORMS, HARNESS_FAMILIES, SPECTRUM,
+                                        DeclaredMath, Implementation, OrthogonalizerMismatch, Row,
+                                        assert_orthogonalizer, callable_name, eager_declared, format_table, judge,
+                                        reference, summary)
+
+__all__ = ["assert_orthogonalizer", "judge", "OrthogonalizerMismatch", "DeclaredMath", "Implementation", "Row",
+           "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "SPECTRUM", "FORMS", "reference",
+           "eager_declared", "format_table", "summary", "callable_name", "MUTANTS", "MUON_MATH",
+           "POLAR_EXPRESS_MATH", "FIELD_EXAMPLES", "muon_newton_schulz", "muon_newton_schulz_fused",
+           "polar_express"]
