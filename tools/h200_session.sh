@@ -16,9 +16,9 @@
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
-#   orthogonalizers  python -m anvil_fast.studies.difftest --adapter all on the bank shapes (the paper's table of
-#           other libraries' orthogonalizations): wheels from .whl, dion from .peers/dion; JSON (rewritten
-#           after every row) and log (a line per row) into $OUT (copy them to results/h200_orthogonalizers/)
+#   orthogonalizers  the lines ORTHO_LINES of results/h200_orthogonalizers/commands.txt (the paper's table of
+#           other libraries' orthogonalizations, one resumable run per adapter group and shape): wheels from
+#           .whl and .gns, dion from .peers/dion; each JSON into $OUT (copy it to results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
 #   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
@@ -106,10 +106,19 @@ for stage in ${STAGES:-suite bench}; do
              diff "$OUT/fp_before.txt" "$OUT/fp_after.txt" > "$OUT/fp_diff.txt" && echo "fingerprint: identical" \
                || { echo "fingerprint: differs"; cat "$OUT/fp_diff.txt"; } ;;
     orthogonalizers) install_peers
-           PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-260}" python3 -m anvil_fast.studies.difftest --adapter all \
-             --shapes 4x256x768,4x768x768,2x2816x768,2x768x3072,1x4096x4096 --families gaussian,well_conditioned,near_rank1 \
-             --near-rank1-count 8 --time-reps 10 --time-limit $(( ${T_ORTHO:-260} - 60 )) \
-             --json "$OUT/orthogonalizers.json" > "$OUT/orthogonalizers.log" 2>&1; echo "rc=$?" >> "$OUT/orthogonalizers.log"
+           # the lines ORTHO_LINES (1-based, comment lines not counted) of the table's command list, each
+           # resumable: its JSON comes back in $OUT (copy it to results/h200_orthogonalizers/ and run again)
+           grep -v '^#' results/h200_orthogonalizers/commands.txt | grep . > /tmp/ortho_cmds.txt
+           for i in ${ORTHO_LINES:-1}; do
+             cmd=$(sed -n "${i}p" /tmp/ortho_cmds.txt | sed 's/^PYTHONPATH=\.peers\/dion python /python3 /')
+             [ -n "$cmd" ] || continue
+             echo "orthogonalizers line $i" | tee -a "$OUT/orthogonalizers.log"
+             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers.log" 2>&1
+             echo "rc=$?" >> "$OUT/orthogonalizers.log"
+             # a run cut by the timeout keeps its finished rows in its JSON (rewritten after every row)
+             json=$(grep -o -- '--json [^ ;]*' <<< "$cmd" | cut -d' ' -f2)
+             [ -f "$json" ] && cp "$json" "$OUT/"
+           done
            tail -5 "$OUT/orthogonalizers.log" ;;
     nothinglost) timeout "${T_CHUNK:-90}" python3 tools/chunk_independence.py --no-progress > "$OUT/chunk_safe.txt" 2>&1
              tail -3 "$OUT/chunk_safe.txt"
