@@ -456,12 +456,13 @@ def _nan_twin_run(steps, bad, **kw):
     return a, b, oa, ob, caught
 
 
-def test_a_member_without_grad_after_a_skipped_nan_step_does_not_skip_again():
-    """The step reads gradients from persistent buffers; the slot of a bank member without .grad is
-    cleared, so the NaN an earlier (skipped) step copied there cannot trip the check again."""
+@pytest.mark.parametrize("grad_read", ["buffers", "transient"])
+def test_a_member_without_grad_after_a_skipped_nan_step_does_not_skip_again(grad_read):
+    """With persistent buffers, the slot of a bank member without .grad is cleared, so the NaN an
+    earlier (skipped) step copied there cannot trip the check again; the transient read keeps none."""
     torch.manual_seed(0)
     m = TinyLM()
-    opt = ANVIL(m, lr=0.02)
+    opt = ANVIL(m, lr=0.02, grad_read=grad_read)
     x = _data(7)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -207,7 +207,7 @@ MUTANTS: list[Mutant] = [
     M("device step: a stale gradient buffer of a member without .grad checked", "anvil_fast/optim/device_step.py",
       "check_buffers(self.buffer_check, self.flags, mask=self.has.index_select(0, self.param_first))",
       "check_buffers(self.buffer_check, self.flags)",
-      "tests/test_dropin.py::test_a_member_without_grad_after_a_skipped_nan_step_does_not_skip_again"),
+      "tests/test_dropin.py::test_a_member_without_grad_after_a_skipped_nan_step_does_not_skip_again[buffers]"),
     M("dropin: step(closure) returns None", "anvil_fast/optim/dropin.py",
       "            self._engine_step()\n            return loss\n", "            self._engine_step()\n            return None\n",
       DROPIN_REF + "test_step_returns_the_closures_loss"),
@@ -288,7 +288,8 @@ MUTANTS: list[Mutant] = [
       "                pass\n", "tests/test_train_step.py::test_each_reduce_is_launched_once_per_step"),
     # ---- the peers benchmark (tests/test_bench_peers.py: fake contenders with known answers)
     M("bench peers: AdamW alone counted as the fastest peer", "anvil_fast/bench/peers.py",
-      'if r.get("kind") == "peer" and r.get("status") == "ok":', 'if r.get("kind") != "anvil" and r.get("status") == "ok":',
+      'if r.get("kind") == "peer" and r.get("status") == "ok" and r.get(key) is not None:',
+      'if r.get("kind") != "anvil" and r.get("status") == "ok" and r.get(key) is not None:',
       "tests/test_bench_peers.py::test_the_fastest_peer_is_a_peer_that_ran"),
     M("bench peers: a cleared gradient not handed back", "anvil_fast/bench/peers.py",
       "            if p.grad is None:\n                p.grad = g.clone()\n            else:\n                p.grad.copy_(g)",
@@ -308,11 +309,11 @@ MUTANTS: list[Mutant] = [
       "done = (ub <= amax + DTYPE(tol_hi)) & (lb >= amin - DTYPE(tol_lo))",
       "done = (ub <= amax + DTYPE(100 * tol_hi)) & (lb >= amin - DTYPE(100 * tol_lo))", "tests/test_certify.py"),
     # ---- the harness (anyone's orthogonalization): each check the three planted bugs need
-    M("harness: the factor rule loosened tenfold", "anvil_fast/core/tolerances.py", "FACTOR = 2.0\n", "FACTOR = 20.0\n",
-      "tests/test_harness.py::test_a_slipped_coefficient_in_torch_muon_fails",
+    M("harness: the math verdict's limit loosened tenfold", "anvil_fast/core/tolerances.py", "MATH_Z = 6.0\n",
+      "MATH_Z = 60.0\n", "tests/test_harness.py::test_a_slipped_coefficient_in_torch_muon_fails_the_math",
       "tests/test_harness.py::test_a_wrong_margin_in_pytorch_optimizer_fails"),
-    M("harness: conformance not judged", "anvil_fast/core/tolerances.py",
-      "    if getattr(row, \"conforms\", True) is False:\n        return False", "    if False:\n        return False",
+    M("harness: orientation not judged", "anvil_fast/core/tolerances.py",
+      "    if not row.conforms:\n        if note.startswith", "    if False:\n        if note.startswith",
       "tests/test_harness.py::test_a_dropped_transpose_in_torch_muon_fails"),
     M("harness: declared gains dropped", "anvil_fast/core/tolerances.py", "            n += iid(j) + (n_a + n_b) / out_sq",
       "            n += 1.0", "tests/test_polar.py"),
@@ -327,7 +328,7 @@ MUTANTS: list[Mutant] = [
       "eX = iv_mul_pos(_c(m.delta_x), iv_add(YF, eY))", "eX = iv_mul_pos(_c(0.0), iv_add(YF, eY))",
       "tests/test_robust.py::test_weyl_bound_holds_under_the_kernels_rounding_bounds"),
     M("robust: the verdict checks the maximum only", "derive_maps/robust.py",
-      "if e is not None and e.f_min_certified < lo_limit:", "if False:",
+      "if e_env is not None and e_env.f_min_certified < lo_limit:", "if False:",
       "tests/test_robust.py::test_the_low_end_is_certified_and_refused_when_it_collapses"),
 ]
 
