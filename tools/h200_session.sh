@@ -67,17 +67,21 @@ for stage in ${STAGES:-suite bench}; do
              | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
-    train) mkdir -p results/train/logs
+    train) mkdir -p results/train/logs/protocol
+           # each call's logs keep their own name (its UTC start), so a later chunk never overwrites an earlier one's
+           STAMP=$(date -u +%Y%m%dT%H%M%SZ)
            echo "${ANVIL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" > results/train/logs/protocol_commit.txt
            cp "$OUT/env.txt" results/train/logs/protocol_env.txt
+           echo "commit $(cat results/train/logs/protocol_commit.txt); T_TRAIN=${T_TRAIN:-450} TRAIN_JOBS=${TRAIN_JOBS:-8} TRAIN_ARGS=${TRAIN_ARGS}" \
+             > "results/train/logs/protocol/$STAMP.log"
            ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TRAIN:-450}" python3 -m papers.train \
              --protocol --jobs "${TRAIN_JOBS:-8}" --out results/train/protocol --skip-existing \
-             --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee results/train/logs/protocol.log \
-             | grep -v "^\[" | tail -30
+             --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee -a "results/train/logs/protocol/$STAMP.log" \
+             | tail -25
            ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TIMING:-50}" python3 -m papers.train \
              --timing-only --contenders adamw muon dion normuon anvil anvil_lean --tuned-from results/train/protocol \
              --out results/train/protocol/timing --skip-existing --time-budget-s $(( ${T_TIMING:-50} - 5 )) 2>&1 \
-             | tee results/train/logs/protocol_timing.log | tail -8 ;;
+             | tee "results/train/logs/protocol/$STAMP-timing.log" | tail -8 ;;
     fingerprint) timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fingerprint.txt" 2>&1 \
              | tee "$OUT/fingerprint.log"
              [ -n "$FP_BEFORE" ] && { diff "$FP_BEFORE" "$OUT/fingerprint.txt" > "$OUT/fingerprint_diff.txt" \
