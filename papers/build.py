@@ -141,7 +141,7 @@ def build() -> dict[Path, str]:
     """Every output file and its content."""
     from papers import multigpu, training
 
-    from papers import frontier, orthogonalizers
+    from papers import frontier, orthogonalizers, references
 
     template = TEMPLATE.read_text()
     vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values(), **orthogonalizers.values()}
@@ -149,9 +149,18 @@ def build() -> dict[Path, str]:
               **orthogonalizers.tables()}
     figures = {**FIGURE_PRODUCERS, **training.figures(), "frontier": frontier.figure}
     outputs: dict[Path, str] = {}
+    entries = references.load()
+    cited: list[str] = []
+    tables["references"] = lambda: references.render(cited, entries)
 
     def sub(m: re.Match) -> str:
         kind, name = m.group(1), m.group(2)
+        if kind == "cite":  # numbered by first citation; the list is rendered after every citation
+            if name not in entries:
+                raise KeyError(f"template cites unknown reference {name!r} (papers/data/references.json)")
+            if name not in cited:
+                cited.append(name)
+            return f"[{cited.index(name) + 1}]"
         if kind == "value":
             if name not in vals:
                 raise KeyError(f"template asks for unknown value {name!r}")
@@ -168,7 +177,7 @@ def build() -> dict[Path, str]:
         outputs[FIGURES / f"{name}.svg"] = SVG_HEADER + svg
         return f"![{name}](figures/{name}.svg)"
 
-    text = re.sub(r"\{\{(value|table|figure):([a-z0-9_]+)\}\}", sub, template)
+    text = re.sub(r"\{\{(value|table|figure|cite):([a-z0-9_]+)\}\}", sub, template)
     outputs[OUTPUT] = HEADER + text
     return outputs
 

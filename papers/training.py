@@ -34,16 +34,19 @@ RUNS = ROOT / "results" / "train"
 FORMATS = (1, 2)  # papers.train.FORMAT and the one before it (not imported: building the paper must not need torch)
 
 #: The comparison anchor, a published fact and no measurement of this package: modded-nanogpt's
-#: optimization benchmark (github.com/KellerJordan/modded-nanogpt, the optimization track: a 124M
-#: GPT on FineWeb, fixed architecture, data and batch, minimizing the steps to validation loss
-#: 3.28), where tuned Muon needs 3,250 steps and Adam(W) 5,625.
-ANCHOR_TARGET_LOSS = 3.28
-ANCHOR_MUON_STEPS = 3250
-ANCHOR_ADAM_STEPS = 5625
-ANCHOR_SOURCE = "modded-nanogpt optimization benchmark (github.com/KellerJordan/modded-nanogpt)"
+#: optimization benchmark (a 124M GPT on FineWeb, fixed architecture, data and batch, minimizing the
+#: steps to a target validation loss). Its numbers live in papers/data/anchor.json beside the place
+#: they were read from, so a reader checks them there and not in code.
+ANCHOR_FILE = Path(__file__).resolve().parent / "data" / "anchor.json"
+_ANCHOR = json.loads(ANCHOR_FILE.read_text())
+ANCHOR_TARGET_LOSS = float(_ANCHOR["target_loss"])
+ANCHOR_MUON_STEPS = int(_ANCHOR["muon_steps"])
+ANCHOR_ADAM_STEPS = int(_ANCHOR["adam_steps"])
+ANCHOR_SOURCE = _ANCHOR["source"]
 
 #: The contenders' order in tables and figures.
-ORDER = ("adamw", "muon", "dion", "anvil", "anvil_lean", "anvil_faithful", "anvil_gram_side", "anvil_derived",
+ORDER = ("adamw", "muon", "dion", "normuon", "anvil", "anvil_lean", "anvil_no_equalizer", "anvil_one_rail",
+         "anvil_decoupled", "anvil_rails_scaled", "anvil_faithful", "anvil_gram_side", "anvil_derived",
          "anvil_polar", "anvil_nesterov", "anvil_defaults")
 #: The tuned contenders' pairs: (a, b, question).
 PAIRS_TUNED = (
@@ -52,7 +55,15 @@ PAIRS_TUNED = (
     ("anvil", "adamw", "ANVIL vs AdamW"),
     ("dion", "muon", "dion's Muon vs torch Muon"),
     ("muon", "adamw", "torch Muon vs AdamW"),
+    ("anvil", "normuon", "ANVIL vs dion's NorMuon"),
+    ("normuon", "dion", "dion's NorMuon vs dion's Muon"),
     ("anvil_lean", "anvil", "bf16 rails vs fp32 rails"),
+    ("anvil_no_equalizer", "anvil", "ablation: no equalizer vs ANVIL"),
+    ("anvil_one_rail", "anvil", "ablation: one rail (w = 1) vs twin rails"),
+    ("anvil_decoupled", "anvil", "ablation: decoupled vs sign-gated decay"),
+    ("anvil_rails_scaled", "anvil", "ablation: rails scaled to the run vs the record's steps"),
+    ("anvil_derived", "anvil", "ablation: maps anvil_express vs ANVIL's"),
+    ("anvil_polar", "anvil", "ablation: maps Polar Express (paper, 6) vs ANVIL's"),
 )
 #: The fixed-rate comparisons' pairs.
 PAIRS_FIXED = (
@@ -61,7 +72,15 @@ PAIRS_FIXED = (
     ("anvil_derived", "anvil", "derived map set (anvil_express) vs ANVIL_MAPS"),
     ("anvil_polar", "anvil", "Polar Express coefficients vs ANVIL_MAPS"),
     ("anvil_nesterov", "anvil", "plain Nesterov vs the record's twin rails"),
+    ("anvil", "normuon", "ANVIL vs dion's NorMuon"),
+    ("normuon", "dion", "dion's NorMuon vs dion's Muon"),
     ("anvil_lean", "anvil", "bf16 rails vs fp32 rails"),
+    ("anvil_no_equalizer", "anvil", "ablation: no equalizer vs ANVIL"),
+    ("anvil_one_rail", "anvil", "ablation: one rail (w = 1) vs twin rails"),
+    ("anvil_decoupled", "anvil", "ablation: decoupled vs sign-gated decay"),
+    ("anvil_rails_scaled", "anvil", "ablation: rails scaled to the run vs the record's steps"),
+    ("anvil_derived", "anvil", "ablation: maps anvil_express vs ANVIL's"),
+    ("anvil_polar", "anvil", "ablation: maps Polar Express (paper, 6) vs ANVIL's"),
 )
 LEVEL_TXT = f"{S.LEVEL:.0%}"
 BUDGETS = (0.25, 0.5)  # fractions of the run's steps at which the loss is also reported
@@ -425,9 +444,54 @@ def _chosen_text(runs: list[dict]) -> str:
                      for n, (lr, a, w) in sorted(ch.items(), key=lambda kv: _key(kv[0])))
 
 
+def table_data_seen(runs: list[dict]) -> str:
+    """The horizon runs against the corpus: the epochs of the train split they read, and where
+    their validation loss was lowest (a run that reads its data several times may pass its best
+    validation loss before its last step; the rise from that minimum to the final value is the
+    part of the final loss that repeating the data cost, under this validation split)."""
+    g = tuned_groups(runs, horizon="long")
+    if not g:
+        return "*(no horizon run yet: results/train/ holds no run JSON of the tuned contenders at the final horizon)*"
+    rows = []
+    for n, rs in g.items():
+        best = []
+        rise = []
+        for r in rs:
+            c = [q for q in r["curve"] if q.get("val_loss") is not None and math.isfinite(q["val_loss"])]
+            if not c:
+                continue
+            m = min(c, key=lambda q: q["val_loss"])
+            best.append(m["step"])
+            rise.append(c[-1]["val_loss"] - m["val_loss"])
+        ep = rs[0].get("epochs")
+        rows.append([n, len(rs), f"{rs[0]['tokens_seen'] / 1e6:.2f}M", "-" if ep is None else f"{ep:.2f}",
+                     f"{min(best)}-{max(best)}" if best else "-",
+                     f"{sum(rise) / len(rise):.4f} [{min(rise):.4f}, {max(rise):.4f}]" if rise else "-"])
+    cap = ("Per contender over its seeds: tokens and epochs of the train split read by the last step; the steps "
+           "at which the validation loss was lowest (evaluations every "
+           f"{next(iter(g.values()))[0].get('eval_every', '?')} steps); final minus lowest validation loss, mean [min, max].")
+    return md_table(["contender", "seeds", "tokens seen", "epochs", "step of the lowest val loss",
+                     "final - lowest val loss"], rows) + "\n\n" + cap
+
+
+def table_provenance(runs: list[dict]) -> str:
+    """The commits the protocol's runs record (each run JSON names the commit of the tree it ran from)."""
+    by: dict[tuple, int] = {}
+    for r in runs:
+        if r.get("role") not in ("sweep", "tuned", "timing", "equal_time"):
+            continue
+        k = (r.get("commit") or "not recorded", r.get("role"), r.get("steps"))
+        by[k] = by.get(k, 0) + 1
+    if not by:
+        return "*(no run of the protocol yet)*"
+    rows = [[f"`{c[:12]}`" if c != "not recorded" else c, role, f"{steps:,}" if steps else "-", k]
+            for (c, role, steps), k in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0, kv[0][0]))]
+    return md_table(["commit", "role", "steps", "runs"], rows)
+
+
 def table_anchor(runs: list[dict]) -> str:
 
-    rows = [[ANCHOR_SOURCE, f"124M GPT, FineWeb, target {ANCHOR_TARGET_LOSS:g}", "Muon / Adam",
+    rows = [[ANCHOR_SOURCE, f"12-layer width-768 GPT, FineWeb, target {ANCHOR_TARGET_LOSS:g}", "Muon / Adam",
              f"{ANCHOR_MUON_STEPS:,} / {ANCHOR_ADAM_STEPS:,}", f"{ANCHOR_MUON_STEPS / ANCHOR_ADAM_STEPS:.2f}"]]
     g = tuned_groups(runs, horizon="long")
     tgt = target(g)
@@ -534,8 +598,19 @@ def values() -> dict[str, str]:
 
     def e(size: str, key: str, fmt: str) -> str:
         return format(est[size][key], fmt) if size in est else "?"
-    return {"anchor_target": f"{ANCHOR_TARGET_LOSS:g}", "anchor_muon_steps": f"{ANCHOR_MUON_STEPS:,}",
+    gs = tuned_groups(runs, horizon="short")
+
+    def epochs(gg: dict[str, list[dict]]) -> str:
+        ep = [r["epochs"] for rs in gg.values() for r in rs if r.get("epochs") is not None]
+        return f"{ep[0]:.2f}" if ep else "?"
+
+    def train_mb(gg: dict[str, list[dict]]) -> str:
+        tb = [r["train_tokens"] for rs in gg.values() for r in rs if r.get("train_tokens")]
+        return f"{tb[0] / 1e6:.2f}" if tb else "?"
+    return {"train_epochs_final": epochs(g), "train_epochs_tune": epochs(gs), "train_corpus_mb": train_mb(g or gs),
+            "anchor_target": f"{ANCHOR_TARGET_LOSS:g}", "anchor_muon_steps": f"{ANCHOR_MUON_STEPS:,}",
             "anchor_adam_steps": f"{ANCHOR_ADAM_STEPS:,}",
+            "anchor_muon_runs": str(_ANCHOR["muon_runs"]), "anchor_adam_runs": str(_ANCHOR["adam_runs"]),
             "anchor_ratio": f"{ANCHOR_MUON_STEPS / ANCHOR_ADAM_STEPS:.2f}",
             "train_tune_steps": f"{p.tune_steps:,}", "train_tune_seeds": ", ".join(map(str, p.tune_seeds)),
             "train_steps": f"{p.steps:,}", "train_seeds": ", ".join(map(str, p.seeds)),
@@ -576,6 +651,8 @@ def tables() -> dict:
             "train_tuned_short": lambda: tuned("short"),
             "train_paired": lambda: table_paired(load()),
             "train_anchor": lambda: table_anchor(load()),
+            "train_data_seen": lambda: table_data_seen(load()),
+            "train_provenance": lambda: table_provenance(load()),
             "train_fixed_small": lambda: table_results(groups(load(), "small"), "small",
                                                        what="fixed-rate runs of size small"),
             "train_fixed_medium": lambda: table_results(groups(load(), "medium"), "medium",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from papers import build
 
 
@@ -24,3 +26,33 @@ def test_template_has_no_hand_typed_measurements():
     prose = re.sub(r"\{\{[^}]*\}\}|\$[^$]*\$|`[^`]*`", "", text)
     found = re.findall(r"(?<![\w#.])\d+\.\d{2,}", prose)
     assert not found, found
+
+
+def test_every_reference_is_cited_and_every_citation_resolves(monkeypatch, tmp_path):
+    from papers import references
+
+    entries = references.load()
+    cited = re.findall(r"\{\{cite:([a-z0-9_]+)\}\}", build.TEMPLATE.read_text())
+    assert set(cited) == set(entries), "an entry nobody cites, or a citation of no entry"
+    for k, e in entries.items():
+        assert e.get("title") and e.get("url") and e.get("checked_at"), k
+    # numbered by first citation, and the list holds them in that order
+    text = build.build()[build.OUTPUT]
+    first = list(dict.fromkeys(cited))
+    listed = re.findall(r"^\d+\. \[([a-z0-9_]+)\]", text, flags=re.M)
+    assert listed == first
+    # a citation of an unknown key is refused by name
+    broken = tmp_path / "template.md"
+    broken.write_text(build.TEMPLATE.read_text() + "{{cite:no_such_paper}}")
+    monkeypatch.setattr(build, "TEMPLATE", broken)
+    with pytest.raises(KeyError, match="no_such_paper"):
+        build.build()
+
+
+def test_reference_lines_read_as_a_bibliography():
+    from papers import references
+
+    line = references.entry_text({"authors": ["A", "B", "C", "D", "E"], "title": "T", "venue": "V", "year": 2025,
+                                  "arxiv": "1.2", "url": "u"})
+    assert line == "A et al. *T*. V, 2025. arXiv:1.2, <u>."
+    assert references.entry_text({"authors": ["A", "B"], "title": "T", "url": "u"}) == "A and B. *T*. <u>."

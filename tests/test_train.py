@@ -314,6 +314,33 @@ def test_protocol_tables_from_hand_made_runs():
     assert "lr=0.001" in TR.table_contenders(runs)
 
 
+def test_data_seen_finds_a_minimum_before_the_last_step_and_provenance_counts_commits():
+    from papers import protocol as P
+
+    p = P.Protocol(size="tiny", tuned=("adamw", "anvil"), long=("adamw", "anvil"), seeds=(0, 1),
+                   tune_seeds=(10, 11), tune_steps=20, steps=40)
+    runs = _protocol_runs(p, lambda t: 2.0 if t.contender == "adamw" else 1.8)
+    for r in runs:
+        r.update(tokens_seen=r["steps"] * 8, epochs=r["steps"] / 10, commit="a" * 40 if r["role"] == "sweep" else "b" * 7)
+        if r["contender"] == "anvil" and r["role"] == "tuned":
+            # the lowest validation loss at the middle evaluation, 0.05 below the final one
+            r["curve"][1]["val_loss"] = r["curve"][-1]["val_loss"] - 0.05
+    seen = TR.table_data_seen(runs)
+    assert "| adamw | 2 | 0.00M | 4.00 | 40-40 | 0.0000 [0.0000, 0.0000] |" in seen
+    assert "| anvil | 2 | 0.00M | 4.00 | 20-20 | 0.0500 [0.0500, 0.0500] |" in seen
+    prov = TR.table_provenance(runs)
+    n_sweep = sum(r["role"] == "sweep" for r in runs)
+    assert f"| `aaaaaaaaaaaa` | sweep | 20 | {n_sweep} |" in prov and "| `bbbbbbb` | tuned | 40 | 4 |" in prov
+    assert "no horizon run yet" in TR.table_data_seen([])
+
+
+def test_the_anchor_comes_from_its_data_file():
+    d = json.loads(TR.ANCHOR_FILE.read_text())
+    assert d["source"] and d["where"], "the anchor names where its numbers were read"
+    assert (TR.ANCHOR_MUON_STEPS, TR.ANCHOR_ADAM_STEPS, TR.ANCHOR_TARGET_LOSS) == (
+        d["muon_steps"], d["adam_steps"], d["target_loss"])
+
+
 # ------------------------------------------------------------------------------ contenders
 def test_contender_groups_put_each_parameter_where_its_documentation_says():
     model = gpt.build("tiny")
