@@ -56,3 +56,19 @@ def test_reference_lines_read_as_a_bibliography():
                                   "arxiv": "1.2", "url": "u"})
     assert line == "A et al. *T*. V, 2025. arXiv:1.2, <u>."
     assert references.entry_text({"authors": ["A", "B"], "title": "T", "url": "u"}) == "A and B. *T*. <u>."
+
+
+def test_peers_runs_are_shown_whole_and_refuse_a_hand_written_table(tmp_path, monkeypatch):
+    from papers import data_tables as D
+
+    text = D.peers_runs()
+    for folder in D.PEERS_RUNS:
+        assert f"results/{folder}/" in text
+    assert text.count("Fastest peer:") >= len(D.PEERS_RUNS)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "peers.md").write_text("# a table typed by hand\n| a |\n")
+    (tmp_path / "x" / "command.txt").write_text("cmd\n")
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "PEERS_RUNS", ("x",))
+    with pytest.raises(ValueError, match="not written by the bench"):
+        D.peers_runs()
