@@ -72,15 +72,7 @@ PAIRS_FIXED = (
     ("anvil_derived", "anvil", "derived map set (anvil_express) vs ANVIL_MAPS"),
     ("anvil_polar", "anvil", "Polar Express coefficients vs ANVIL_MAPS"),
     ("anvil_nesterov", "anvil", "plain Nesterov vs the record's twin rails"),
-    ("anvil", "normuon", "ANVIL vs dion's NorMuon"),
-    ("normuon", "dion", "dion's NorMuon vs dion's Muon"),
     ("anvil_lean", "anvil", "bf16 rails vs fp32 rails"),
-    ("anvil_no_equalizer", "anvil", "ablation: no equalizer vs ANVIL"),
-    ("anvil_one_rail", "anvil", "ablation: one rail (w = 1) vs twin rails"),
-    ("anvil_decoupled", "anvil", "ablation: decoupled vs sign-gated decay"),
-    ("anvil_rails_scaled", "anvil", "ablation: rails scaled to the run vs the record's steps"),
-    ("anvil_derived", "anvil", "ablation: maps anvil_express vs ANVIL's"),
-    ("anvil_polar", "anvil", "ablation: maps Polar Express (paper, 6) vs ANVIL's"),
 )
 LEVEL_TXT = f"{S.LEVEL:.0%}"
 BUDGETS = (0.25, 0.5)  # fractions of the run's steps at which the loss is also reported
