@@ -77,7 +77,7 @@ for stage in ${STAGES:-suite bench}; do
            ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TRAIN:-450}" python3 -m papers.train \
              --protocol --jobs "${TRAIN_JOBS:-8}" --out results/train/protocol --skip-existing \
              --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee -a "results/train/logs/protocol/$STAMP.log" \
-             | tail -25
+             | grep -v "^\[" | tail -30
            ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TIMING:-50}" python3 -m papers.train \
              --timing-only --contenders adamw muon dion normuon anvil anvil_lean --tuned-from results/train/protocol \
              --out results/train/protocol/timing --skip-existing --time-budget-s $(( ${T_TIMING:-50} - 5 )) 2>&1 \
