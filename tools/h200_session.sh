@@ -4,8 +4,9 @@
 # results/ comes back as one tarball (the device returns at most 8 files).
 #   suite   the whole gpu-marked test suite
 #   bench   python -m anvil_fast.bench dropin (small and medium GPT), with the launch profile
-#   train   the paper's training: the tuning protocol and its longer horizon (papers/protocol.py,
-#           TRAIN_JOBS runs at once, results/train/protocol), then lone timings of the tuned contenders;
+#   train   the paper's training: lone timings of the tuned contenders (results/train/protocol/timing),
+#           then the tuning protocol, its longer horizon and its equal-time runs (papers/protocol.py,
+#           TRAIN_JOBS runs at once, results/train/protocol);
 #           ANVIL_COMMIT (the commit of the tree copied here) goes into every run JSON and logs/
 #   fingerprint  tools/fingerprint.py (digests of the fast path's bits) and its diff against FP_BEFORE
 #   chunk   tools/chunk_independence.py for SAFE and for the Gram side (GRAM_SIDE's bank shapes)
@@ -72,16 +73,19 @@ for stage in ${STAGES:-suite bench}; do
            STAMP=$(date -u +%Y%m%dT%H%M%SZ)
            echo "${ANVIL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" > results/train/logs/protocol_commit.txt
            cp "$OUT/env.txt" results/train/logs/protocol_env.txt
+           # microsoft/dion's runs name the source they ran: its commit, written beside the archive by whoever carried it
+           cat .peers/dion/COMMIT > results/train/logs/dion_commit.txt 2>/dev/null || echo "no .peers/dion/COMMIT" > results/train/logs/dion_commit.txt
            echo "commit $(cat results/train/logs/protocol_commit.txt); T_TRAIN=${T_TRAIN:-450} TRAIN_JOBS=${TRAIN_JOBS:-8} TRAIN_ARGS=${TRAIN_ARGS}" \
              > "results/train/logs/protocol/$STAMP.log"
-           ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TRAIN:-450}" python3 -m papers.train \
-             --protocol --jobs "${TRAIN_JOBS:-8}" --out results/train/protocol --skip-existing \
-             --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee -a "results/train/logs/protocol/$STAMP.log" \
-             | grep -v "^\[" | tail -30
+           # the lone timings first: on an idle device, and the equal-time runs of this same call need them
            ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TIMING:-50}" python3 -m papers.train \
              --timing-only --contenders adamw muon dion normuon anvil anvil_lean --tuned-from results/train/protocol \
              --out results/train/protocol/timing --skip-existing --time-budget-s $(( ${T_TIMING:-50} - 5 )) 2>&1 \
-             | tee "results/train/logs/protocol/$STAMP-timing.log" | tail -8 ;;
+             | tee "results/train/logs/protocol/$STAMP-timing.log" | tail -8
+           ANVIL_COMMIT=$(cat results/train/logs/protocol_commit.txt) timeout "${T_TRAIN:-450}" python3 -m papers.train \
+             --protocol --jobs "${TRAIN_JOBS:-8}" --out results/train/protocol --skip-existing \
+             --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee -a "results/train/logs/protocol/$STAMP.log" \
+             | grep -v "^\[" | tail -30 ;;
     fingerprint) timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fingerprint.txt" 2>&1 \
              | tee "$OUT/fingerprint.log"
              [ -n "$FP_BEFORE" ] && { diff "$FP_BEFORE" "$OUT/fingerprint.txt" > "$OUT/fingerprint_diff.txt" \
