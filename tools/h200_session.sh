@@ -26,7 +26,8 @@
 #           on the GPT-2 small and medium banks; .gns from tools/gns_bundle.sh carried)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
-#           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line)
+#           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
+#           makes it N runs in a row, into $OUT/run1 .. runN
 # TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
 # `bash tools/h200_session.sh pack` only packs $OUT (after a run cut short by an outer timeout).
 set -o pipefail
@@ -137,9 +138,15 @@ for stage in ${STAGES:-suite bench}; do
            timeout "${T_ORTHOPEERS:-300}" python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 \
              --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
     peers) install_peers
-           timeout "${T_PEERS:-580}" python3 -m anvil_fast.bench peers --out "$OUT" --no-progress \
-             --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}" ${PEERS_ARGS:-} 2>&1 \
-             | tee "$OUT/bench_peers.log" | grep -E "^  |stopped|error" ;;
+           # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender
+           # of each in its own fresh process), T_PEERS seconds each; the first also fills the compile caches
+           n=${PEERS_REPEATS:-1}
+           for i in $(seq 1 "$n"); do
+             dest="$OUT"; [ "$n" -gt 1 ] && { dest="$OUT/run$i"; mkdir -p "$dest"; }
+             timeout "${T_PEERS:-580}" python3 -m anvil_fast.bench peers --out "$dest" --no-progress \
+               --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}${PEERS_REPEATS:+ (run $i of $n)}" \
+               ${PEERS_ARGS:-} 2>&1 | tee "$dest/bench_peers.log" | grep -E "^  |stopped|error"
+           done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
