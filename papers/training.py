@@ -466,6 +466,75 @@ def table_data_seen(runs: list[dict]) -> str:
                      "final - lowest val loss"], rows) + "\n\n" + cap
 
 
+def equal_time_groups(runs: list[dict]) -> dict[str, list[dict]]:
+    """The protocol's equal-time runs (``role: equal_time``) at their contenders' chosen rates."""
+    p = protocol(runs)
+    if p is None:
+        return {}
+    chosen = P.chosen_of(runs)
+    core = p.core()
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("role") != "equal_time" or P._core(r.get("protocol") or {}) != core:
+            continue
+        n = r["contender"]
+        if n in chosen and tuple(r["hparams"].get(k) for k in P.KEYS) == chosen[n]:
+            by.setdefault(n, []).append(r)
+    return _sorted(by)
+
+
+def pair_prefix(ra: list[dict], rb: list[dict], metric) -> tuple[list[float], list[float], list[int]] | str:
+    """Per-seed values of ``metric`` for runs of different lengths on the seeds both ran, checked to be
+    paired: the same initial weights (the same validation loss at step 0) and the same data seed. Step
+    s's batch depends on the data seed and s alone (papers/corpus.py ``step_seed``), so the shorter
+    run's batches are the longer run's first ones; their ``batches_sha256`` (over all steps) differ."""
+    xa, xb = {r["seed"]: r for r in ra}, {r["seed"]: r for r in rb}
+    seeds = sorted(set(xa) & set(xb))
+    for s in seeds:
+        x, y = xa[s], xb[s]
+        if x.get("data_seed") != y.get("data_seed") or x["curve"][0]["val_loss"] != y["curve"][0]["val_loss"]:
+            return f"not paired: seed {s} differs in its data seed or initial weights"
+    return [metric(xa[s]) for s in seeds], [metric(xb[s]) for s in seeds], seeds
+
+
+def table_equal_time(runs: list[dict]) -> str:
+    """Each equal-time contender at the step count whose lone time fits the time reference's horizon,
+    with its complete schedule over it, against the reference's horizon runs: final validation loss
+    and the paired difference (reference - contender, per seed)."""
+    p = protocol(runs)
+    g = equal_time_groups(runs)
+    ref = tuned_groups(runs, horizon="long").get(p.time_reference) if p else None
+    if not g or not ref:
+        return "*(no equal-time run yet: results/train/ holds no `role: equal_time` run JSON beside the reference's horizon runs)*"
+    lone = timings(runs, p.size)
+    rt = lone.get(p.time_reference)
+
+    def row(n, rs, diff):
+        tm = lone.get(n)
+        secs = rs[0]["steps"] * tm["step_s"] if tm else None
+        ep = rs[0].get("epochs")
+        return [n, f"{rs[0]['steps']:,}", _num(None if tm is None else tm["step_s"] * 1e3, ".2f"),
+                _num(secs, ".1f"), "-" if ep is None else f"{ep:.2f}", len(rs), S.fmt_spread([_final(r) for r in rs])] + diff
+
+    rows = [row(p.time_reference, ref, ["-", "-", "-"])]
+    for n, rs in g.items():
+        pr = pair_prefix(ref, rs, _final)
+        if isinstance(pr, str):
+            rows.append(row(n, rs, [pr, "-", "-"]))
+            continue
+        pd = S.paired(pr[0], pr[1])
+        rows.append(row(n, rs, [", ".join(f"{v:+.4f}" for v in pd["diffs"]), S.fmt_interval(pd),
+                                S.paired_verdict(pd, (p.time_reference, n))]))
+    cap = (f"Steps: {p.time_reference}'s horizon ({p.steps:,} steps) for it, for the others the step count whose time at "
+           "their own lone time per step (`--timing-only`) fits its time, each with its complete schedule (warm-up and "
+           f"decay to 0 over that count); train time: steps x lone time per step (the runs themselves shared the device). "
+           f"Last columns: {p.time_reference} - contender, final validation loss per seed, its {LEVEL_TXT} t interval and "
+           "the paired verdict. Epochs: of the train split, read by the last step.")
+    return md_table(["contender", "steps", "lone ms / step", "train time s", "epochs", "seeds", "final val loss",
+                     f"{p.time_reference} - contender per seed", f"mean [{LEVEL_TXT} t interval]", "paired verdict"],
+                    rows) + "\n\n" + cap
+
+
 def table_provenance(runs: list[dict]) -> str:
     """The commits the protocol's runs record (each run JSON names the commit of the tree it ran from)."""
     by: dict[tuple, int] = {}
@@ -645,6 +714,7 @@ def tables() -> dict:
             "train_anchor": lambda: table_anchor(load()),
             "train_data_seen": lambda: table_data_seen(load()),
             "train_provenance": lambda: table_provenance(load()),
+            "train_equal_time_runs": lambda: table_equal_time(load()),
             "train_fixed_small": lambda: table_results(groups(load(), "small"), "small",
                                                        what="fixed-rate runs of size small"),
             "train_fixed_medium": lambda: table_results(groups(load(), "medium"), "medium",
