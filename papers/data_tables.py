@@ -159,6 +159,58 @@ def peers_runs() -> str:
     return "\n\n".join(out)
 
 
+#: Bench peers runs of one command repeated in a row, each its own set of fresh processes: the spread
+#: of a contender's step time between processes, which a single run cannot show.
+PEERS_REPEATS = "h200_peers/repeats_small"
+
+
+def peers_repeats() -> str:
+    """Per contender, its value in each repeated run (``run1``, ``run2``, ...), in run order: ms/step
+    from idle, ms/step with the host ahead, host ms, and ms/step over the fastest peer's of that run."""
+    import json
+
+    from papers.markdown import md_table
+
+    d = RESULTS / PEERS_REPEATS
+    runs = sorted((p for p in d.glob("run*/peers.json")), key=lambda p: int(p.parent.name[3:]))
+    if not runs:
+        raise FileNotFoundError(f"results/{PEERS_REPEATS}/run*/peers.json: no repeated run stored")
+    data = [json.loads(p.read_text()) for p in runs]
+    commits = {(p.parent / "commit.txt").read_text().split()[0] for p in runs}
+    order: list[tuple[str, str]] = []
+    for run in data:
+        for r in run["rows"]:
+            if (r["size"], r["contender"]) not in order:
+                order.append((r["size"], r["contender"]))
+
+    def fastest_peer(run: dict, size: str) -> float | None:
+        ms = [r["ms"] for r in run["rows"] if r["size"] == size and r["kind"] == "peer" and r["status"] == "ok"]
+        return min(ms) if ms else None
+
+    rows = []
+    for size, name in order:
+        per = [next((r for r in run["rows"] if r["size"] == size and r["contender"] == name), None) for run in data]
+        label = next(r["label"] for r in per if r is not None)
+        ok = [r if r is not None and r["status"] == "ok" else None for r in per]
+
+        def cells(key: str, fmt: str = ".3f") -> str:
+            return " / ".join("-" if r is None else format(r[key], fmt) for r in ok)
+
+        ratios = []
+        for run, r in zip(data, ok):
+            f = fastest_peer(run, size)
+            ratios.append("-" if r is None or f is None else f"{r['ms'] / f:.2f}")
+        rows.append([size, label, f"{sum(r is not None for r in ok)} of {len(data)}", cells("ms"), " / ".join(ratios),
+                     cells("ms_ahead"), cells("host_ms"), cells("first_step_s", ".1f")])
+    head = (d / "run1" / "command.txt").read_text().splitlines()[0]
+    return (f"*Runs `results/{PEERS_REPEATS}/run1` .. `run{len(data)}` (commit {', '.join(sorted(commits))}): {head}*\n\n"
+            + md_table(["size", "contender", "runs ok", "ms/step, each run", "x fastest peer, each run",
+                        "ms/step host ahead, each run", "host ms, each run", "first step s, each run"], rows)
+            + "\n\nEach cell lists the runs in order, one after another in one call; \"-\": the row did not finish "
+              "in that run (its status is in the run's peers.md). The compile caches persist between the runs, so "
+              "the first run's first steps include compilation the later ones reuse.")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "maps_comparison": lambda: include_markdown("maps_comparison.md"),
     "maps_facts": lambda: include_markdown("maps_facts.md"),
@@ -172,4 +224,5 @@ TABLES: dict[str, Callable[[], str]] = {
     "scaling_gpu": scaling_gpu,
     "gram_side_study": lambda: include_markdown("gram_side_study.md"),
     "peers_runs": peers_runs,
+    "peers_repeats": peers_repeats,
 }

@@ -535,6 +535,15 @@ def table_equal_time(runs: list[dict]) -> str:
                     rows) + "\n\n" + cap
 
 
+#: The files a training run executes: the package and the training modules of papers/. Between the
+#: protocol's commits from :data:`SAME_CODE_FROM` on, none of them changed (tests/test_papers.py checks it
+#: with git where the history is present); the two commits before differ in the package and are
+#: compared by their fingerprints (results/train/logs/fingerprint/).
+RUN_CODE = ("anvil_fast", "anvil_ref", "papers/train.py", "papers/contenders.py", "papers/protocol.py",
+            "papers/corpus.py", "papers/runner.py")
+SAME_CODE_FROM = "9b7ed7a"
+
+
 def table_provenance(runs: list[dict]) -> str:
     """The commits the protocol's runs record (each run JSON names the commit of the tree it ran from)."""
     by: dict[tuple, int] = {}
@@ -685,6 +694,7 @@ def values() -> dict[str, str]:
             "train_rail_steps_scaled": "engage {}, warm-up {}, cool-down {}".format(*rail_steps(p.steps, "scaled")),
             "train_equal_time": ", ".join(n for n in declared.equal_time if n != declared.time_reference),
             "train_time_reference": p.time_reference,
+            "train_run_code": ", ".join(f"`{c}`" for c in RUN_CODE), "train_same_code_from": SAME_CODE_FROM,
             "train_tuned": ", ".join(p.tuned), "train_borrows": ", ".join(f"{a} (from {b})" for a, b in p.borrows),
             "train_chosen": _chosen_text(runs) or "(no sweep yet)",
             "train_jobs": ("no run yet" if not g else "one at a time in the runs below" if jobs == 1 else f"up to {jobs} at once in the runs below"),

@@ -72,3 +72,62 @@ def test_peers_runs_are_shown_whole_and_refuse_a_hand_written_table(tmp_path, mo
     monkeypatch.setattr(D, "PEERS_RUNS", ("x",))
     with pytest.raises(ValueError, match="not written by the bench"):
         D.peers_runs()
+
+
+def test_peers_repeats_lists_each_run_in_order_against_its_own_fastest_peer(tmp_path, monkeypatch):
+    import json
+
+    from papers import data_tables as D
+
+    def row(name, kind, ms, status="ok"):
+        return {"size": "small", "contender": name, "label": name.upper(), "kind": kind, "status": status,
+                "ms": ms, "ms_ahead": ms / 2, "host_ms": 0.1, "first_step_s": 1.0}
+
+    # run10 sorts after run2 (numeric order); each run's ratio uses that run's fastest peer
+    runs = {"run1": [row("anvil", "anvil", 1.0), row("p", "peer", 2.0), row("q", "peer", 4.0)],
+            "run2": [row("anvil", "anvil", 3.0), row("p", "peer", 6.0, "timeout"), row("q", "peer", 1.5)],
+            "run10": [row("anvil", "anvil", 2.0), row("p", "peer", 1.0)]}
+    for name, rows in runs.items():
+        d = tmp_path / "rep" / name
+        d.mkdir(parents=True)
+        (d / "peers.json").write_text(json.dumps({"rows": rows}))
+        (d / "commit.txt").write_text("abc\n")
+        (d / "command.txt").write_text(f"the command of {name}\n")
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "PEERS_REPEATS", "rep")
+    text = D.peers_repeats()
+    lines = {ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| small")}
+    assert "| 3 of 3 | 1.000 / 3.000 / 2.000 | 0.50 / 2.00 / 2.00 |" in lines["ANVIL"]
+    assert "| 2 of 3 | 2.000 / - / 1.000 |" in lines["P"]  # the timed-out row is not quoted
+    assert "| 2 of 3 | 4.000 / 1.500 / - |" in lines["Q"]  # absent from run10
+    assert "the command of run1" in text and "commit abc" in text
+    monkeypatch.setattr(D, "PEERS_REPEATS", "none")
+    with pytest.raises(FileNotFoundError, match="no repeated run stored"):
+        D.peers_repeats()
+
+
+def test_no_file_a_training_run_executes_changed_between_the_protocols_later_commits():
+    """The write-up says the protocol's commits from SAME_CODE_FROM on differ in no file a run executes."""
+    import subprocess
+
+    from papers import training as T
+
+    root = T.ROOT
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    commits = {r["commit"] for r in T.load() if r.get("commit") and r.get("role") in ("sweep", "tuned", "timing",
+                                                                                          "equal_time")}
+    full = {}
+    for c in sorted(commits | {T.SAME_CODE_FROM}):
+        out = git("rev-parse", "--verify", "--quiet", f"{c}^{{commit}}")
+        if out.returncode:
+            pytest.skip(f"commit {c} is not in this checkout's history (a shallow clone)")
+        full[c] = out.stdout.strip()
+    base = full[T.SAME_CODE_FROM]
+    later = [f for f in set(full.values()) if f != base and git("merge-base", "--is-ancestor", base, f).returncode == 0]
+    assert later, "no protocol commit after SAME_CODE_FROM: the sentence would be vacuous"
+    for f in later:
+        diff = git("diff", "--name-only", base, f, "--", *T.RUN_CODE)
+        assert diff.returncode == 0 and diff.stdout.strip() == "", f"{f[:12]} changed {diff.stdout.split()}"
