@@ -544,6 +544,78 @@ RUN_CODE = ("anvil_fast", "anvil_ref", "papers/train.py", "papers/contenders.py"
 SAME_CODE_FROM = "9b7ed7a"
 
 
+#: The peers the summary sets ANVIL against, in order.
+SUMMARY_PEERS = ("muon", "dion", "normuon", "adamw")
+
+
+def table_summary(runs: list[dict]) -> str:
+    """What the tuned comparison says, as generated sentences: ANVIL against each peer at the final
+    horizon (paired final loss), in steps to AdamW's target, at equal time, and the ablations whose
+    paired interval excludes 0. Every number is read from the tables below it."""
+    p = protocol(runs)
+    g = tuned_groups(runs, horizon="long")
+    ref = p.time_reference if p else "anvil"
+    if not p or ref not in g:
+        return "*(no horizon run of the tuned contenders yet)*"
+    out = []
+    parts = []
+    for n in SUMMARY_PEERS:
+        if n not in g:
+            continue
+        pr = pair(g, ref, n, _final)
+        if isinstance(pr, str):
+            continue
+        pd = S.paired(pr[0], pr[1])
+        parts.append(f"{n} {S.fmt_interval(pd)} ({S.paired_verdict(pd, (ref, n))}, {pd['n']} seeds)")
+    if parts:
+        out.append(f"- **Final validation loss at {p.steps:,} steps**, {ref} minus each peer, mean [{LEVEL_TXT} t "
+                   "interval]: " + "; ".join(parts) + ".")
+    tgt = target(g)
+    if tgt is not None and "adamw" in g:
+        ratios = []
+        for n in (ref, *SUMMARY_PEERS):
+            if n == "adamw" or n not in g:
+                continue
+            pr = pair(g, n, "adamw", lambda r: S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf)
+            if isinstance(pr, str):
+                continue
+            q = S.paired_ratio(pr[0], pr[1])
+            if math.isfinite(q["ratio"]):
+                ratios.append(f"{n} {S.fmt_interval(q, 2, signed=False)}")
+        if ratios:
+            out.append(f"- **Steps to AdamW's target** ({tgt:.4f}), as a ratio to AdamW's on the same seed: "
+                       + "; ".join(ratios) + ".")
+    eq = equal_time_groups(runs)
+    parts = []
+    for n in SUMMARY_PEERS:
+        if n not in eq:
+            continue
+        pr = pair_prefix(g[ref], eq[n], _final)
+        if isinstance(pr, str):
+            continue
+        pd = S.paired(pr[0], pr[1])
+        parts.append(f"{n} at {eq[n][0]['steps']:,} steps {S.fmt_interval(pd)} ({S.paired_verdict(pd, (ref, n))})")
+    if parts:
+        out.append(f"- **At equal time** ({ref}'s {p.steps:,} steps), {ref} minus each peer: " + "; ".join(parts) + ".")
+    abl = []
+    for a, b, q in PAIRS_TUNED:
+        if b != ref or not a.startswith(ref + "_") or a not in g:
+            continue
+        pr = pair(g, a, b, _final)
+        if isinstance(pr, str):
+            continue
+        pd = S.paired(pr[0], pr[1])
+        if S.paired_verdict(pd, (a, b)) not in (S.HOLDS_ZERO, S.NOT_ENOUGH):
+            abl.append(f"{q.removeprefix('ablation: ')} {S.fmt_interval(pd)}")
+    n_abl = sum(1 for a, b, _ in PAIRS_TUNED if b == ref and a.startswith(ref + "_") and a in g)
+    if n_abl:
+        out.append(f"- **Variants of {ref}** (the lean state and the ablations, {n_abl} pairs): "
+                   + (f"{len(abl)} whose paired interval excludes 0: " + "; ".join(abl) if abl else
+                      "no paired interval excludes 0") + f"; with {n_abl} pairs at the {LEVEL_TXT} level, about "
+                   f"{n_abl * (1 - S.LEVEL):.1f} would by chance.")
+    return "\n".join(out)
+
+
 def table_provenance(runs: list[dict]) -> str:
     """The commits the protocol's runs record (each run JSON names the commit of the tree it ran from)."""
     by: dict[tuple, int] = {}
@@ -725,6 +797,7 @@ def tables() -> dict:
             "train_data_seen": lambda: table_data_seen(load()),
             "train_provenance": lambda: table_provenance(load()),
             "train_equal_time_runs": lambda: table_equal_time(load()),
+            "train_summary": lambda: table_summary(load()),
             "train_fixed_small": lambda: table_results(groups(load(), "small"), "small",
                                                        what="fixed-rate runs of size small"),
             "train_fixed_medium": lambda: table_results(groups(load(), "medium"), "medium",

@@ -131,3 +131,37 @@ def test_no_file_a_training_run_executes_changed_between_the_protocols_later_com
     for f in later:
         diff = git("diff", "--name-only", base, f, "--", *T.RUN_CODE)
         assert diff.returncode == 0 and diff.stdout.strip() == "", f"{f[:12]} changed {diff.stdout.split()}"
+
+
+def test_the_training_section_s_reading_matches_its_tables():
+    """The prose after the summary ("Read together: ...") states verdicts; they are checked here against
+    the run JSONs, so new runs that change a verdict fail this test until the prose follows."""
+    import math
+
+    from papers import stats as S
+    from papers import training as T
+
+    runs = T.load()
+    g = T.tuned_groups(runs, horizon="long")
+    if "anvil" not in g or "adamw" not in g:
+        pytest.skip("no horizon runs stored")
+    tgt = T.target(g)
+
+    def verdict(a_runs, b_runs, names, prefix=False):
+        pr = (T.pair_prefix if prefix else lambda x, y, m: T.pair({names[0]: x, names[1]: y}, *names, m))(
+            a_runs, b_runs, T._final)
+        return S.paired_verdict(S.paired(pr[0], pr[1]), names)
+
+    def ratio(n):
+        pr = T.pair(g, n, "adamw", lambda r: S.steps_to_target(*T._curve(r), tgt))
+        return S.paired_ratio(pr[0], pr[1])["ratio"]
+
+    ratios = {n: ratio(n) for n in g if n != "adamw" and not n.startswith("anvil_")}
+    assert min(ratios, key=ratios.get) == "anvil" and all(math.isfinite(v) for v in ratios.values())
+    assert verdict(g["anvil"], g["muon"], ("anvil", "muon")) == S.HOLDS_ZERO
+    assert verdict(g["anvil"], g["normuon"], ("anvil", "normuon")) == S.HOLDS_ZERO
+    assert verdict(g["anvil"], g["dion"], ("anvil", "dion")) == "dion lower"
+    eq = T.equal_time_groups(runs)
+    slow = sorted(eq, key=lambda n: eq[n][0]["steps"])[:2]
+    assert all(verdict(g["anvil"], eq[n], ("anvil", n), prefix=True) == "anvil lower" for n in slow)
+    assert "1 whose paired interval excludes 0" in T.table_summary(runs)
