@@ -62,11 +62,12 @@ AS_ACCURATE = 2.0
 SIBLING_RATIO = 1.5
 
 
-def load(path: Path | None = None) -> dict | None:
-    """The rows of every JSON under the H200 directory (else the CPU one), merged; ``path``: one file."""
+def load(path: Path | None = None, *, where: str | None = None) -> dict | None:
+    """The rows of every JSON under the H200 directory (else the CPU one), merged; ``where``: that
+    directory alone; ``path``: one file."""
     if path is not None:
         return json.loads(Path(path).read_text()) if Path(path).is_file() else None
-    for d in (H200_DIR, CPU_DIR):
+    for d in ((where,) if where else (H200_DIR, CPU_DIR)):
         files = sorted((ROOT / d).glob("*.json"))
         if files:
             parts = [json.loads(f.read_text()) for f in files]
@@ -204,12 +205,55 @@ def table(data: dict | None = None) -> str:
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes)
 
 
+def h200_progress() -> str:
+    """How much of the H200 table exists: the runs of :data:`RUNS` with a JSON, and those complete."""
+    have = [json.loads(p.read_text()) for name, _, _ in RUNS if (p := ROOT / H200_DIR / name).is_file()]
+    done = sum(1 for d in have if d.get("complete"))
+    return (f"{len(have)} of the {len(RUNS)} runs stored so far, {done} of them complete, that is with every "
+            "(adapter, shape) of the run judged")
+
+
+def cross_device(h200: dict | None = None, cpu: dict | None = None) -> str:
+    """Each FAIL of the H200 table next to the same adapter's verdicts in the CPU run: the adapter reads
+    its coefficients from its library, so the same code with the same declared math that is ok on the
+    CPU and FAILs the math on the H200 points at the verdict's handling of the device's rounding, and is
+    stated as such, not as a slip of the library."""
+    h200 = load(where=H200_DIR) if h200 is None else h200
+    cpu = load(where=CPU_DIR) if cpu is None else cpu
+    if not h200 or not cpu:
+        return "*(no H200 FAIL to set beside the CPU run)*"
+    cpu_v: dict[str, list[str]] = {}
+    for r in cpu["rows"]:
+        cpu_v.setdefault(r["impl"], []).append(r["verdict"])
+    out = []
+    for r in h200["rows"]:
+        if r["verdict"] != "FAIL":
+            continue
+        mine = cpu_v.get(r["impl"], [])
+        math_only = bool((r.get("verdicts") or {}).get("math")) and not (r.get("verdicts") or {}).get("safety")
+        shape = "x".join(map(str, r["shape"]))
+        if mine and "FAIL" not in mine and math_only:
+            out.append(f"* {r['impl']} ({shape}, {r['family']}, math z {r['math_z']:.1f} along {r['math_clause']}): "
+                       f"the same adapter is ok on all {len(mine)} of its CPU rows; an open false alarm of the math "
+                       "verdict on this device, not a finding about the library.")
+        elif mine:
+            out.append(f"* {r['impl']} ({shape}, {r['family']}): its CPU rows: "
+                       + ", ".join(f"{v} {mine.count(v)}" for v in dict.fromkeys(mine)) + ".")
+        else:
+            out.append(f"* {r['impl']} ({shape}, {r['family']}): not in the CPU run.")
+    return "\n".join(out) or "*(no FAIL in the H200 table)*"
+
+
 def values(data: dict | None = None) -> dict[str, str]:
     data = load() if data is None else data
     return {"peers_command": f"`{COMMAND}`",
-            "peers_runs": str(len(RUNS)),
+            "peers_runs": str(len(RUNS)), "peers_h200_progress": h200_progress(),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}
 
 
 def tables() -> dict:
-    return {"peers": table}
+    def at(where: str) -> str:
+        data = load(where=where)
+        return table(data) if data else f"*(no run in `{where}/` yet)*"
+    return {"peers": table, "peers_cpu": lambda: at(CPU_DIR), "peers_h200": lambda: at(H200_DIR),
+            "peers_cross_device": cross_device}

@@ -67,3 +67,35 @@ def test_the_h200_runs_cover_every_adapter_and_shape():
     assert named == set(A.ADAPTERS)
     assert {s for _, _, s in peers.RUNS} == set(peers.SHAPES)
     assert len({name for name, _, _ in peers.RUNS}) == len(peers.RUNS)
+
+
+def test_an_h200_fail_is_set_beside_the_same_adapter_s_cpu_verdicts(tmp_path):
+    cpu, _ = _data(tmp_path)
+    h200 = json.loads(json.dumps(cpu))
+    assert "no FAIL" in peers.cross_device(h200, cpu)
+    sp = next(r for r in h200["rows"] if r["impl"] == "torch-muon" and r["family"] == "spectrum")
+    sp.update(verdict="FAIL", math_z=9.5, math_clause="step 1 b",
+              verdicts={"math": ["math: off along step 1 b"], "safety": [], "rounding": [], "findings": []})
+    text = peers.cross_device(h200, cpu)
+    n_cpu = sum(r["impl"] == "torch-muon" for r in cpu["rows"])
+    assert text == (f"* torch-muon (2x24x16, spectrum, math z 9.5 along step 1 b): the same adapter is ok on all "
+                    f"{n_cpu} of its CPU rows; an open false alarm of the math verdict on this device, not a finding "
+                    "about the library.")
+    # a FAIL that the CPU run shares, or a safety FAIL, is not called a false alarm
+    cpu_sp = next(r for r in cpu["rows"] if r["impl"] == "torch-muon" and r["family"] == "spectrum")
+    cpu_sp["verdict"] = "FAIL"
+    assert "false alarm" not in peers.cross_device(h200, cpu) and "FAIL 1" in peers.cross_device(h200, cpu)
+    cpu_sp["verdict"] = "ok"
+    sp["verdicts"]["safety"] = ["safety: output not finite"]
+    assert "false alarm" not in peers.cross_device(h200, cpu)
+
+
+def test_the_h200_progress_counts_stored_and_complete_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "ROOT", tmp_path)
+    d = tmp_path / peers.H200_DIR
+    d.mkdir(parents=True)
+    assert peers.h200_progress().startswith(f"0 of the {len(peers.RUNS)} runs stored so far, 0 of them complete")
+    (d / peers.RUNS[0][0]).write_text(json.dumps({"complete": False, "rows": []}))
+    (d / peers.RUNS[1][0]).write_text(json.dumps({"complete": True, "rows": []}))
+    (d / "not_a_run.json").write_text(json.dumps({"complete": True, "rows": []}))
+    assert peers.h200_progress().startswith(f"2 of the {len(peers.RUNS)} runs stored so far, 1 of them complete")
