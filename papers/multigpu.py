@@ -113,7 +113,11 @@ def table_prediction() -> str:
 
 def table_train_step() -> str:
     if not (DATA / TRAIN_STEP).is_file():
-        return f"*(no H200 measurement yet: `{TRAIN_CMD}` writes `papers/data/{TRAIN_STEP}`)*"
+        return ("Not measured on GPUs: what the study measures, the share of the collectives hidden behind the "
+                "backward pass, needs two GPUs of one host (a single rank has no collectives to hide), and it has "
+                "not been run on such a machine, so this section has no table of it. What is checked is that the "
+                "overlapped step gives the weights of the sequential one bit for bit, on two gloo processes "
+                f"(`tests/test_train_step.py`). On two GPUs, `{TRAIN_CMD}` writes the table here.")
     from papers.data_tables import include_markdown
 
     return include_markdown(TRAIN_STEP)
