@@ -334,8 +334,32 @@ def test_the_readme_speed_sentence_is_generated_from_the_stored_runs():
     """The README's sentence is what the stored H200 JSONs give (the placeholder while none is stored):
     the command in :data:`~anvil_fast.bench.peers.README_BEGIN` rewrites it."""
     runs = P.stored_runs(ROOT)
-    assert P.readme_block(runs or None) in (ROOT / "README.md").read_text()
+    reps = P.stored_runs(ROOT, P.RESULTS_REPEATS)
+    assert P.readme_block(runs or None, repeats=reps) in (ROOT / "README.md").read_text()
     assert " ".join(f"--from {p}" for p in P.RESULTS_JSONS) in P.README_BEGIN
+    assert " ".join(f"--repeat {p}" for p in P.RESULTS_REPEATS) in P.README_BEGIN
+
+
+def test_the_repeated_runs_are_quoted_as_ranges_of_each_run_s_own_times():
+    def run(anvil_ms, peer_ms, anvil_ahead, peer_ahead, anvil_status="ok"):
+        rows = [dict(r) for r in ROWS if r["size"] == "small"]
+        for r in rows:
+            if r["contender"] == "anvil":
+                r.update(ms=anvil_ms, ms_ahead=anvil_ahead, status=anvil_status)
+            elif r.get("kind") == "peer" and r["status"] == "ok":
+                r.update(ms=peer_ms, ms_ahead=peer_ahead)
+        return _data(rows, sizes=("small",))
+
+    reps = [(run(0.7, 0.65, 0.5, 0.6), "x/run1/"), (run(0.5, 0.66, 0.49, 0.6), "x/run2/"),
+            (run(9.0, 0.64, 9.0, 0.61, "timeout"), "x/run3/")]
+    got = P.repeats_clause(reps)
+    assert got.startswith(" The same command repeated 3 times in a row, every contender in a fresh process each "
+                          "time (`x/`): on the small GPT the drop-in's step took 0.500-0.700 ms from idle against "
+                          "the fastest peer's 0.640-0.660 ms, and 0.490-0.500 ms with the host ahead against "
+                          "0.600-0.610 ms (")
+    assert got.endswith("; the drop-in ran in 2 of the 3 runs).")  # the timed-out run's time is not quoted
+    assert P.repeats_clause([]) == ""
+    assert P.readme_sentence(_data(ROWS), repeats=reps).endswith(got)
 
 
 @pytest.mark.parametrize("stored", P.RESULTS_JSONS)
