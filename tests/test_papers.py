@@ -165,3 +165,13 @@ def test_the_training_section_s_reading_matches_its_tables():
     slow = sorted(eq, key=lambda n: eq[n][0]["steps"])[:2]
     assert all(verdict(g["anvil"], eq[n], ("anvil", n), prefix=True) == "anvil lower" for n in slow)
     assert "1 whose paired interval excludes 0" in T.table_summary(runs)
+
+
+def test_the_spectrum_probe_s_size_in_the_prose_is_the_harness_s():
+    from anvil_fast.studies import harness as H
+    from papers.training import ROOT
+
+    n = f"{H.SPECTRUM_MIN_COUNT} matrices per shape where they fit"
+    assert n in (ROOT / "papers" / "anvil.template.md").read_text()
+    assert f"{H.SPECTRUM_MIN_COUNT} inputs of known singular values" in (ROOT / "README.md").read_text()
+    assert f"({H.SPECTRUM_MIN_COUNT} matrices of known singular values" in (ROOT / "anvil_fast/core/tolerances.py").read_text()

@@ -10,6 +10,8 @@ The genuine ones (each a plain function of a batch ``[..., rows, cols]``, judged
 ``muon_newton_schulz_fused``  the same steps through ``torch.baddbmm`` (fused, as torch's Muon writes them)
 ``polar_express``             Polar Express's five-step schedule, normalized by ``1.02 ||X||_F + 1e-7``,
                               unfused steps, as its reference code writes it
+``polar_express_compiled``    the same steps as torch.compile fuses them (not an adapter: the harness's
+                              test of its ``compiled`` form)
 
 The mutation set (:data:`MUTANTS`): :func:`muon_newton_schulz` with one slip each -- a coefficient of
 one step off by 1e-3 (every step, a, b and c), the margin, eps, the normalization's kind, the
@@ -85,10 +87,14 @@ def muon_newton_schulz_fused(G: Tensor) -> Tensor:
 def polar_express(G: Tensor) -> Tensor:
     """Polar Express's schedule as its reference code writes it (bf16, unfused steps; a tall matrix's
     Gram formed as X^T X)."""
+    return _polar_express(G, POLAR_EXPRESS_ABC)
+
+
+def _polar_express(G: Tensor, coeffs) -> Tensor:
     X = G.bfloat16()
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-7)
     tall = G.size(-2) > G.size(-1)
-    for a, b, c in POLAR_EXPRESS_ABC:
+    for a, b, c in coeffs:
         if tall:
             A = X.mT @ X
             B = b * A + c * (A @ A)
@@ -98,6 +104,24 @@ def polar_express(G: Tensor) -> Tensor:
             B = b * A + c * (A @ A)
             X = a * X + B @ X
     return X
+
+
+def polar_express_compiled(G: Tensor) -> Tensor:
+    """Polar Express's unfused steps as torch.compile turns them into kernels (dion's compiled
+    ``polar_express``), modelled without a compiler: the normalization in fp32 rounded once, each
+    product rounded once to bf16, each line's element-wise part (``b*A + c*AA``, ``a*X + BX``) in fp32
+    rounded once."""
+    X = G.bfloat16()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    Xf = X.float()
+    X = (Xf / (Xf.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-7)).bfloat16()
+    for a, b, c in POLAR_EXPRESS_ABC:
+        A = X @ X.mT
+        B = (b * A.float() + c * (A @ A).float()).bfloat16()
+        X = (a * X.float() + (B @ X).float()).bfloat16()
+    return X.mT if tall else X
 
 
 #: The genuine examples and the math each declares.
@@ -138,3 +162,22 @@ def _mutants() -> dict:
 #: Every slip of the mutation set, by name: each a function of a batch that FAILs against MUON_MATH.
 MUTANTS = _mutants()
 globals().update({fn.__name__: fn for fn in MUTANTS.values()})
+
+
+def _polar_express_mutants() -> dict:
+    out = {}
+    for step in range(len(POLAR_EXPRESS_ABC)):
+        for i, letter in enumerate("abc"):
+            coeffs = [list(t) for t in POLAR_EXPRESS_ABC]
+            coeffs[step][i] += 1e-3
+            fn = (lambda co: lambda G: _polar_express(G, co))(coeffs)
+            fn.__name__ = fn.__qualname__ = f"polar_express_mutant_step{step + 1}_{letter}_plus_1e_3"
+            out[f"step{step + 1}_{letter}_plus_1e-3"] = fn
+    return out
+
+
+#: Polar Express (:data:`POLAR_EXPRESS_MATH`, unfused steps) with one coefficient of one step off by 1e-3:
+#: the slips the math verdict is measured against where the coefficients are large (step 1's) and the
+#: composite contracts an early slip before the output (tests/test_harness.py states which it catches).
+POLAR_EXPRESS_MUTANTS = _polar_express_mutants()
+globals().update({fn.__name__: fn for fn in POLAR_EXPRESS_MUTANTS.values()})

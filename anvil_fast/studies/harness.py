@@ -294,8 +294,12 @@ def _addmm(beta: float, c: Tensor, x: Tensor, y: Tensor, alpha: float = 1.0) -> 
 #: writes them as the field's eager code does, ``B = b*A + c*A@A; X = a*X + B@X``, every product,
 #: scaling and sum rounded to bf16, after a normalization by the bf16 norm; ``horner`` as
 #: heavyball writes it, ``Y = c*A; Y += b I; Y = Y@A; Y += a I; X = Y@X``, each rounded (and b and a
-#: with them: torch adds a Python scalar to a bf16 tensor in bf16).
-FORMS = ("fused", "unfused", "horner")
+#: with them: torch adds a Python scalar to a bf16 tensor in bf16); ``compiled`` as torch.compile
+#: turns the unfused code into kernels (dion's and heavyball's compiled steps): the normalization in
+#: fp32 rounded once, each product rounded once, and each line's element-wise part (``b*A + c*AA``,
+#: ``a*X + BX``) computed in fp32 and rounded once, a rounding bias of its own (Muon's step 1 b and
+#: c slips need 16384 probe matrices to stand past the hull it widens).
+FORMS = ("fused", "unfused", "horner", "compiled")
 #: The Gram form (:meth:`DeclaredMath.forms`): ``R = X X^T``; per step ``Z = b R + c R^2`` and the
 #: accumulated ``Q = a Q + Q Z`` (``Z + a I`` first), ``R`` carried as ``a (a R + R Z) + Z (a R + R Z)``;
 #: at a restart and at the end ``X = Q X`` (dion's and Dao AI Lab's gram-newton-schulz, pytorch-optimizer's
@@ -326,6 +330,7 @@ def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tenso
     accumulation, rounded once) and, in the ``form`` of :data:`FORMS`, ``B = b A + c A^2`` and
     ``Z = a Z + B Z``: ``fused``, each one product with fp32 accumulation rounded once to bf16;
     ``unfused``, ``c*(A@A)``, ``b*A``, their sum, ``B@Z``, ``a*Z`` and that sum each rounded to bf16;
+    ``compiled``, ``A@A`` and ``B@Z`` rounded, each line's element-wise part in fp32 rounded once;
     ``horner``, ``(a I + (b I + c A) A) Z`` with every operation rounded. Returns bf16 of x's shape."""
     if form not in FORMS + GRAM_FORMS:
         raise ValueError(f"form: expected one of {FORMS + GRAM_FORMS}, got {form!r}")
@@ -354,7 +359,7 @@ def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor
         A = _mm(zf.bfloat16(), zf.bfloat16().mT)
         r = A.float().abs().sum(-1).clamp_min(math_.eps * s[..., 0] ** 2).rsqrt()
         Z = (zf * r[..., :, None]).to(dt)
-    elif form == "fused":
+    elif form in ("fused", "compiled"):
         nrm = zf.square().sum(dim=(-2, -1), keepdim=True).sqrt() * math_.margin
         d = nrm + math_.eps * s if math_.normalization == "frobenius" else torch.maximum(nrm, math_.eps * s)
         Z = (zf / d).to(dt)
@@ -377,6 +382,9 @@ def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor
         elif form == "unfused":
             B = _ew(_ew(b * A.float()).float() + _ew(c * _mm(A, A).float()).float())
             Z = _ew(_ew(a * Z.float()).float() + _mm(B, Z).float())
+        elif form == "compiled":
+            B = _ew(b * A.float() + c * _mm(A, A).float())
+            Z = _ew(a * Z.float() + _mm(B, Z).float())
         else:  # horner: Z = (a I + (b I + c A) A) Z; torch adds a Python scalar to a bf16 tensor as bf16
             Y = _ew(_ew(c * A.float()).float() + _bf(b) * eye)
             Y = _ew(_mm(Y, A).float() + _bf(a) * eye)
@@ -407,9 +415,10 @@ def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = Tr
 #: Matrices of the ``spectrum`` probe per shape: SPECTRUM_MIN_COUNT, at most as many as fit
 #: SPECTRUM_MAX_ELEMENTS elements (large shapes: fewer matrices, each with many points), at least the
 #: shape's batch. The top of the normalized range, where a first step's coefficients show, has one
-#: point per matrix: 4096 matrices see a 1e-3 slip of any coefficient of Muon's quintic at >= 8
-#: standard errors (tests/test_harness.py's mutation set).
-SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 4096, 2 ** 26
+#: point per matrix: 16384 matrices see a 1e-3 slip of any coefficient of Muon's quintic at 10 or more
+#: standard errors with the compiled form in the hull (tests/test_harness.py's mutation set; 4096 saw
+#: step 1's b and c at 5).
+SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 16384, 2 ** 26
 #: The probe's matrices reach an implementation in batches of about this many elements.
 SPECTRUM_CHUNK_ELEMENTS = 2 ** 17
 #: The share of the probe's matrices whose Frobenius norm is within a factor 4 of eps x margin^-1
@@ -628,18 +637,23 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
         return float(c.sum()), float(math.sqrt(len(c) * c.var(ddof=1)))
 
     all_pts = np.flatnonzero(flat_ok)
-    ri_flat = np.where(flat_ok, ri.reshape(-1), 0.0)
     # the normalization's scale as bf16 arithmetic applies it: the part of the residuals along the
-    # margin and eps directions up to their rounding allowance is removed (fitted, clipped to it)
+    # margin and eps directions up to their rounding allowance is removed (fitted, clipped to it), from
+    # the implementation's and from each eager form's alike, so that all are compared on one footing
     nuisance = {MARGIN_DIRECTION: T.scale_rounding(margin, eps), EPS_DIRECTION: T.eps_rounding(eps)}
-    for name, jv in zip(names, sens_full):
-        if name in nuisance:
-            den = float(np.sum(w * jv * jv))
-            if den > 0:
-                shift = float(np.sum(w * jv * ri_flat)) / den
-                lo, hi = nuisance[name]
-                ri_flat = ri_flat - float(np.clip(shift, lo, hi)) * jv
-    rf_flat = {f: np.where(flat_ok, r.reshape(-1), 0.0) for f, r in rf.items()}
+
+    def scale_removed(r_flat: np.ndarray) -> np.ndarray:
+        for name, jv in zip(names, sens_full):
+            if name in nuisance:
+                den = float(np.sum(w * jv * jv))
+                if den > 0:
+                    shift = float(np.sum(w * jv * r_flat)) / den
+                    lo, hi = nuisance[name]
+                    r_flat = r_flat - float(np.clip(shift, lo, hi)) * jv
+        return r_flat
+
+    ri_flat = scale_removed(np.where(flat_ok, ri.reshape(-1), 0.0))
+    rf_flat = {f: scale_removed(np.where(flat_ok, r.reshape(-1), 0.0)) for f, r in rf.items()}
     worst = MathStat(0.0, "-", 0.0, "-", npts)
 
     def judge(stat: Callable[[np.ndarray], tuple[float, float]], clause: str, unit: float, allow: float = 0.0):
