@@ -150,7 +150,8 @@ def protocol(runs: list[dict]) -> P.Protocol | None:
 
 def tuned_groups(runs: list[dict], *, horizon: str) -> dict[str, list[dict]]:
     """The protocol's contenders at their chosen rates: ``horizon="long"``, the horizon runs;
-    ``"short"``, the sweep's runs at the chosen point (the tuning horizon)."""
+    ``"short"``, the sweep's runs at the chosen point (the tuning horizon); ``"equal_time"``, the
+    equal-time runs (each contender at its own step count)."""
     p = protocol(runs)
     if p is None:
         return {}
@@ -158,13 +159,14 @@ def tuned_groups(runs: list[dict], *, horizon: str) -> dict[str, list[dict]]:
     core = p.core()
     by: dict[str, list[dict]] = {}
     for r in runs:
-        if r.get("role") not in ("sweep", "tuned") or P._core(r.get("protocol") or {}) != core:
+        if r.get("role") not in ("sweep", "tuned", "equal_time") or P._core(r.get("protocol") or {}) != core:
             continue
         n = r["contender"]
         if n not in chosen or tuple(r["hparams"].get(k) for k in P.KEYS) != chosen[n]:
             continue
         if (horizon == "long" and r["role"] == "tuned" and r["steps"] == p.steps) or (
-                horizon == "short" and r["role"] == "sweep" and r["steps"] == p.tune_steps):
+                horizon == "short" and r["role"] == "sweep" and r["steps"] == p.tune_steps) or (
+                horizon == "equal_time" and r["role"] == "equal_time"):
             by.setdefault(n, []).append(r)
     return _sorted(by)
 
@@ -468,19 +470,7 @@ def table_data_seen(runs: list[dict]) -> str:
 
 def equal_time_groups(runs: list[dict]) -> dict[str, list[dict]]:
     """The protocol's equal-time runs (``role: equal_time``) at their contenders' chosen rates."""
-    p = protocol(runs)
-    if p is None:
-        return {}
-    chosen = P.chosen_of(runs)
-    core = p.core()
-    by: dict[str, list[dict]] = {}
-    for r in runs:
-        if r.get("role") != "equal_time" or P._core(r.get("protocol") or {}) != core:
-            continue
-        n = r["contender"]
-        if n in chosen and tuple(r["hparams"].get(k) for k in P.KEYS) == chosen[n]:
-            by.setdefault(n, []).append(r)
-    return _sorted(by)
+    return tuned_groups(runs, horizon="equal_time")
 
 
 def pair_prefix(ra: list[dict], rb: list[dict], metric) -> tuple[list[float], list[float], list[int]] | str:
