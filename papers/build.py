@@ -179,6 +179,7 @@ def build() -> dict[Path, str]:
 
     text = re.sub(r"\{\{(value|table|figure|cite):([a-z0-9_]+)\}\}", sub, template)
     outputs[OUTPUT] = HEADER + text
+    outputs[HERE.parent / orthogonalizers.COMMANDS_FILE] = orthogonalizers.commands_file()
     return outputs
 
 

@@ -495,8 +495,8 @@ def test_polar_express_slips_after_its_first_step_fail_and_its_first_step_s_are_
 
 
 def test_polar_express_as_torch_compile_fuses_it_passes_at_a_bank_shape():
-    """Each product rounded once and each line's element-wise part in fp32 (torch.compile of the unfused
-    code, as dion's compiled steps run on the H200) has a rounding bias of its own along step 1 c. With the
+    """Each product rounded once and each line's element-wise part in fp32 (what torch.compile makes of
+    the unfused code on the CPU) has a rounding bias of its own along step 1 c. With the
     normalization's rounding removed from the implementation's residuals alone (not from the forms') it
     FAILs here at about 10 standard errors, with or without the ``compiled`` form in the hull."""
     from anvil_fast.studies import field_examples as F
@@ -507,3 +507,89 @@ def test_polar_express_as_torch_compile_fuses_it_passes_at_a_bank_shape():
                    families=("spectrum",), progress=False)
     assert [r.verdict() for r in rows] == ["ok"], rows[0].failures()
     assert rows[0].math_z < 3
+
+
+# ------------------------------------------------------------------------------ the device's own arithmetic in the forms
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_scalar_is_added_as_the_device_adds_it(device, dtype):
+    """The Horner forms add b and a to the diagonal as ``y.add_(b)`` does on the device (the CPU rounds
+    the scalar to the tensor's dtype first, CUDA adds it in fp32): the harness's model of one such add
+    equals torch's on every element, where the two ways differ on many."""
+    y = torch.linspace(-3.0, 3.0, 20001, device=device).to(dtype)
+    old, H._DT[0] = H._DT[0], dtype
+    try:
+        for b in (-6.8946, 2.8769, 1.2046):
+            t = y.clone()
+            t.add_(b)
+            model = (y.float() + H._bf(b, device)).to(dtype)
+            assert torch.equal(t, model), (device, dtype, b)
+            other = (y.float() + (float(b) if H.scalar_rounded(device, dtype) else
+                                  float(torch.tensor(b).to(dtype)))).to(dtype)
+            assert not torch.equal(t, other)  # the other way is distinguishable here
+    finally:
+        H._DT[0] = old
+
+
+def test_the_inductor_form_is_the_field_code_compiled():
+    """INDUCTOR_FORM runs the field's unfused code, literals and all, through torch.compile: on the
+    CPU it equals, bit for bit, a hand-written copy of that code compiled the same way, for each
+    normalization (margin, eps, clamp); it is a form of CUDA's hull alone."""
+    from anvil_fast.studies import field_examples as F
+
+    x = torch.randn(4, 24, 40, generator=torch.Generator().manual_seed(3))
+    pe = H.DeclaredMath.of(**F.POLAR_EXPRESS_MATH)
+    muon = H.DeclaredMath.of(**F.MUON_MATH)
+    clamp = H.DeclaredMath.of(**TORCH_MATH)
+
+    def pe_code(G):
+        X = G.bfloat16()
+        n = X.norm(dim=(-2, -1), keepdim=True)
+        X = X / (n * 1.02 + 1e-7)
+        for a, b, c in F.POLAR_EXPRESS_ABC:
+            A = X @ X.mT
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
+        return X
+
+    def clamp_code(G):
+        X = G.bfloat16()
+        n = X.norm(dim=(-2, -1), keepdim=True)
+        X = X / n.clamp(min=EPS)
+        for a, b, c in [KJ] * STEPS:
+            A = X @ X.mT
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
+        return X
+
+    for m, code in ((pe, pe_code), (clamp, clamp_code)):
+        want = torch.cat([torch.compile(code)(p) for p in x.split(2)])
+        got = H.eager_declared(x, m, H.INDUCTOR_FORM, chunk=2)
+        assert torch.equal(got, want), m.describe()
+    # Keller Jordan's spelling, c*A@A, is the prescaled form
+    kj = torch.compile(F.muon_newton_schulz)
+    assert torch.equal(H.eager_declared(x, muon, "inductor-prescaled", chunk=2),
+                       torch.cat([kj(p) for p in x.split(2)]))
+    assert not torch.equal(H.eager_declared(x, muon, "inductor-prescaled", chunk=2),
+                           H.eager_declared(x, muon, H.INDUCTOR_FORM, chunk=2))
+    assert set(H.INDUCTOR_FORMS) <= set(muon.forms("cuda")) or not H._inductor_ok()
+    assert H.INDUCTOR_FORM not in muon.forms("cpu")
+    assert H.INDUCTOR_FORM not in H.DeclaredMath(muon.coeffs, normalization="aol").forms("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["muon_newton_schulz_compiled", "muon_newton_schulz_horner", "muon_newton_schulz"])
+def test_the_field_s_compiled_and_horner_code_passes_on_cuda_at_a_bank_shape(name):
+    """On CUDA the field's code compiled by torch.compile and the Horner form with the scalars added
+    in place (fp32 on that device) each pass the math verdict at a bank shape, with the probe's full
+    count of matrices there: neither is a FAIL because its compiler or its device rounds its own way."""
+    from anvil_fast.studies import field_examples as F
+
+    rows = H.judge([H.Implementation(name, getattr(F, name), H.DeclaredMath.of(**F.DECLARED[name]),
+                                     observe=not name.endswith("_compiled"))],
+                   shapes=[(4, 256, 768)], families=("spectrum", "gaussian"), device="cuda", progress=False)
+    assert [r.verdict() for r in rows] == ["ok", "ok"], [r.failures() for r in rows]

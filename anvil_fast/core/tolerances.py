@@ -230,8 +230,8 @@ matrix's output by 0.003-0.0075, under any form's bf16 noise. So:
   random scales, an eighth near eps) each output singular value ``u_i^T Y v_i`` minus the declared
   composite ``F`` at that point is a residual whose rounding part is nearly zero-mean and whose slip
   part is not. The residuals are compared, matrix by matrix, with those of the eager runs of the same
-  math in every form (:data:`anvil_fast.studies.harness.FORMS`, or the declared Gram form in its
-  dtype) and of the float64 math itself (0): per log-spaced bin of the normalized singular value
+  math in every form (:data:`anvil_fast.studies.harness.FORMS`, on CUDA with the field's code compiled
+  there, :data:`anvil_fast.studies.harness.INDUCTOR_FORMS`; or the declared Gram form in its dtype) and of the float64 math itself (0): per log-spaced bin of the normalized singular value
   (the mean), and along each coefficient's, the margin's and eps's sensitivity direction (a matched
   filter weighted by the inverse variance of the eager residuals). Each statistic's distance from
   the hull of the forms' values is measured in standard errors estimated from the spread of the
@@ -293,8 +293,9 @@ DECLARED_PAIRS_MAX = 256
 #: and 2x32x48, was judged by the rule with three forms and 4096 matrices: the field's code up to 3.4).
 MATH_Z = 6.0
 #: The math verdict compares the implementation with the hull of the float64 math (0) and the eager
-#: forms' mean deviations (FORMS: fused, unfused, Horner, compiled; or the Gram form it declares, in its declared
-#: dtype): rounding biases the singular values where the composite bends (second order in the
+#: forms' mean deviations (FORMS: fused, unfused, Horner, compiled, Horner after an fp32 normalization;
+#: on CUDA also the field's code compiled there, INDUCTOR_FORMS; or the Gram form it declares, in its
+#: declared dtype): rounding biases the singular values where the composite bends (second order in the
 #: rounding), each form its own way. MATH_BIAS_FACTOR scales that hull about 0; 1: the hull itself
 #: (measured: heavyball's stochastic rounding and every CPU adapter inside it; 3 cost the first two
 #: steps' 1e-3 slips their detection).

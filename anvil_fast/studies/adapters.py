@@ -273,7 +273,8 @@ def _field(name: str):
         from . import field_examples as E
 
         return Implementation(f"field-{name.replace('_', '-')}", getattr(E, name), DeclaredMath.of(**E.DECLARED[name]),
-                              note=f"anvil_fast.studies.field_examples.{name} (the field's code as it writes it)")
+                              note=f"anvil_fast.studies.field_examples.{name} (the field's code as it writes it)",
+                              observe=not name.endswith("_compiled"))
     return build
 
 
@@ -339,6 +340,11 @@ def _registry() -> dict[str, Adapter]:
                     _field("muon_newton_schulz")),
             Adapter("field-muon-newton-schulz-fused", "anvil", "the same, each step fused (baddbmm)",
                     _field("muon_newton_schulz_fused")),
+            Adapter("field-muon-newton-schulz-compiled", "anvil", "the unfused steps under torch.compile",
+                    _field("muon_newton_schulz_compiled")),
+            Adapter("field-muon-newton-schulz-horner", "anvil",
+                    "the same quintic in Horner form, normalized in fp32 (as heavyball writes it)",
+                    _field("muon_newton_schulz_horner")),
             Adapter("field-polar-express", "anvil", "Polar Express as its reference code writes it",
                     _field("polar_express"))]
     for kind in EMERGING_TYPES:

@@ -10,8 +10,13 @@ The genuine ones (each a plain function of a batch ``[..., rows, cols]``, judged
 ``muon_newton_schulz_fused``  the same steps through ``torch.baddbmm`` (fused, as torch's Muon writes them)
 ``polar_express``             Polar Express's five-step schedule, normalized by ``1.02 ||X||_F + 1e-7``,
                               unfused steps, as its reference code writes it
-``polar_express_compiled``    the same steps as torch.compile fuses them (not an adapter: the harness's
-                              test of its ``compiled`` form)
+``polar_express_compiled``    the same steps as torch.compile fuses them on the CPU, modelled without a
+                              compiler (not an adapter: the harness's test of its ``compiled`` form)
+``muon_newton_schulz_compiled``  ``muon_newton_schulz`` under ``torch.compile`` (compiled on its first
+                              call), as dion's and modded-nanogpt's compiled steps run
+``muon_newton_schulz_horner`` the same quintic in Horner form as heavyball writes it: the fp32 input
+                              normalized in fp32, then rounded to bf16, per step ``Y = c*A;
+                              Y += b I; Y = Y@A; Y += a I; X = Y@X`` (the scalars added in place)
 
 The mutation set (:data:`MUTANTS`): :func:`muon_newton_schulz` with one slip each -- a coefficient of
 one step off by 1e-3 (every step, a, b and c), the margin, eps, the normalization's kind, the
@@ -79,6 +84,34 @@ def muon_newton_schulz(G: Tensor, steps: int = MUON_STEPS, eps: float = 1e-7) ->
     return X
 
 
+_COMPILED: list = []
+
+
+def muon_newton_schulz_compiled(G: Tensor) -> Tensor:
+    """:func:`muon_newton_schulz` compiled by ``torch.compile`` (once, on the first call)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(muon_newton_schulz))
+    return _COMPILED[0](G)
+
+
+def muon_newton_schulz_horner(G: Tensor, steps: int = MUON_STEPS, eps: float = 1e-7) -> Tensor:
+    """Muon's quintic in Horner form, ``X <- (a I + (b I + c A) A) X`` with ``A = X X^T``, each
+    operation in bf16 and the scalars added to the diagonal in place; normalized in the input's fp32."""
+    a, b, c = MUON_ABC
+    X = (G.float() / (G.float().norm(dim=(-2, -1), keepdim=True) + eps)).bfloat16()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    for _ in range(steps):
+        A = X @ X.mT
+        Y = c * A
+        Y.diagonal(dim1=-2, dim2=-1).add_(b)
+        Y = Y @ A
+        Y.diagonal(dim1=-2, dim2=-1).add_(a)
+        X = Y @ X
+    return X.mT if tall else X
+
+
 def muon_newton_schulz_fused(G: Tensor) -> Tensor:
     """The same quintic with each step's two updates fused (``baddbmm`` / ``addmm``)."""
     return _orthogonalize(G, [MUON_ABC] * MUON_STEPS, fused=True)
@@ -125,7 +158,9 @@ def polar_express_compiled(G: Tensor) -> Tensor:
 
 
 #: The genuine examples and the math each declares.
-DECLARED = {"muon_newton_schulz": MUON_MATH, "muon_newton_schulz_fused": MUON_MATH, "polar_express": POLAR_EXPRESS_MATH}
+DECLARED = {"muon_newton_schulz": MUON_MATH, "muon_newton_schulz_fused": MUON_MATH,
+            "muon_newton_schulz_compiled": MUON_MATH, "muon_newton_schulz_horner": MUON_MATH,
+            "polar_express": POLAR_EXPRESS_MATH}
 
 
 # ------------------------------------------------------------------------------ the mutation set

@@ -9,7 +9,8 @@ a batch ``[chunk, rows, cols]`` (or on one matrix, ``per_matrix=True``), and the
 ``err``        its relative error against the same math in float64 (:func:`reference`)
 ``floor``      the float64 result rounded once to bf16: no bf16 output can do better
 ``eager``      the harness's plain eager bf16 runs of the same math in each evaluation form the field
-               writes (:data:`FORMS`: fused, unfused, Horner; or the Gram form it declares, in its
+               writes (:data:`FORMS`: fused, unfused, Horner, compiled; on CUDA the field's code
+               compiled there, :data:`INDUCTOR_FORMS`; or the Gram form it declares, in its
                declared dtype; :func:`eager_declared`); ``k`` its error over the largest of them
 ``bound``      the derived bound of the fused eager error for that math
                (:func:`anvil_fast.core.tolerances.declared_roundings`; the well-conditioned family)
@@ -160,9 +161,13 @@ class DeclaredMath:
     def exploded_sigma(self) -> float:
         return T.exploded_sigma(self.composite_max())
 
-    def forms(self) -> tuple[str, ...]:
-        """The eager forms it is compared with: the Gram form where it declares restarts, else FORMS."""
-        return GRAM_FORMS if self.restarts is not None else FORMS
+    def forms(self, device: str | torch.device = "cpu") -> tuple[str, ...]:
+        """The eager forms it is compared with on ``device``: the Gram form where it declares restarts,
+        else FORMS and, on CUDA with a Frobenius normalization, INDUCTOR_FORMS."""
+        if self.restarts is not None:
+            return GRAM_FORMS
+        cuda = torch.device(device).type == "cuda"
+        return FORMS + (INDUCTOR_FORMS if cuda and self.normalization != "aol" and _inductor_ok() else ())
 
     def to_json(self) -> dict:
         return {"coeffs": [list(t) for t in self.coeffs], "normalization": self.normalization,
@@ -294,12 +299,24 @@ def _addmm(beta: float, c: Tensor, x: Tensor, y: Tensor, alpha: float = 1.0) -> 
 #: writes them as the field's eager code does, ``B = b*A + c*A@A; X = a*X + B@X``, every product,
 #: scaling and sum rounded to bf16, after a normalization by the bf16 norm; ``horner`` as
 #: heavyball writes it, ``Y = c*A; Y += b I; Y = Y@A; Y += a I; X = Y@X``, each rounded (and b and a
-#: with them: torch adds a Python scalar to a bf16 tensor in bf16); ``compiled`` as torch.compile
+#: with them where the device rounds a Python scalar added to a bf16 tensor, :func:`scalar_rounded`:
+#: the CPU does, CUDA adds it in fp32); ``compiled`` as torch.compile
 #: turns the unfused code into kernels (dion's and heavyball's compiled steps): the normalization in
 #: fp32 rounded once, each product rounded once, and each line's element-wise part (``b*A + c*AA``,
 #: ``a*X + BX``) computed in fp32 and rounded once, a rounding bias of its own (Muon's step 1 b and
-#: c slips need 16384 probe matrices to stand past the hull it widens).
-FORMS = ("fused", "unfused", "horner", "compiled")
+#: c slips need 16384 probe matrices to stand past the hull it widens); ``horner-fp32`` Horner after
+#: the fp32 normalization (heavyball normalizes the fp32 input, then rounds it to bf16): which of the
+#: two normalizations precedes the steps moves the probe's singular values past the other's hull.
+FORMS = ("fused", "unfused", "horner", "compiled", "horner-fp32")
+#: On CUDA, one form more: the field's unfused code (``X / (||X||_F margin + eps)`` of the bf16
+#: matrix, ``B = b*A + c*(A@A); X = a*X + B@X``) compiled by torch.compile on that device, the bits
+#: dion's and any compiled Muon produce there. The ``compiled`` emulation matches what Inductor makes
+#: of that code on the CPU and not what it makes on CUDA (its fusions there round differently), so
+#: on CUDA the compiler itself runs it (tools/probe_forms.py measures each form's distance).
+#: ``inductor-prescaled`` is the same with ``B = b*A + c*A@A``, c scaling A before the product, as
+#: Keller Jordan's Muon and modded-nanogpt write it (Python reads ``c*A@A`` as ``(c*A)@A``).
+INDUCTOR_FORM = "inductor"
+INDUCTOR_FORMS = (INDUCTOR_FORM, "inductor-prescaled")
 #: The Gram form (:meth:`DeclaredMath.forms`): ``R = X X^T``; per step ``Z = b R + c R^2`` and the
 #: accumulated ``Q = a Q + Q Z`` (``Z + a I`` first), ``R`` carried as ``a (a R + R Z) + Z (a R + R Z)``;
 #: at a restart and at the end ``X = Q X`` (dion's and Dao AI Lab's gram-newton-schulz, pytorch-optimizer's
@@ -310,10 +327,28 @@ GRAM_FORM = "gram"
 GRAM_FORMS = (GRAM_FORM, "gram-a32")
 
 
-def _bf(v: float) -> float:
-    # a scalar as torch adds it to a bf16 tensor (``y.add_(b)``, ``y + b``): rounded to bf16 first (a
-    # multiplication keeps it in fp32)
-    return float(torch.tensor(v, dtype=torch.float64).to(_DT[0]))
+_SCALAR_ROUNDED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def scalar_rounded(device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether torch, adding a Python scalar to a ``dtype`` tensor on ``device`` (``y.add_(b)``,
+    ``y + b``), rounds the scalar to ``dtype`` first (the CPU's kernels) or adds it in fp32 (CUDA's
+    opmath): measured once per device type on values where the two differ, not assumed."""
+    key = (torch.device(device).type, dtype)
+    if key not in _SCALAR_ROUNDED:
+        y = torch.linspace(-3.0, 3.0, 4097, device=device).to(dtype)
+        b = -6.8946  # not a bf16 or fp16 number
+        t = y.clone()
+        t.add_(b)
+        _SCALAR_ROUNDED[key] = bool((t == (y.float() + torch.tensor(b).to(dtype).float()).to(dtype)).all())
+    return _SCALAR_ROUNDED[key]
+
+
+def _bf(v: float, device="cpu") -> float:
+    # a scalar as torch adds it to a tensor of the iteration's dtype on ``device`` (``y.add_(b)``,
+    # ``y + b``): rounded to that dtype first where the device does so (scalar_rounded); a
+    # multiplication keeps it in fp32
+    return float(torch.tensor(v, dtype=torch.float64).to(_DT[0])) if scalar_rounded(device, _DT[0]) else float(v)
 
 
 def _ew(x: Tensor) -> Tensor:
@@ -321,7 +356,7 @@ def _ew(x: Tensor) -> Tensor:
     return x.to(_DT[0])
 
 
-def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tensor:
+def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused", *, chunk: int | None = None) -> Tensor:
     """The declared math in plain eager bf16 (the ``eager`` columns): ``x`` cast to bf16 (clamped to its
     finite range), oriented, normalized in fp32 after an exact power-of-two prescale (eps scaled alike:
     nothing over- or underflows, nothing extra is rounded; AOL's row sums from the bf16 first Gram) and
@@ -331,25 +366,30 @@ def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused") -> Tenso
     ``Z = a Z + B Z``: ``fused``, each one product with fp32 accumulation rounded once to bf16;
     ``unfused``, ``c*(A@A)``, ``b*A``, their sum, ``B@Z``, ``a*Z`` and that sum each rounded to bf16;
     ``compiled``, ``A@A`` and ``B@Z`` rounded, each line's element-wise part in fp32 rounded once;
-    ``horner``, ``(a I + (b I + c A) A) Z`` with every operation rounded. Returns bf16 of x's shape."""
-    if form not in FORMS + GRAM_FORMS:
-        raise ValueError(f"form: expected one of {FORMS + GRAM_FORMS}, got {form!r}")
+    ``horner``, ``(a I + (b I + c A) A) Z`` with every operation rounded; INDUCTOR_FORMS (CUDA) the
+    field's code compiled, called on batches of ``chunk`` matrices. Returns bf16 of x's shape."""
+    if form not in FORMS + GRAM_FORMS + INDUCTOR_FORMS:
+        raise ValueError(f"form: expected one of {FORMS + GRAM_FORMS + INDUCTOR_FORMS}, got {form!r}")
     dt = getattr(torch, math_.dtype)
     old, _DT[0] = _DT[0], dt
     try:
-        return _eager(x, math_, form, dt)
+        return _eager(x, math_, form, dt, chunk)
     finally:
         _DT[0] = old
 
 
-def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor:
+def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype, chunk: int | None = None) -> Tensor:
     bf_max = torch.finfo(torch.bfloat16).max
     # bf16 input as the field casts it; an fp16 iteration normalizes the fp32 input first
     X = x.float().clamp(-bf_max, bf_max)
     X = X.bfloat16() if dt == torch.bfloat16 else X
     if X.ndim == 2:
-        return _eager(x[None], math_, form, dt)[0]
+        return _eager(x[None], math_, form, dt, chunk)[0]
     flip = P.transposes(tuple(X.shape), transpose_when=math_.transpose_when)
+    if form in INDUCTOR_FORMS:  # the field's code casts inside the compiled function (its input fp32)
+        xf = x.float().clamp(-bf_max, bf_max)
+        Z = _inductor(xf.mT if flip else xf, math_, chunk, prescaled=form != INDUCTOR_FORM)
+        return Z.mT if flip else Z
     Z = X.mT.contiguous() if flip else X
     zf = Z.float()
     amax = zf.abs().amax(dim=(-2, -1), keepdim=True)
@@ -359,7 +399,7 @@ def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor
         A = _mm(zf.bfloat16(), zf.bfloat16().mT)
         r = A.float().abs().sum(-1).clamp_min(math_.eps * s[..., 0] ** 2).rsqrt()
         Z = (zf * r[..., :, None]).to(dt)
-    elif form in ("fused", "compiled"):
+    elif form in ("fused", "compiled", "horner-fp32"):
         nrm = zf.square().sum(dim=(-2, -1), keepdim=True).sqrt() * math_.margin
         d = nrm + math_.eps * s if math_.normalization == "frobenius" else torch.maximum(nrm, math_.eps * s)
         Z = (zf / d).to(dt)
@@ -385,11 +425,58 @@ def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype) -> Tensor
         elif form == "compiled":
             B = _ew(b * A.float() + c * _mm(A, A).float())
             Z = _ew(a * Z.float() + _mm(B, Z).float())
-        else:  # horner: Z = (a I + (b I + c A) A) Z; torch adds a Python scalar to a bf16 tensor as bf16
-            Y = _ew(_ew(c * A.float()).float() + _bf(b) * eye)
-            Y = _ew(_mm(Y, A).float() + _bf(a) * eye)
+        else:  # horner(-fp32): Z = (a I + (b I + c A) A) Z, the scalars added as the device adds them
+            Y = _ew(_ew(c * A.float()).float() + _bf(b, Z.device) * eye)
+            Y = _ew(_mm(Y, A).float() + _bf(a, Z.device) * eye)
             Z = _mm(Y, Z)
     return Z.mT if flip else Z
+
+
+def _field_source(math_: DeclaredMath, *, prescaled: bool = False) -> str:
+    """The field's unfused code for ``math_`` as a compiled Muon writes it (INDUCTOR_FORMS): the
+    coefficients literals in the function's body. Literals compile into the kernels as constants;
+    the same numbers passed at run time (a tensor, or floats torch.compile turns dynamic on a
+    recompile) compile into different kernels that round differently, so each map set gets a function
+    of its own."""
+    n = "n * %r" % float(math_.margin) if math_.margin != 1.0 else "n"
+    d = f"({n}).clamp(min={float(math_.eps)!r})" if math_.normalization == "frobenius_clamp" else f"{n} + {float(math_.eps)!r}"
+    coeffs = [tuple(float(v) for v in t) for t in math_.coeffs]
+    return ("def field(G):\n"
+            f"    X = G.to(torch.{math_.dtype})\n"
+            "    n = X.norm(dim=(-2, -1), keepdim=True)\n"
+            f"    X = X / ({d})\n"
+            f"    for a, b, c in {coeffs!r}:\n"
+            "        A = X @ X.mT\n"
+            f"        B = b * A + {'c * A @ A' if prescaled else 'c * (A @ A)'}\n"
+            "        X = a * X + B @ X\n"
+            "    return X\n")
+
+
+_COMPILED: dict = {}
+
+
+def _inductor_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _inductor(Z: Tensor, math_: DeclaredMath, chunk: int | None = None, *, prescaled: bool = False) -> Tensor:
+    """INDUCTOR_FORMS on the oriented fp32 ``Z`` (cast to the declared dtype inside, unscaled: the
+    field's code does not prescale; Inductor may fuse the cast into the norm), in batches of ``chunk``
+    matrices as the implementation is called (the batch decides which GEMM kernels run, and with them
+    the rounding); compiled once per declared math (:func:`_field_source`), per shape as torch.compile
+    does."""
+    src = _field_source(math_, prescaled=prescaled)
+    if src not in _COMPILED:
+        scope: dict = {"torch": torch}
+        exec(compile(src, f"<anvil_fast.studies.harness field code {len(_COMPILED)}>", "exec"), scope)
+        _COMPILED[src] = torch.compile(scope["field"])
+    parts = [Z] if chunk is None or chunk >= Z.shape[0] else list(Z.split(chunk))
+    with torch.no_grad():
+        return torch.cat([_COMPILED[src](p) for p in parts])
 
 
 def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = True) -> Tensor:
@@ -402,7 +489,8 @@ def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = Tr
             R = _mm(X, X.mT)
             Q = None
         Zp = _addmm(b, R, R, R, alpha=c)
-        aI = (_bf(a) if round_a else a) * eye  # a I: a in the iteration's dtype, or in fp32
+        # a I: a in the iteration's dtype (``a * I`` of that dtype), or in fp32
+        aI = (float(torch.tensor(a, dtype=torch.float64).to(_DT[0])) if round_a else a) * eye
         Q = _ew(Zp.float() + aI) if Q is None else _addmm(a, Q, Q, Zp)
         if i < n - 1 and i + 1 not in restarts:
             RZ = _addmm(a, R, R, Zp)
@@ -883,7 +971,10 @@ class _Cache:
         return self.get(("ref", shape, family, m), lambda: reference(self.x(shape, family, m), m))
 
     def eager(self, shape, family, m: DeclaredMath, form: str = "fused"):
-        return self.get(("eager", shape, family, m, form), lambda: eager_declared(self.x(shape, family, m), m, form))
+        # in the batches the implementation is called in (judge_one), which the INDUCTOR_FORM mirrors
+        x = self.x(shape, family, m)
+        chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
+        return self.get(("eager", shape, family, m, form), lambda: eager_declared(x, m, form, chunk=chunk))
 
     def residuals(self, shape, m: DeclaredMath, y: Tensor) -> Tensor:
         sp = self.spectrum(shape, m)
@@ -1002,7 +1093,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.polar = float(rel_errs(y, pf).max())
     if m is not None:
         ref = cache.ref(shape, family, m)
-        eagers = {f: cache.eager(shape, family, m, f) for f in m.forms()}
+        eagers = {f: cache.eager(shape, family, m, f) for f in m.forms(dev)}
         row.fast = float(rel_errs(y, ref).max())
         row.floor = float(rel_errs(ref.bfloat16(), ref).max())
         errs = {f: float(rel_errs(e, ref).max()) for f, e in eagers.items()}
@@ -1010,7 +1101,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.eager_unfused = errs.get("unfused", math.nan)
         row.eager_horner = errs.get("horner", math.nan)
         etop = torch.stack([cache.get(("etop", shape, family, m, f), lambda f=f: _top(eagers[f], shape, family))
-                            for f in m.forms()])
+                            for f in m.forms(dev)])
         row.eager_top_sv = float(etop.max())
         row.eager_exploded = int((etop > row.sigma_x).any(dim=0).sum())
         row.vacuous = vacuous(y, ref, x, top=top, sigma=row.sigma_x, dtype=getattr(torch, m.dtype))
@@ -1030,7 +1121,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         if family == SPECTRUM:
             names, sens = cache.sens(shape, m)
             forms = {f: cache.get(("res", shape, family, m, f), lambda f=f: cache.residuals(shape, m, eagers[f]))
-                     for f in m.forms()}
+                     for f in m.forms(dev)}
             st = math_statistic(cache.residuals(shape, m, y), forms, cache.spectrum(shape, m).key, names, sens,
                                 margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
