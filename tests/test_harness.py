@@ -311,6 +311,7 @@ def test_cli_judges_an_impl_and_writes_json(tmp_path, capsys):
     assert "2 rows: 2 ok, 0 finding, 0 FAIL, 0 unjudged" in text
     data = json.loads(out.read_text())
     assert data["generated_by"].startswith("python -m anvil_fast.studies.difftest --impl")
+    assert data["commit"] == H.source_commit() and (data["commit"] is None or len(data["commit"]) == 40)
     assert [row["family"] for row in data["rows"]] == ["gaussian", "well_conditioned"]
     assert data["rows"][1]["bound"] > data["rows"][1]["eager"] > 0
 

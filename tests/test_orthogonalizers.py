@@ -99,3 +99,15 @@ def test_the_h200_progress_counts_stored_and_complete_runs(tmp_path, monkeypatch
     (d / peers.RUNS[1][0]).write_text(json.dumps({"complete": True, "rows": []}))
     (d / "not_a_run.json").write_text(json.dumps({"complete": True, "rows": []}))
     assert peers.h200_progress().startswith(f"2 of the {len(peers.RUNS)} runs stored so far, 1 of them complete")
+
+
+def test_the_stored_cpu_table_has_no_fail_and_names_its_commit():
+    """The paper's CPU table (section 6.1) is judged by the current rule with no FAIL: the field's
+    code and every library's, each below the math verdict's limit; a re-run that FAILs shows here."""
+    from anvil_fast.core import tolerances as T
+
+    data = peers.load(where=peers.CPU_DIR)
+    assert data is not None and data["complete"]
+    assert not [(r["impl"], r["shape"], r["family"]) for r in data["rows"] if r["verdict"] == "FAIL"]
+    assert max(r["math_z"] for r in data["rows"] if r.get("math_z") is not None) < T.MATH_Z
+    assert "6595a56" in (peers.ROOT / peers.CPU_DIR / "runs.txt").read_text()

@@ -289,8 +289,8 @@ DECLARED_PAIRS_MAX = 256
 #: The math verdict (anyone's orthogonalizer, below): the largest deviation of the spectrum probe's
 #: singular values from the declared map, beyond every eager form's, in standard errors. Measured on
 #: the CPU (2x24x16, 16384 matrices): the mutation set's 1e-3 slips of Muon's quintic from 10 (step
-#: 1's c) up; the field's code in tests/test_harness.py below it (results/cpu_orthogonalizers, 2x48x32
-#: and 2x32x48, was judged by the rule with three forms and 4096 matrices: the field's code up to 3.4).
+#: 1's c) up; the field's code in tests/test_harness.py below it, as is every adapter of the stored CPU
+#: table (results/cpu_orthogonalizers, 2x48x32 and 2x32x48; tests/test_orthogonalizers.py holds it).
 MATH_Z = 6.0
 #: The math verdict compares the implementation with the hull of the float64 math (0) and the eager
 #: forms' mean deviations (FORMS: fused, unfused, Horner, compiled, Horner after an fp32 normalization;

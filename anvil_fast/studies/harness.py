@@ -1247,11 +1247,28 @@ def summary(rows: list[Row]) -> str:
     return f"{len(rows)} rows: " + ", ".join(f"{n} {v}" for v, n in counts.items())
 
 
+def source_commit() -> str | None:
+    """The commit the rows are judged at: ``$ANVIL_COMMIT`` where set (a tree copied without its
+    history), else ``git rev-parse HEAD`` in the working directory, else None."""
+    import os
+    import subprocess
+
+    if os.environ.get("ANVIL_COMMIT"):
+        return os.environ["ANVIL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def to_json(rows: list[Row], *, command: str, impls: Sequence[Implementation] = (), unavailable: dict | None = None,
             meta: dict | None = None) -> dict:
-    """The rows and what produced them, as the paper's generator (papers/orthogonalizers.py) reads them."""
+    """The rows and what produced them (the command, the commit, the versions), as the paper's
+    generator (papers/orthogonalizers.py) reads them."""
     dev = rows[0].device if rows else "cpu"
-    out = {"generated_by": command, "device": torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor() or "cpu",
+    out = {"generated_by": command, "commit": source_commit(),
+           "device": torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "verdict_rule": VERDICT_RULE,
            "implementations": {i.name: {"math": None if i.math is None else i.math.to_json(),
                                         "describe": "undeclared" if i.math is None else i.math.describe(),
