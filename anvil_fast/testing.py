@@ -28,14 +28,16 @@ The command line shares these defaults (:data:`DEFAULT_FAMILIES`, :data:`DEFAULT
 """
 
 from anvil_fast.studies.field_examples import (DECLARED as FIELD_EXAMPLES, MUON_MATH, MUTANTS, POLAR_EXPRESS_MATH,
-                                               muon_newton_schulz, muon_newton_schulz_fused, polar_express)
-from anvil_fast.studies.harness import (DEFAULT_FAMILIES, DEFAULT_SHAPES, FORMS, HARNESS_FAMILIES, SPECTRUM,
+                                               muon_newton_schulz, muon_newton_schulz_compiled, muon_newton_schulz_fused,
+                                               muon_newton_schulz_horner, polar_express)
+from anvil_fast.studies.harness import (DEFAULT_FAMILIES, DEFAULT_SHAPES, FORMS, HARNESS_FAMILIES, INDUCTOR_FORMS,
+                                        SPECTRUM,
                                         DeclaredMath, Implementation, OrthogonalizerMismatch, Row,
                                         assert_orthogonalizer, callable_name, eager_declared, format_table, judge,
                                         reference, summary)
 
 __all__ = ["assert_orthogonalizer", "judge", "OrthogonalizerMismatch", "DeclaredMath", "Implementation", "Row",
-           "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "SPECTRUM", "FORMS", "reference",
+           "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "SPECTRUM", "FORMS", "INDUCTOR_FORMS", "reference",
            "eager_declared", "format_table", "summary", "callable_name", "MUTANTS", "MUON_MATH",
            "POLAR_EXPRESS_MATH", "FIELD_EXAMPLES", "muon_newton_schulz", "muon_newton_schulz_fused",
-           "polar_express"]
+           "muon_newton_schulz_compiled", "muon_newton_schulz_horner", "polar_express"]

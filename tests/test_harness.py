@@ -571,8 +571,12 @@ def test_the_inductor_form_is_the_field_code_compiled():
         want = torch.cat([torch.compile(code)(p) for p in x.split(2)])
         got = H.eager_declared(x, m, H.INDUCTOR_FORM, chunk=2)
         assert torch.equal(got, want), m.describe()
-    # Keller Jordan's spelling, c*A@A, is the prescaled form
-    kj = torch.compile(F.muon_newton_schulz)
+    # Keller Jordan's spelling, c*A@A, is the prescaled form. A copy of the function with a code object
+    # of its own: torch.compile caches per code object, and one compiled before at other shapes
+    # recompiles with dynamic shapes, whose kernels round differently
+    fresh = F.muon_newton_schulz.__code__.replace(co_name="muon_newton_schulz_copy")
+    kj = torch.compile(type(F.muon_newton_schulz)(fresh, F.muon_newton_schulz.__globals__, "muon_newton_schulz_copy",
+                                                  F.muon_newton_schulz.__defaults__))
     assert torch.equal(H.eager_declared(x, muon, "inductor-prescaled", chunk=2),
                        torch.cat([kj(p) for p in x.split(2)]))
     assert not torch.equal(H.eager_declared(x, muon, "inductor-prescaled", chunk=2),
