@@ -4,7 +4,8 @@ For each adapter and shape (``python tools/probe_forms.py 4x256x768 dion-muon,he
 math verdict's z against each eager form of the harness alone, each form against the others, the
 implementation against the hull of all (the verdict), the share of its output equal to the Inductor
 form's bit for bit, and 1e-3 slips of single coefficients written in several forms against the hull
-(whether the hull still catches them at that shape). Prints one line per comparison.
+(whether the hull still catches them at that shape; ``PROBE_SLIPS=0`` skips them). Prints one line
+per comparison.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from anvil_fast.studies import adapters as A
 from anvil_fast.studies import harness as H
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+#: (step, coefficient, change) of the slips written in several forms (PROBE_SLIPS=0: none)
+SLIPS = ((0, 0, -1e-3), (0, 1, 1e-3), (0, 2, 1e-3), (2, 2, 1e-3), (3, 0, -1e-3), (4, 1, 1e-3))
 
 
 def main():
@@ -50,7 +53,7 @@ def main():
                 print(f"   impl vs {f:12s} alone: {z(ri, {f: forms[f]})}")
                 print(f"   {f:12s} vs the others: {z(forms[f], {g: forms[g] for g in forms if g != f})}")
             print(f"   impl vs hull: {z(ri, forms)}")
-            for j, i, d in () if os.environ.get("PROBE_SLIPS") == "0" else ((0, 0, -1e-3), (0, 1, 1e-3), (0, 2, 1e-3), (2, 2, 1e-3), (3, 0, -1e-3), (4, 1, 1e-3)):
+            for j, i, d in () if os.environ.get("PROBE_SLIPS") == "0" else SLIPS:
                 cs = [list(t) for t in m.coeffs]
                 cs[j][i] += d
                 ms = H.DeclaredMath(tuple(map(tuple, cs)), normalization=m.normalization, margin=m.margin, eps=m.eps,
