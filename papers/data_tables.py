@@ -161,20 +161,28 @@ def peers_runs() -> str:
 
 #: Bench peers runs of one command repeated in a row, each its own set of fresh processes: the spread
 #: of a contender's step time between processes, which a single run cannot show.
-PEERS_REPEATS = "h200_peers/repeats_small"
+#: One folder per repeated command (a size each); a folder without runs yet is left out.
+PEERS_REPEATS = ("h200_peers/repeats_small", "h200_peers/repeats_medium")
 
 
 def peers_repeats() -> str:
-    """Per contender, its value in each repeated run (``run1``, ``run2``, ...), in run order: ms/step
-    from idle, ms/step with the host ahead, host ms, and ms/step over the fastest peer's of that run."""
+    """Each folder of PEERS_REPEATS that holds runs, as :func:`peers_repeats_table`."""
+    parts = [peers_repeats_table(f) for f in PEERS_REPEATS if any((RESULTS / f).glob("run*/peers.json"))]
+    if not parts:
+        raise FileNotFoundError(f"results/{{{','.join(PEERS_REPEATS)}}}/run*/peers.json: no repeated run stored")
+    return "\n\n".join(parts)
+
+
+def peers_repeats_table(folder: str) -> str:
+    """Per contender, its value in each repeated run (``run1``, ``run2``, ... of ``results/folder``), in
+    run order: ms/step from idle, ms/step with the host ahead, host ms, and ms/step over the fastest
+    peer's of that run."""
     import json
 
     from papers.markdown import md_table
 
-    d = RESULTS / PEERS_REPEATS
+    d = RESULTS / folder
     runs = sorted((p for p in d.glob("run*/peers.json")), key=lambda p: int(p.parent.name[3:]))
-    if not runs:
-        raise FileNotFoundError(f"results/{PEERS_REPEATS}/run*/peers.json: no repeated run stored")
     data = [json.loads(p.read_text()) for p in runs]
     commits = {(p.parent / "commit.txt").read_text().split()[0] for p in runs}
     order: list[tuple[str, str]] = []
@@ -203,7 +211,7 @@ def peers_repeats() -> str:
         rows.append([size, label, f"{sum(r is not None for r in ok)} of {len(data)}", cells("ms"), " / ".join(ratios),
                      cells("ms_ahead"), cells("host_ms"), cells("first_step_s", ".1f")])
     head = (d / "run1" / "command.txt").read_text().splitlines()[0]
-    return (f"*Runs `results/{PEERS_REPEATS}/run1` .. `run{len(data)}` (commit {', '.join(sorted(commits))}): {head}*\n\n"
+    return (f"*Runs `results/{folder}/run1` .. `run{len(data)}` (commit {', '.join(sorted(commits))}): {head}*\n\n"
             + md_table(["size", "contender", "runs ok", "ms/step, each run", "x fastest peer, each run",
                         "ms/step host ahead, each run", "host ms, each run", "first step s, each run"], rows)
             + "\n\nEach cell lists the runs in order, one after another in one call; \"-\": the row did not finish "

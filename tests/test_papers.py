@@ -94,14 +94,15 @@ def test_peers_repeats_lists_each_run_in_order_against_its_own_fastest_peer(tmp_
         (d / "commit.txt").write_text("abc\n")
         (d / "command.txt").write_text(f"the command of {name}\n")
     monkeypatch.setattr(D, "RESULTS", tmp_path)
-    monkeypatch.setattr(D, "PEERS_REPEATS", "rep")
+    monkeypatch.setattr(D, "PEERS_REPEATS", ("rep", "not-run-yet"))
     text = D.peers_repeats()
     lines = {ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| small")}
     assert "| 3 of 3 | 1.000 / 3.000 / 2.000 | 0.50 / 2.00 / 2.00 |" in lines["ANVIL"]
     assert "| 2 of 3 | 2.000 / - / 1.000 |" in lines["P"]  # the timed-out row is not quoted
     assert "| 2 of 3 | 4.000 / 1.500 / - |" in lines["Q"]  # absent from run10
     assert "the command of run1" in text and "commit abc" in text
-    monkeypatch.setattr(D, "PEERS_REPEATS", "none")
+    assert "not-run-yet" not in text  # a folder without runs yet is left out
+    monkeypatch.setattr(D, "PEERS_REPEATS", ("none",))
     with pytest.raises(FileNotFoundError, match="no repeated run stored"):
         D.peers_repeats()
 
