@@ -584,6 +584,13 @@ def test_the_inductor_form_is_the_field_code_compiled():
     assert set(H.INDUCTOR_FORMS) <= set(muon.forms("cuda")) or not H._inductor_ok()
     assert H.INDUCTOR_FORM not in muon.forms("cpu")
     assert H.INDUCTOR_FORM not in H.DeclaredMath(muon.coeffs, normalization="aol").forms("cuda")
+    # a math the compiled field code cannot express, or a batch that is not one, is refused by name
+    with pytest.raises(ValueError, match="Frobenius norm"):
+        H.eager_declared(x, H.DeclaredMath(muon.coeffs, normalization="aol"), H.INDUCTOR_FORM)
+    with pytest.raises(ValueError, match="chunk: expected a positive number"):
+        H.eager_declared(x, muon, H.INDUCTOR_FORM, chunk=0)
+    with pytest.raises(ValueError, match="floating-point dtype"):
+        H.scalar_rounded("cpu", torch.int32)
 
 
 @pytest.mark.gpu

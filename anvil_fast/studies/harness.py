@@ -334,6 +334,8 @@ def scalar_rounded(device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether torch, adding a Python scalar to a ``dtype`` tensor on ``device`` (``y.add_(b)``,
     ``y + b``), rounds the scalar to ``dtype`` first (the CPU's kernels) or adds it in fp32 (CUDA's
     opmath): measured once per device type on values where the two differ, not assumed."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating-point dtype, got {dtype}")
     key = (torch.device(device).type, dtype)
     if key not in _SCALAR_ROUNDED:
         y = torch.linspace(-3.0, 3.0, 4097, device=device).to(dtype)
@@ -370,6 +372,11 @@ def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused", *, chunk
     field's code compiled, called on batches of ``chunk`` matrices. Returns bf16 of x's shape."""
     if form not in FORMS + GRAM_FORMS + INDUCTOR_FORMS:
         raise ValueError(f"form: expected one of {FORMS + GRAM_FORMS + INDUCTOR_FORMS}, got {form!r}")
+    if form in INDUCTOR_FORMS and (math_.normalization == "aol" or math_.restarts is not None):
+        raise ValueError(f"form {form!r}: the field's compiled code normalizes by the Frobenius norm and has no "
+                         f"restarts; got normalization {math_.normalization!r}, restarts {math_.restarts!r}")
+    if chunk is not None and not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"chunk: expected a positive number of matrices or None, got {chunk!r}")
     dt = getattr(torch, math_.dtype)
     old, _DT[0] = _DT[0], dt
     try:
@@ -379,17 +386,16 @@ def eager_declared(x: Tensor, math_: DeclaredMath, form: str = "fused", *, chunk
 
 
 def _eager(x: Tensor, math_: DeclaredMath, form: str, dt: torch.dtype, chunk: int | None = None) -> Tensor:
-    bf_max = torch.finfo(torch.bfloat16).max
-    # bf16 input as the field casts it; an fp16 iteration normalizes the fp32 input first
-    X = x.float().clamp(-bf_max, bf_max)
-    X = X.bfloat16() if dt == torch.bfloat16 else X
-    if X.ndim == 2:
+    if x.ndim == 2:
         return _eager(x[None], math_, form, dt, chunk)[0]
+    bf_max = torch.finfo(torch.bfloat16).max
+    X = x.float().clamp(-bf_max, bf_max)
     flip = P.transposes(tuple(X.shape), transpose_when=math_.transpose_when)
     if form in INDUCTOR_FORMS:  # the field's code casts inside the compiled function (its input fp32)
-        xf = x.float().clamp(-bf_max, bf_max)
-        Z = _inductor(xf.mT if flip else xf, math_, chunk, prescaled=form != INDUCTOR_FORM)
+        Z = _inductor(X.mT if flip else X, math_, chunk, prescaled=form != INDUCTOR_FORM)
         return Z.mT if flip else Z
+    # bf16 input as the field casts it; an fp16 iteration normalizes the fp32 input first
+    X = X.bfloat16() if dt == torch.bfloat16 else X
     Z = X.mT.contiguous() if flip else X
     zf = Z.float()
     amax = zf.abs().amax(dim=(-2, -1), keepdim=True)
