@@ -259,9 +259,71 @@ def cross_device(h200: dict | None = None, cpu: dict | None = None) -> str:
     return "\n".join(out) or "*(no FAIL in the H200 table)*"
 
 
+def h200_rules() -> str:
+    """Which rule judged each stored H200 run: its commit, and whether its math z is the current reading
+    (Student's t with matrices - 1 degrees of freedom; such rows carry ``math_matrices``) or the normal
+    reading of the same statistic, which is never below it (so an ok there stands under the current rule)."""
+    by: dict[tuple[str, bool], list[str]] = {}
+    fails: dict[tuple[str, bool], int] = {}
+    for name, _, _ in RUNS:
+        p = ROOT / H200_DIR / name
+        if not p.is_file():
+            continue
+        d = json.loads(p.read_text())
+        current = any("math_matrices" in r for r in d.get("rows", []))
+        key = ((d.get("commit") or "unknown")[:7], current)
+        by.setdefault(key, []).append(f"`{name}`")
+        fails[key] = fails.get(key, 0) + sum(1 for r in d.get("rows", []) if (r.get("verdicts") or {}).get("math"))
+    if not by:
+        return "no run stored yet"
+    out = []
+    for (commit, current), names in by.items():
+        what = f"{', '.join(names)} at commit {commit}"
+        if current:
+            out.append(what + ", judged by the current rule")
+        else:
+            out.append(what + ", whose math z reads the t statistic as a normal deviate; the current rule reads it "
+                       "through Student's t, which never raises it, so "
+                       + ("every math verdict of ok there stands" if not fails[(commit, current)] else
+                          f"its {fails[(commit, current)]} math FAIL(s) are to be judged again"))
+    return "; ".join(out)
+
+
+#: The false alarm of the normal reading on the H200 (results/h200_orthogonalizers/probe/README.md):
+#: the stored partial run, the adapter, and the matrices of the probe in the clause that failed (its bin
+#: of the smallest singular values at 2x2816x768; tests/test_papers.py recounts them from the probe's input).
+FEW_MATRICES = {"file": f"{H200_DIR}/probe/rule_5a15166_eager_2_2816_768_partial.json", "impl": "dion-polar-express",
+                "sibling": "dion-normuon", "matrices": 4}
+
+
+def few_matrices() -> dict[str, str]:
+    """The numbers of the few-matrices false alarm: the normal reading of the failed statistic, its
+    reading through Student's t, the sibling's reading, the probe's matrices at 4096x4096 and the t a
+    statistic of theirs needs to FAIL."""
+    from scipy.stats import norm, t as student
+
+    from anvil_fast.core.tolerances import MATH_Z
+    from anvil_fast.studies.harness import normal_equivalent, spectrum_count
+
+    p = ROOT / FEW_MATRICES["file"]
+    d = json.loads(p.read_text()) if p.is_file() else {"rows": []}
+    z = {r["impl"]: r["math_z"] for r in d["rows"] if r["family"] == "spectrum"}
+    if FEW_MATRICES["impl"] not in z:
+        return {}
+    k = FEW_MATRICES["matrices"]
+    big = spectrum_count((1, 4096, 4096))
+    return {"peers_few_z": f"{z[FEW_MATRICES['impl']]:.1f}", "peers_few_matrices": str(k),
+            "peers_few_dof": str(k - 1), "peers_few_t": f"{normal_equivalent(z[FEW_MATRICES['impl']], k - 1):.1f}",
+            "peers_few_sibling_z": f"{z.get(FEW_MATRICES['sibling'], math.nan):.1f}",
+            "peers_big_matrices": str(big),
+            "peers_small_matrices": " to ".join(str(spectrum_count(tuple(int(v) for v in sh.split("x"))))
+                                                for sh in ("4x768x768", "4x256x768")),
+            "peers_big_t_needed": f"{float(student.isf(norm.sf(MATH_Z), big - 1)):.0f}"}
+
+
 def values(data: dict | None = None) -> dict[str, str]:
     data = load() if data is None else data
-    return {"peers_command": f"`{COMMAND}`",
+    return {**few_matrices(), "peers_h200_rules": h200_rules(), "peers_command": f"`{COMMAND}`",
             "peers_runs": str(len(RUNS)), "peers_h200_progress": h200_progress(),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}
 

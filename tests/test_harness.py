@@ -281,6 +281,42 @@ def test_declared_math_refuses_bad_values():
     assert H.DeclaredMath.of([(1, 0, 0), (2, 0, 0)], steps=3, cycle=True).coeffs == ((1, 0, 0), (2, 0, 0), (1, 0, 0))
 
 
+def test_the_math_statistic_is_a_normal_deviate_of_student_s_t():
+    # one degree of freedom is Cauchy's law, whose tail is 1/2 - atan(t)/pi in closed form; the normal
+    # tail of the deviate, 1/2 erfc(z / sqrt 2), must equal it
+    for t in (0.5, 2.0, 14.0, 1e3):
+        z = H.normal_equivalent(t, 1)
+        assert 0.5 * math.erfc(z / math.sqrt(2)) == pytest.approx(0.5 - math.atan(t) / math.pi, rel=1e-9)
+    # never above t, near t with many matrices, and 0 where a single matrix leaves no spread to measure
+    assert H.normal_equivalent(14.0, 3) < 4 and H.normal_equivalent(6.0, 16383) == pytest.approx(6.0, abs=0.01)
+    assert all(H.normal_equivalent(t, d) <= t for t in (1.0, 6.0, 40.0) for d in (1, 3, 30, 10 ** 6))
+    assert H.normal_equivalent(9.0, 0) == 0.0 and H.normal_equivalent(math.inf, 5) == math.inf
+
+
+def _null_probe_z(trials: int, matrices: int, seed: int = 0) -> np.ndarray:
+    """The math statistic of an implementation and an eager form that are the same math, each with
+    rounding noise per point and a shift per matrix (as a norm's rounding shifts all of a matrix's
+    singular values): a probe of few matrices, as the large shapes have."""
+    g = np.random.default_rng(seed)
+    key = np.tile(np.geomspace(1e-4, 1.0, 192), (matrices, 1))
+
+    def draw():
+        return torch.tensor(g.normal(0, 1e-3, key.shape) + g.normal(0, 3e-3, (matrices, 1)))
+
+    return np.array([H.math_statistic(draw(), {"fused": draw()}, torch.tensor(key), ["step 1 a"],
+                                      key.reshape(1, -1)).z for _ in range(trials)])
+
+
+def test_a_probe_of_few_matrices_raises_no_false_alarm(monkeypatch):
+    """With 2 or 4 matrices the standard error comes from 1 or 3 degrees of freedom: read as normal
+    deviates, equal math crosses MATH_Z in one trial in 10 to 75 (the H200 table's dion Polar Express
+    at 2x2816x768 read 14 in a bin of 4 matrices); read through Student's t, in none of 300."""
+    for matrices in (2, 4):
+        assert (_null_probe_z(300, matrices) > T.MATH_Z).sum() == 0
+    monkeypatch.setattr(H, "normal_equivalent", lambda t, dof: t)
+    assert sum((_null_probe_z(300, matrices) > T.MATH_Z).sum() for matrices in (2, 4)) >= 5
+
+
 # ------------------------------------------------------------------------------ command line, JSON, README
 
 def _cli(capsys, *args):

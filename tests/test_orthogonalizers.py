@@ -111,3 +111,40 @@ def test_the_stored_cpu_table_has_no_fail_and_names_its_commit():
     assert not [(r["impl"], r["shape"], r["family"]) for r in data["rows"] if r["verdict"] == "FAIL"]
     assert max(r["math_z"] for r in data["rows"] if r.get("math_z") is not None) < T.MATH_Z
     assert "6595a56" in (peers.ROOT / peers.CPU_DIR / "runs.txt").read_text()
+
+
+def test_the_h200_rules_name_each_run_s_commit_and_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "ROOT", tmp_path)
+    d = tmp_path / peers.H200_DIR
+    d.mkdir(parents=True)
+    assert peers.h200_rules() == "no run stored yet"
+    ok = {"verdict": "ok", "verdicts": {"math": []}}
+    (d / peers.RUNS[0][0]).write_text(json.dumps({"commit": "a" * 40, "rows": [ok]}))
+    (d / peers.RUNS[1][0]).write_text(json.dumps({"commit": "b" * 40, "rows": [dict(ok, math_matrices=31)]}))
+    (d / peers.RUNS[2][0]).write_text(json.dumps({"commit": "c" * 40, "rows": [{"verdicts": {"math": ["m"]}}]}))
+    text = peers.h200_rules()
+    assert f"`{peers.RUNS[0][0]}` at commit aaaaaaa, whose math z reads the t statistic as a normal deviate" in text
+    assert "every math verdict of ok there stands" in text
+    assert f"`{peers.RUNS[1][0]}` at commit bbbbbbb, judged by the current rule" in text
+    assert "its 1 math FAIL(s) are to be judged again" in text
+
+
+def test_the_few_matrices_false_alarm_is_stated_from_its_run_and_the_probe_s_input():
+    """The paper's numbers of the normal reading's false alarm: the stored run's z, and the matrices of
+    the probe in the bin that failed, counted again from the probe's input (its clause names the bin)."""
+    import numpy as np
+
+    data = json.loads((peers.ROOT / peers.FEW_MATRICES["file"]).read_text())
+    row = next(r for r in data["rows"] if r["impl"] == peers.FEW_MATRICES["impl"] and r["family"] == "spectrum")
+    assert row["verdict"] == "FAIL" and row["math_clause"].startswith("sigma in [")
+    lo, hi = (float(v) for v in row["math_clause"][len("sigma in ["):].rstrip("])").split(","))
+    info = data["implementations"][peers.FEW_MATRICES["impl"]]["math"]
+    m = H.DeclaredMath.of(info["coeffs"], normalization=info["normalization"], margin=info["margin"], eps=info["eps"])
+    shape = tuple(row["shape"])
+    key = H.spectrum_input(shape, m, seed=data.get("seed", 0), device="cpu").key.numpy()
+    mats = np.broadcast_to(np.arange(key.shape[0])[:, None], key.shape)
+    group = next(g for g in H._bins(np.where(key > 0, key, np.nan).reshape(-1))
+                 if abs(key.reshape(-1)[g].min() / lo - 1) < 5e-3 and abs(key.reshape(-1)[g].max() / hi - 1) < 5e-3)
+    assert len(np.unique(mats.reshape(-1)[group])) == peers.FEW_MATRICES["matrices"]
+    v = peers.few_matrices()
+    assert v["peers_few_z"] == f"{row['math_z']:.1f}" and float(v["peers_few_t"]) < 6 < float(v["peers_few_z"])

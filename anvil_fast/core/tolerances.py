@@ -235,7 +235,9 @@ matrix's output by 0.003-0.0075, under any form's bf16 noise. So:
   (the mean), and along each coefficient's, the margin's and eps's sensitivity direction (a matched
   filter weighted by the inverse variance of the eager residuals). Each statistic's distance from
   the hull of the forms' values is measured in standard errors estimated from the spread of the
-  per-matrix sums (a matrix's points share its norm's rounding); FAIL above MATH_Z. The part of the
+  per-matrix sums (a matrix's points share its norm's rounding), taken as Student's t with one degree
+  of freedom fewer than the matrices summed and stated as the normal deviate of the same tail
+  probability (at a large shape the probe holds few matrices: 4 at 4096x4096); FAIL above MATH_Z. The part of the
   deviation along margin and eps within what bf16 and fp16 arithmetic do to them (:func:`scale_rounding`,
   :func:`eps_rounding`) is removed first, from the implementation's residuals and from every form's alike
   (removed from one side only, an implementation identical to a form would differ from it by the
@@ -595,7 +597,7 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     if row.math_z is not None and not row.math_z <= MATH_Z:
         out["math"].append(f"math: singular values off the declared map along {row.math_clause}: "
                            f"{row.math_z:.1f} standard errors > {MATH_Z:g} (shift {row.math_shift:.3g} beyond the "
-                           f"{row.math_form} run, {row.math_points} points)")
+                           f"{row.math_form} run, {row.math_points} points, {row.math_matrices} matrices)")
     if row.exploded and not row.nonfinite:
         what = (f"top singular value {row.top_sv:.3g} > {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices")
         if row.eager_exploded:

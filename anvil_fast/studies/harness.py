@@ -684,6 +684,28 @@ class MathStat:
     shift: float
     form: str
     points: int
+    #: the matrices whose points the clause's statistic sums (its standard error has one fewer degrees of freedom)
+    matrices: int = 0
+
+
+def normal_equivalent(t: float, dof: int) -> float:
+    """The normal deviate with the upper tail probability of Student's t with ``dof`` degrees of
+    freedom at ``t``: a statistic whose standard error is estimated from the spread of ``dof + 1``
+    per-matrix sums follows t, not the normal law, and at a large shape the probe holds few matrices
+    (4 at 4096x4096; a bin of the smallest singular values may hold 4 at 2816x768), where a t of 14 is
+    as likely as a normal deviate of 3.4. MATH_Z applies to this deviate. Never above ``t``; ``t``
+    itself where the tail underflows (``dof`` in the thousands, where the two laws agree)."""
+    if dof < 1:
+        return 0.0  # one matrix: no spread to estimate a standard error from
+    if not math.isfinite(t) or t <= 0:
+        return t
+    from scipy.special import ndtri_exp
+    from scipy.stats import t as student
+
+    log_tail = float(student.logsf(t, dof))
+    if not math.isfinite(log_tail):
+        return t
+    return min(t, float(-ndtri_exp(log_tail)))
 
 
 def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, names: list[str],
@@ -694,7 +716,8 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
     projection of the differences on the output change a slip of that coefficient makes, weights the
     inverse of the eager residuals' variance in the bin). Each in standard errors estimated from the
     spread of the per-matrix sums (a matrix's points share its norm's rounding, so they are not
-    independent). The largest |z| of a form, the smallest over the forms."""
+    independent), as a normal deviate (:func:`normal_equivalent`, with one degree of freedom fewer
+    than the matrices the statistic sums). The largest |z| of a form, the smallest over the forms."""
     kk = key.cpu().double().numpy()
     ok = np.isfinite(kk) & (kk > 0)
     ri = r_impl.cpu().double().numpy()
@@ -721,14 +744,15 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
     sens_full[:, :] = np.nan_to_num(sens)
     sens_full[:, ~flat_ok] = 0.0
 
-    def tstat(per_point: np.ndarray, sel: np.ndarray) -> tuple[float, float]:
-        """(sum, its standard error) of per_point over the points sel, clustered by matrix."""
+    def tstat(per_point: np.ndarray, sel: np.ndarray) -> tuple[float, float, int]:
+        """(sum, its standard error, the matrices summed) of per_point over the points sel, clustered
+        by matrix."""
         sums = np.bincount(mats[sel], weights=per_point[sel], minlength=kk.shape[0])
         used = np.bincount(mats[sel], minlength=kk.shape[0]) > 0
         c = sums[used]
         if len(c) < 2:
-            return float(c.sum()), math.inf
-        return float(c.sum()), float(math.sqrt(len(c) * c.var(ddof=1)))
+            return float(c.sum()), math.inf, len(c)
+        return float(c.sum()), float(math.sqrt(len(c) * c.var(ddof=1))), len(c)
 
     all_pts = np.flatnonzero(flat_ok)
     # the normalization's scale as bf16 arithmetic applies it: the part of the residuals along the
@@ -750,12 +774,12 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
     rf_flat = {f: scale_removed(np.where(flat_ok, r.reshape(-1), 0.0)) for f, r in rf.items()}
     worst = MathStat(0.0, "-", 0.0, "-", npts)
 
-    def judge(stat: Callable[[np.ndarray], tuple[float, float]], clause: str, unit: float, allow: float = 0.0):
+    def judge(stat: Callable[[np.ndarray], tuple[float, float, int]], clause: str, unit: float, allow: float = 0.0):
         # the implementation's value against the hull of the forms' (the float64 math: 0): its
         # distance from the nearest, in standard errors of the difference
         nonlocal worst
-        tot_i, se_i = stat(ri_flat)
-        vals = {"float64": (0.0, 0.0)} | {f: stat(r) for f, r in rf_flat.items()}
+        tot_i, se_i, n_mat = stat(ri_flat)
+        vals = {"float64": (0.0, 0.0, n_mat)} | {f: stat(r) for f, r in rf_flat.items()}
         lo_f = min(vals, key=lambda f: vals[f][0])
         hi_f = max(vals, key=lambda f: vals[f][0])
         # an implementation that rounds up to MATH_BIAS_FACTOR times as much as an eager form may carry up
@@ -766,9 +790,11 @@ def math_statistic(r_impl: Tensor, r_forms: dict[str, Tensor], key: Tensor, name
         near = lo_f if tot_i < lo else hi_f
         excess = lo - tot_i if tot_i < lo else tot_i - hi
         se = math.sqrt(se_i ** 2 + (T.MATH_BIAS_FACTOR * vals[near][1]) ** 2)
-        z = excess / se if se > 0 else math.inf
+        # the forms' sums run over the same matrices: n_mat - 1 degrees of freedom (Welch's count for
+        # the two variances together lies between that and twice it: the cautious end)
+        z = normal_equivalent(excess / se, n_mat - 1) if se > 0 else math.inf
         if z > worst.z:
-            worst = MathStat(z, clause, (tot_i - vals[near][0]) / unit, near, npts)
+            worst = MathStat(z, clause, (tot_i - vals[near][0]) / unit, near, npts, n_mat)
 
     for gi in groups:  # per bin: the mean residual
         judge(lambda r, gi=gi: tstat(r, gi), f"sigma in [{kk.reshape(-1)[gi].min():.3g}, {kk.reshape(-1)[gi].max():.3g}]",
@@ -875,6 +901,7 @@ class Row:
     math_shift: float | None = None
     math_form: str = ""
     math_points: int = 0
+    math_matrices: int = 0  #: the matrices the worst clause's statistic sums
     note: str = ""
     ms: float | None = None
     declared: bool = True
@@ -1131,7 +1158,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
             st = math_statistic(cache.residuals(shape, m, y), forms, cache.spectrum(shape, m).key, names, sens,
                                 margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
-            row.math_form, row.math_points = st.form, st.points
+            row.math_form, row.math_points, row.math_matrices = st.form, st.points, st.matrices
     else:
         row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:

@@ -1,0 +1,143 @@
+"""What one graphed drop-in step costs the host, and what its CUDA graph holds (CUDA only).
+
+    python tools/graph_nodes.py --size small --out DIR
+
+Builds the drop-in ``anvil_fast.ANVIL`` (defaults) on the package's GPT as ``python -m anvil_fast.bench
+dropin`` does, with every CUDA graph in debug mode, takes ``--warmup`` steps, then:
+
+* the host time of each part of ``opt.step()`` (median over ``--steps`` steps, the device kept busy
+  ahead so no part waits on it): the Python around the engine, the gradient collection, the
+  upload of the inbox, the graph's replay (``cudaGraphLaunch``) and the status copy;
+* the graph's nodes by kind (kernel, memcpy, memset, event record / wait, empty) and the kernels by
+  name, read from CUDA's DOT dump of each captured graph (``DIR/graph_<i>.dot``).
+
+The host time of a graph launch grows with its nodes; the table says which kernels there are most
+of, that is, where fusing or batching removes nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _debug_graphs() -> list:
+    """Every torch.cuda.CUDAGraph made from here on in debug mode (so that it can dump its DOT)."""
+    made = []
+    base = torch.cuda.CUDAGraph
+
+    class DebugGraph(base):
+        def __new__(cls, *a, **k):
+            g = base.__new__(cls, *a, **k)
+            g.enable_debug_mode()
+            made.append(g)
+            return g
+
+    torch.cuda.CUDAGraph = DebugGraph
+    return made
+
+
+NODE = re.compile(r'"?(graph_\d+_node_\d+)"?\s*\[(.*?)\]\s*;', re.DOTALL)
+SKIP = {"KERNEL", "label", "style", "shape", "record", "solid", "name", "func", "handle", "node"}
+
+
+def parse_dot(text: str) -> tuple[collections.Counter, collections.Counter]:
+    """(node kinds, kernel names) of a cudaGraphDebugDotPrint dump."""
+    kinds, kernels = collections.Counter(), collections.Counter()
+    for m in NODE.finditer(text):
+        label = m.group(2)
+        kind = re.search(r'label="\{?\s*([A-Z_]+)', label)
+        k = kind.group(1) if kind else "?"
+        kinds[k] += 1
+        if k == "KERNEL":
+            # the kernel's name (mangled or not): the longest identifier in the label
+            names = [n for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]{5,}", label) if n not in SKIP]
+            kernels[max(names, key=len)[:90] if names else "?"] += 1
+    return kinds, kernels
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tools/graph_nodes.py needs CUDA")
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    made = _debug_graphs()
+    from anvil_fast.bench.dropin import _model, _set_grads, make_variant
+
+    dev = torch.device("cuda")
+    model = _model(a.size, dev)
+    _set_grads(model, dev)
+    opt = make_variant("anvil", model, dev)
+    for _ in range(a.warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    eng = opt.engine
+    print(f"{a.size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, engine "
+          f"{type(eng).__name__ if eng is not None else None}, graphs captured {len(made)}, "
+          f"use_graphs {getattr(eng, 'use_graphs', None)}", flush=True)
+
+    # host time of each part: wrap the engine's parts with perf_counter
+    parts = collections.defaultdict(list)
+
+    def timed(obj, name, label):
+        fn = getattr(obj, name)
+
+        def wrapper(*x, **k):
+            t = time.perf_counter()
+            r = fn(*x, **k)
+            parts[label].append(time.perf_counter() - t)
+            return r
+        setattr(obj, name, wrapper)
+
+    if eng is not None:
+        timed(eng, "collect", "collect (grads, addresses)")
+        timed(eng, "upload", "upload (inbox to device)")
+        for g in eng.graphs.values():
+            timed(g, "replay", "graph replay (cudaGraphLaunch)")
+        timed(eng, "step", "engine.step (all of the above + status copy)")
+    totals = []
+    # keep the device busy ahead: one long matmul chain queued before the timed steps
+    x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for i in range(a.steps):
+        if i % 50 == 0:
+            torch.cuda.synchronize()
+            for _ in range(20):
+                x = (x @ x).clamp_(-1, 1)
+        t = time.perf_counter()
+        opt.step()
+        totals.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    print(f"host us per step, median of {a.steps} (device busy ahead):")
+    print(f"  opt.step() total: {statistics.median(totals) * 1e6:.1f}")
+    for k, v in parts.items():
+        print(f"  {k}: {statistics.median(v) * 1e6:.1f}")
+    for i, g in enumerate(made):
+        path = out / f"graph_{i}.dot"
+        try:
+            g.debug_dump(str(path))
+        except Exception as e:  # noqa: BLE001  (a graph not captured, or torch without the dump)
+            print(f"graph {i}: no dump ({type(e).__name__}: {e})")
+            continue
+        kinds, kernels = parse_dot(path.read_text())
+        print(f"graph {i}: {sum(kinds.values())} nodes: " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
+        for name, n in kernels.most_common(40):
+            print(f"  {n:4d}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
