@@ -260,9 +260,10 @@ def cross_device(h200: dict | None = None, cpu: dict | None = None) -> str:
 
 
 def h200_rules() -> str:
-    """Which rule judged each stored H200 run: its commit, and whether its math z is the current reading
-    (Student's t with matrices - 1 degrees of freedom; such rows carry ``math_matrices``) or the normal
-    reading of the same statistic, which is never below it (so an ok there stands under the current rule)."""
+    """Which rule judged each stored H200 run: its commit, and whether it is the current rule (z read
+    through Student's t with matrices - 1 degrees of freedom, every compiled form compiled; such rows
+    carry ``math_matrices``) or the earlier one: the normal reading of the same statistic, never below
+    it, against a hull that may have held fewer forms (so an ok there stands under the current rule)."""
     by: dict[tuple[str, bool], list[str]] = {}
     fails: dict[tuple[str, bool], int] = {}
     for name, _, _ in RUNS:
@@ -282,8 +283,10 @@ def h200_rules() -> str:
         if current:
             out.append(what + ", judged by the current rule")
         else:
-            out.append(what + ", whose math z reads the t statistic as a normal deviate; the current rule reads it "
-                       "through Student's t, which never raises it, so "
+            out.append(what + ", whose math z reads the t statistic as a normal deviate and whose hull lost the "
+                       "compiled forms of the map sets its process met after torch's recompile limit; the current "
+                       "rule reads z through Student's t and keeps every form, neither of which can turn an ok into "
+                       "a FAIL, so "
                        + ("every math verdict of ok there stands" if not fails[(commit, current)] else
                           f"its {fails[(commit, current)]} math FAIL(s) are to be judged again"))
     return "; ".join(out)

@@ -572,6 +572,24 @@ def test_a_scalar_is_added_as_the_device_adds_it(device, dtype):
         H._DT[0] = old
 
 
+def test_each_map_set_s_compiled_form_compiles_on_its_own():
+    """torch.compile before 2.13 wraps a function whose source file inspect cannot find in one shared
+    frame, so that all of them count against one recompile limit (8) and the ninth runs eagerly,
+    silently (seen on the H200's torch 2.11): the harness registers each generated function's source,
+    and nine map sets compile nine graphs; a limit hit would raise, not shrink the hull."""
+    import inspect
+
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(0))
+    before = counters["stats"]["unique_graphs"]
+    for i in range(9):
+        m = H.DeclaredMath(((3.0 + 0.01 * i, -4.0, 2.0),) * 2, eps=1e-7 * (1 + i))
+        assert inspect.getsourcefile(inspect.unwrap(H._field_function(m))) is not None
+        H._inductor(x, m)
+    assert counters["stats"]["unique_graphs"] - before >= 9
+
+
 def test_the_inductor_form_is_the_field_code_compiled():
     """INDUCTOR_FORM runs the field's unfused code, literals and all, through torch.compile: on the
     CPU it equals, bit for bit, a hand-written copy of that code compiled the same way, for each

@@ -124,6 +124,7 @@ def test_the_h200_rules_name_each_run_s_commit_and_reading(tmp_path, monkeypatch
     (d / peers.RUNS[2][0]).write_text(json.dumps({"commit": "c" * 40, "rows": [{"verdicts": {"math": ["m"]}}]}))
     text = peers.h200_rules()
     assert f"`{peers.RUNS[0][0]}` at commit aaaaaaa, whose math z reads the t statistic as a normal deviate" in text
+    assert "neither of which can turn an ok into a FAIL" in text
     assert "every math verdict of ok there stands" in text
     assert f"`{peers.RUNS[1][0]}` at commit bbbbbbb, judged by the current rule" in text
     assert "its 1 math FAIL(s) are to be judged again" in text

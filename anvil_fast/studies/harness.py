@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import linecache
 import math
 import platform
 import time
@@ -475,14 +476,38 @@ def _inductor(Z: Tensor, math_: DeclaredMath, chunk: int | None = None, *, presc
     matrices as the implementation is called (the batch decides which GEMM kernels run, and with them
     the rounding); compiled once per declared math (:func:`_field_source`), per shape as torch.compile
     does."""
+    fn = _field_function(math_, prescaled=prescaled)
+    parts = [Z] if chunk is None or chunk >= Z.shape[0] else list(Z.split(chunk))
+    # a recompile limit hit would run the code eagerly, silently, and the hull would lose the form
+    with torch.no_grad(), _fail_on_recompile_limit():
+        return torch.cat([fn(p) for p in parts])
+
+
+def _field_function(math_: DeclaredMath, *, prescaled: bool = False) -> Callable[[Tensor], Tensor]:
+    """:func:`_field_source`'s function, compiled by torch.compile (once per source). Its source is
+    registered with ``linecache`` under its file name: torch.compile before 2.13 wraps a function
+    whose source file it cannot find in one shared frame, so that every such function would count
+    against one recompile limit (8) and the ninth run eagerly."""
     src = _field_source(math_, prescaled=prescaled)
     if src not in _COMPILED:
+        name = f"<anvil_fast.studies.harness field code {len(_COMPILED)}>"
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
         scope: dict = {"torch": torch}
-        exec(compile(src, f"<anvil_fast.studies.harness field code {len(_COMPILED)}>", "exec"), scope)
+        exec(compile(src, name, "exec"), scope)
         _COMPILED[src] = torch.compile(scope["field"])
-    parts = [Z] if chunk is None or chunk >= Z.shape[0] else list(Z.split(chunk))
-    with torch.no_grad():
-        return torch.cat([_COMPILED[src](p) for p in parts])
+    return _COMPILED[src]
+
+
+@contextlib.contextmanager
+def _fail_on_recompile_limit():
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    if not hasattr(cfg, "fail_on_recompile_limit_hit"):
+        yield
+        return
+    with cfg.patch(fail_on_recompile_limit_hit=True):
+        yield
 
 
 def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = True) -> Tensor:
