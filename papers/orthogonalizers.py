@@ -49,10 +49,13 @@ BUDGET_S = 300
 
 def command(name: str, adapters: str, shape: str) -> str:
     """One H200 run's command line (repository root; the JSON under results/, its copy in ``$OUT``, the
-    compilers' caches in the ignored ``.compile_cache``, kept on a warm machine between runs)."""
+    compilers' caches in the ignored ``.compile_cache``, kept on a warm machine between runs). It times
+    nothing: most of a run is compilation on the host, so several run at once on one device
+    (tools/h200_session.sh, ORTHO_JOBS), and a time taken beside other runs would measure them too;
+    the speed of the same kernels is section 6.2's and ``python -m anvil_fast.bench bank``'s, side by side."""
     return (f"PYTHONPATH=.peers/dion python -m anvil_fast.studies.difftest --device cuda --adapter {adapters} "
             f"--shapes {shape} "
-            f"--time-reps 10 --time-budget-s {BUDGET_S} --cache-dir .compile_cache --resume --no-progress "
+            f"--time-budget-s {BUDGET_S} --cache-dir .compile_cache --resume --no-progress "
             f"--json {H200_DIR}/{name}; cp {H200_DIR}/{name} $OUT/")
 
 
@@ -68,7 +71,8 @@ def commands_file() -> str:
             "# (wheels: heavyball, pytorch-optimizer, gram-newton-schulz, quack-kernels for gram-newton-schulz-quack;",
             "# emerging-optimizers on Python >= 3.12; dion from .peers/dion). Each starts no new (adapter, shape)",
             f"# after {BUDGET_S} s; run it again (--resume) until its JSON says \"complete\": true. The JSON lands here",
-            "# and in $OUT. A stored run's own command is in runs.txt."]
+            "# and in $OUT. They time nothing, so several may share the device (tools/h200_session.sh: ORTHO_JOBS).",
+            "# A stored run's own command is in runs.txt."]
     return "\n".join(head + [""] + [command(*r) for r in RUNS]) + "\n"
 #: A kernel's error within this factor of the largest eager form's is "as accurate as its math allows"
 #: (the harness's factor, anvil_fast.core.tolerances.FACTOR).
@@ -190,9 +194,9 @@ def table(data: dict | None = None) -> str:
     if data is None:
         return f"*(no data yet: `{H200_DIR}/*.json` is written by `{COMMAND}` and the other runs of the study)*"
     head = ("| adapter | shape | err vs its math (Gaussian) | eager fused | eager unfused | eager Horner | k | "
-            "math z (spectrum) | err vs polar | its math vs polar | exploded (near-rank-1) | ms | verdicts | "
+            "math z (spectrum) | err vs polar | its math vs polar | exploded (near-rank-1) | verdicts | "
             "what it is |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for e in summarize(data):
         g = e["families"].get("gaussian") or {}
         sp = e["families"].get("spectrum") or {}
@@ -203,7 +207,7 @@ def table(data: dict | None = None) -> str:
         lines.append(f"| {e['impl']} | {e['shape']} | {_f(g.get('fast'))} | {_f(g.get('eager'))} | "
                      f"{_f(g.get('eager_unfused'))} | {_f(g.get('eager_horner'))} | {_f(k, '.2f')} | "
                      f"{_f(sp.get('math_z'), '.1f')} | {_f(g.get('polar'))} | {_f(g.get('math_polar'))} | {exploded} | "
-                     f"{_f(g.get('ms'), '.3f')} | {', '.join(f'{n} {v}' for v, n in counts.items())} | {classify(e)} |")
+                     f"{', '.join(f'{n} {v}' for v, n in counts.items())} | {classify(e)} |")
     gen = data.get("generated_by", "")
     gen = gen if isinstance(gen, list) else [gen]
     where = data.get("source", H200_DIR)

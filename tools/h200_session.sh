@@ -18,8 +18,9 @@
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
 #   orthogonalizers  the lines ORTHO_LINES of results/h200_orthogonalizers/commands.txt (the paper's table of
-#           other libraries' orthogonalizations, one resumable run per adapter group and shape): wheels from
-#           .whl and .gns, dion from .peers/dion; each JSON into $OUT (copy it to results/h200_orthogonalizers/)
+#           other libraries' orthogonalizations, one resumable run per adapter group and shape), ORTHO_JOBS at
+#           once: wheels from .whl and .gns, dion from .peers/dion; each JSON into $OUT (copy it to
+#           results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
 #   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
@@ -117,18 +118,28 @@ for stage in ${STAGES:-suite bench}; do
     orthogonalizers) install_peers
            # the lines ORTHO_LINES (1-based, comment lines not counted) of the table's command list, each
            # resumable: its JSON comes back in $OUT (copy it to results/h200_orthogonalizers/ and run again)
+           # ORTHO_JOBS lines at once (the runs time nothing and are mostly compilation on the host),
+           # each with its own log, orthogonalizers_<line>.log
            grep -v '^#' results/h200_orthogonalizers/commands.txt | grep . > /tmp/ortho_cmds.txt
-           for i in ${ORTHO_LINES:-1}; do
+           ortho_line() {
+             local i=$1 cmd json
              cmd=$(sed -n "${i}p" /tmp/ortho_cmds.txt | sed 's/^PYTHONPATH=\.peers\/dion python /python3 /')
-             [ -n "$cmd" ] || continue
-             echo "orthogonalizers line $i" | tee -a "$OUT/orthogonalizers.log"
-             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers.log" 2>&1
-             echo "rc=$?" >> "$OUT/orthogonalizers.log"
+             [ -n "$cmd" ] || return 0
+             echo "orthogonalizers line $i" > "$OUT/orthogonalizers_$i.log"
+             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
+             echo "rc=$?" >> "$OUT/orthogonalizers_$i.log"
              # a run cut by the timeout keeps its finished rows in its JSON (rewritten after every row)
              json=$(grep -o -- '--json [^ ;]*' <<< "$cmd" | cut -d' ' -f2)
              [ -f "$json" ] && cp "$json" "$OUT/"
+           }
+           running=0
+           for i in ${ORTHO_LINES:-1}; do
+             ortho_line "$i" &
+             running=$((running + 1))
+             if [ "$running" -ge "${ORTHO_JOBS:-1}" ]; then wait -n; running=$((running - 1)); fi
            done
-           tail -5 "$OUT/orthogonalizers.log" ;;
+           wait
+           for i in ${ORTHO_LINES:-1}; do grep -h -E "rows:|^rc=" "$OUT/orthogonalizers_$i.log" | sed "s/^/line $i: /"; done ;;
     nothinglost) timeout "${T_CHUNK:-90}" python3 tools/chunk_independence.py --no-progress > "$OUT/chunk_safe.txt" 2>&1
              tail -3 "$OUT/chunk_safe.txt"
              timeout "${T_NR1:-150}" python3 -m anvil_fast.studies.near_rank1 --no-progress --device cuda --count 500 \
