@@ -50,8 +50,8 @@ BUDGET_S = 300
 def command(name: str, adapters: str, shape: str) -> str:
     """One H200 run's command line (repository root; the JSON under results/, its copy in ``$OUT``, the
     compilers' caches in the ignored ``.compile_cache``, kept on a warm machine between runs). It times
-    nothing: most of a run is compilation on the host, so several run at once on one device
-    (tools/h200_session.sh, ORTHO_JOBS), and a time taken beside other runs would measure them too;
+    nothing, so that several can run at once on one device (tools/h200_session.sh, ORTHO_JOBS), where
+    a time taken beside other runs would measure them too;
     the speed of the same kernels is section 6.2's and ``python -m anvil_fast.bench bank``'s, side by side."""
     return (f"PYTHONPATH=.peers/dion python -m anvil_fast.studies.difftest --device cuda --adapter {adapters} "
             f"--shapes {shape} "

@@ -118,8 +118,7 @@ for stage in ${STAGES:-suite bench}; do
     orthogonalizers) install_peers
            # the lines ORTHO_LINES (1-based, comment lines not counted) of the table's command list, each
            # resumable: its JSON comes back in $OUT (copy it to results/h200_orthogonalizers/ and run again)
-           # ORTHO_JOBS lines at once (the runs time nothing and are mostly compilation on the host),
-           # each with its own log, orthogonalizers_<line>.log
+           # ORTHO_JOBS lines at once (the runs time nothing), each with its own log, orthogonalizers_<line>.log
            grep -v '^#' results/h200_orthogonalizers/commands.txt | grep . > /tmp/ortho_cmds.txt
            ortho_line() {
              local i=$1 cmd json
