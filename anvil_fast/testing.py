@@ -15,11 +15,14 @@ per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
 
 * **math** (FAIL): on the ``spectrum`` family, inputs of known singular values, the output's singular
   values against the declared composite map, averaged over thousands of points (a 1e-3 slip in any
-  coefficient of any step is seen); the Gram on the declared side;
+  coefficient of any step is seen where the probe holds thousands of matrices; its standard errors come
+  from the spread over matrices and are read through Student's t, so at the largest shapes, where
+  few matrices fit, it sees gross slips only); the Gram on the declared side;
 * **safety** (FAIL, every family): a non-finite output, a vacuous one (zero, the identity, the input),
   an explosion where the same math in eager bf16 does not explode;
-* **rounding** (a finding, not a FAIL): the error against the float64 math over the larger of two
-  eager bf16 runs of it, fused (``baddbmm``) and unfused (``B = b*A + c*A@A; X = a*X + B@X``).
+* **rounding** (a finding, not a FAIL): the error against the float64 math over the largest eager bf16
+  run of it in the field's evaluation forms (:data:`FORMS`: fused ``baddbmm``, unfused
+  ``B = b*A + c*A@A; X = a*X + B@X``, Horner, ...; on CUDA also :data:`INDUCTOR_FORMS`).
 
 The command line shares these defaults (:data:`DEFAULT_FAMILIES`, :data:`DEFAULT_SHAPES`):
 ``python -m anvil_fast.studies.difftest --impl package.module:function --coeffs ...``.

@@ -176,3 +176,6 @@ def test_the_spectrum_probe_s_size_in_the_prose_is_the_harness_s():
     assert n in (ROOT / "papers" / "anvil.template.md").read_text()
     assert f"{H.SPECTRUM_MIN_COUNT} inputs of known singular values" in (ROOT / "README.md").read_text()
     assert f"({H.SPECTRUM_MIN_COUNT} matrices of known singular values" in (ROOT / "anvil_fast/core/tolerances.py").read_text()
+    few = f"{H.spectrum_count((1, 4096, 4096))} at 4096x4096"
+    for where in ("README.md", "anvil_fast/core/tolerances.py", "anvil_fast/studies/harness.py"):
+        assert few in (ROOT / where).read_text(), where
