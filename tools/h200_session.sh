@@ -25,6 +25,8 @@
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
 #   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
 #           on the GPT-2 small and medium banks; .gns from tools/gns_bundle.sh carried)
+#   nodes   tools/graph_nodes.py for NODES_SIZES (default small medium): the graphed drop-in step's host time
+#           per part and its CUDA graph's nodes by kind and kernel (DOT dumps under $OUT/nodes_<size>/)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
@@ -147,6 +149,10 @@ for stage in ${STAGES:-suite bench}; do
     orthopeers) install_peers
            timeout "${T_ORTHOPEERS:-300}" python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 \
              --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
+    nodes) for size in ${NODES_SIZES:-small medium}; do
+             timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
+               | tee "$OUT/graph_nodes_$size.log" | head -50
+           done ;;
     peers) install_peers
            # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender
            # of each in its own fresh process), T_PEERS seconds each; the first also fills the compile caches
