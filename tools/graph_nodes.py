@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     eng = opt.engine
     print(f"{a.size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, engine "
-          f"{type(eng).__name__ if eng is not None else None}, graphs captured {len(made)}, "
+          f"{type(eng).__name__ if eng is not None else None}, graphs made {len(made)} (the tuner's among them), "
           f"use_graphs {getattr(eng, 'use_graphs', None)}", flush=True)
 
     # host time of each part: wrap the engine's parts with perf_counter
@@ -122,7 +122,9 @@ def main(argv=None) -> int:
     print(f"  opt.step() total: {statistics.median(totals) * 1e6:.1f}")
     for k, v in parts.items():
         print(f"  {k}: {statistics.median(v) * 1e6:.1f}")
-    for i, g in enumerate(made):
+    # the step's own graphs (the tuner's timing graphs are debug-mode too, and not the step's)
+    step_graphs = list(eng.graphs.values()) if eng is not None and getattr(eng, "graphs", None) else made
+    for i, g in enumerate(step_graphs):
         path = out / f"graph_{i}.dot"
         try:
             g.debug_dump(str(path))
