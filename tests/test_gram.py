@@ -14,6 +14,7 @@ more than one bf16 ulp away.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -413,3 +414,84 @@ def test_gpu_64bit_offsets(kernel):
     assert_rounded_exact(out[-2:], last @ last.mT, "64-bit offsets", scale=last.abs() @ last.abs().mT)
     del X, out
     torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ shipped tuning decisions
+def _record(GT, cfg, note="bitwise", source="tuned", key=None):
+    key = key or GT.ProblemKey("XXT", 768, 768, 256, 6, 0)
+    v1 = G.TileConfig(64, 64, 128, 4, 3, kernel="v1")
+    return {"kind": "gram", "key": key, "chosen": cfg, "source": source,
+            "results": [(v1, 20.0, "bitwise"), (cfg, 10.0, note)]}
+
+
+def test_a_shipped_decision_is_taken_only_for_its_device_triton_and_kernels(tmp_path, monkeypatch):
+    from anvil_fast.kernels import gram_tune as GT
+
+    T = G.TileConfig
+    cfg = T(128, 128, 64, 8, 4, kernel="tma")
+    key = GT.ProblemKey("XXT", 768, 768, 256, 6, 0)
+    entries = GT.table_entries([_record(GT, cfg, key=key)], "NVIDIA H200")
+    assert len(entries) == 1 and entries[0]["us"] == 10.0 and entries[0]["v1_us"] == 20.0
+    path = tmp_path / "gram_tuned.json"
+    path.write_text(json.dumps({"generated_by": "a test", "entries": entries}))
+    assert GT.table_choice(key, "NVIDIA H200", path) == cfg
+    assert GT.table_choice(key._replace(device=3), "NVIDIA H200", path) == cfg  # the index is not part of it
+    assert GT.table_choice(key, "NVIDIA H100 80GB HBM3", path) is None
+    assert GT.table_choice(key._replace(batch=12), "NVIDIA H200", path) is None
+    assert GT.table_choice(key, None, path) is None
+    for field, other in (("triton", "0.0.1"), ("kernels", "0" * 16)):
+        stale = tmp_path / f"stale_{field}.json"
+        stale.write_text(json.dumps({"entries": [dict(entries[0], **{field: other})]}))
+        assert GT.table_choice(key, "NVIDIA H200", stale) is None
+
+
+def test_only_tuned_bit_identical_triton_choices_are_shipped():
+    from anvil_fast.kernels import gram_tune as GT
+
+    T = G.TileConfig
+    tma = T(128, 128, 64, 8, 4, kernel="tma")
+    recs = [_record(GT, tma), _record(GT, tma, note="3 entries differ, max |diff| 0.01"),
+            _record(GT, tma, source="shipped"), _record(GT, T(0, 0, 0, 0, 0, kernel="cublas"))]
+    assert [e["config"] for e in GT.table_entries(recs, "NVIDIA H200")] == [list(tma)]
+
+
+def test_choose_takes_a_shipped_decision_without_tuning_and_fresh_tunes(monkeypatch):
+    from anvil_fast.kernels import gram_tune as GT
+
+    T = G.TileConfig
+    shipped, tuned = T(64, 64, 128, 4, 3, kernel="tma"), T(128, 128, 64, 8, 4, kernel="ptr")
+    calls = []
+    monkeypatch.setattr(GT, "tune", lambda kind, key, launch, out, default: calls.append(key) or
+                        (tuned, {"kind": kind, "key": key, "results": [], "chosen": tuned}))
+    monkeypatch.setattr(GT, "_device_name", lambda out: "NVIDIA H200")
+    monkeypatch.setattr(GT, "table_choice", lambda key, name, path=None: shipped if name == "NVIDIA H200" else None)
+    monkeypatch.setattr(GT, "_CHOICES", {})
+    monkeypatch.setattr(GT, "RECORDS", [])
+    default = T(32, 32, 32, 4, 1, kernel="v1")
+    big = GT.ProblemKey("XXT", 768, 768, 768, 8, None)
+    assert GT.choose("gram", big, None, torch.zeros(2), default) == shipped and calls == []
+    assert GT.RECORDS[-1]["source"] == "shipped" and "(shipped decision)" in GT.report_lines()[-1]
+    monkeypatch.setattr(GT, "_CHOICES", {})
+    monkeypatch.setenv("ANVIL_FAST_TUNE", "fresh")
+    assert GT.choose("gram", big, None, torch.zeros(2), default) == tuned and calls == [big]
+    assert GT.RECORDS[-1]["source"] == "tuned"
+
+
+def test_the_shipped_decisions_are_for_these_kernels():
+    """Every entry of the shipped file names a Triton candidate the tuner offers (never cuBLAS) and the
+    kernels' current digest: an edit of gram.py or gram_kernels.py makes the file stale, and then a
+    fresh process tunes every key again (slow, correct); run tools/gram_tuned_table.py on the device
+    again after such an edit."""
+    from anvil_fast.kernels import gram_tune as GT
+
+    if not GT.TUNED_FILE.is_file():
+        pytest.skip("no shipped decisions (tools/gram_tuned_table.py writes them on a GPU)")
+    data = json.loads(GT.TUNED_FILE.read_text())
+    assert data["generated_by"].startswith("tools/gram_tuned_table.py")
+    offered = {tuple(c) for c in GT.SYM_CANDIDATES + GT.MM_CANDIDATES if c.kernel != "cublas"}
+    for e in data["entries"]:
+        cfg = G.TileConfig(*e["config"])
+        assert cfg.kernel != "cublas" and (tuple(cfg) in offered or cfg.kernel == "v1"), e
+        assert e["kernels"] == GT.kernels_digest(), (
+            f"{GT.TUNED_FILE.name} was made for other kernels ({e['kernels']}, now {GT.kernels_digest()}): "
+            "run tools/gram_tuned_table.py on the GPU it names")

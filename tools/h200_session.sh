@@ -25,6 +25,10 @@
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
 #   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
 #           on the GPT-2 small and medium banks; .gns from tools/gns_bundle.sh carried)
+#   tunedtable  tools/gram_tuned_table.py: the Gram kernels' shipped tuning decisions for this device, into
+#           $OUT/gram_tuned.json (copy it to anvil_fast/kernels/)
+#   warmup  the drop-in's first step on the small GPT from cold compiler caches (fresh cache folders), in a
+#           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions)
 #   nodes   tools/graph_nodes.py for NODES_SIZES (default small medium): the graphed drop-in step's host time
 #           per part and its CUDA graph's nodes by kind and kernel (DOT dumps under $OUT/nodes_<size>/)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
@@ -149,6 +153,16 @@ for stage in ${STAGES:-suite bench}; do
     orthopeers) install_peers
            timeout "${T_ORTHOPEERS:-300}" python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 \
              --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
+    tunedtable) timeout "${T_TUNEDTABLE:-300}" python3 tools/gram_tuned_table.py --out "$OUT/gram_tuned.json" \
+             --note "${TUNED_NOTE:-}" 2>&1 | tee "$OUT/gram_tuned_table.log" | grep -v "^    " | tail -40 ;;
+    warmup) install_peers
+           for mode in fresh 1; do
+             cold=$(mktemp -d)
+             TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor ANVIL_FAST_TUNE=$mode \
+               timeout "${T_WARMUP:-200}" python3 -m anvil_fast.bench peers --sizes small --contenders anvil \
+               --out "$OUT/warmup_tune_$mode" --no-progress --budget-s $(( ${T_WARMUP:-200} - 20 )) \
+               --note "cold compiler caches, ANVIL_FAST_TUNE=$mode" 2>&1 | tee "$OUT/warmup_tune_$mode.log" | grep -E "^  |error"
+           done ;;
     nodes) for size in ${NODES_SIZES:-small medium}; do
              timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
                | tee "$OUT/graph_nodes_$size.log" | head -50

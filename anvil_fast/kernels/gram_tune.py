@@ -14,7 +14,15 @@ So each new problem key (kernel, sizes, batch, device) gets a short list of cand
 
 Tuning never runs while a CUDA graph is being captured (the untuned default runs instead; the
 capture helpers warm up first, so real captures see tuned shapes), costs nothing on later calls,
-and is skipped with ``ANVIL_FAST_TUNE=0``. :data:`RECORDS` keeps every decision (the benchmark
+and is skipped with ``ANVIL_FAST_TUNE=0``.
+
+A fresh process compiles every candidate of every new key, which is most of a cold warm-up; the
+package therefore ships decisions (:data:`TUNED_FILE`, written by ``tools/gram_tuned_table.py`` on
+the device it names): where the device's name, the Triton version and the kernels' source
+(:func:`kernels_digest`) are those a decision was made with, the choice is taken from there and only
+it compiles. Every shipped choice is a Triton candidate, bit-identical to v1 where it was made (no
+cuBLAS), so a shipped choice and a fresh tuning give the same bits. ``ANVIL_FAST_TUNE=fresh`` tunes
+every key anew. :data:`RECORDS` keeps every decision (the benchmark
 prints it). Every candidate computes fp32 sums of the same bf16 products in the same K order and
 rounds once; :data:`RECORDS` also says whether each one was bit-identical to the reference.
 
@@ -25,7 +33,11 @@ exactly symmetric.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -126,6 +138,80 @@ MIN_TUNE_FLOPS = 2 ** 28
 
 def tuning_enabled() -> bool:
     return os.environ.get("ANVIL_FAST_TUNE", "1") != "0"
+
+
+def table_enabled() -> bool:
+    """Whether shipped decisions are used (:data:`TUNED_FILE`): not with ``ANVIL_FAST_TUNE=fresh``."""
+    return os.environ.get("ANVIL_FAST_TUNE", "1") != "fresh"
+
+
+#: The shipped tuning decisions (module docstring).
+TUNED_FILE = Path(__file__).with_name("gram_tuned.json")
+#: The sources a shipped decision was made with: the Triton kernels and their launches.
+KERNELS_SOURCES = (Path(__file__).with_name("gram_kernels.py"), Path(__file__).with_name("gram.py"))
+
+
+def kernels_digest() -> str:
+    """The first 16 hex digits of the SHA-256 of the kernels' and their launches' source: a shipped
+    decision holds for the code it was timed and checked with, and for no edit of it."""
+    h = hashlib.sha256()
+    for p in KERNELS_SOURCES:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return "none"
+    return triton.__version__
+
+
+def _table_key(device_name: str, key: ProblemKey) -> tuple:
+    return (device_name, _triton_version(), kernels_digest(), key.op, key.m, key.n, key.k, key.batch)
+
+
+@functools.lru_cache(maxsize=None)
+def _table(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    data = json.loads(p.read_text())
+    out = {}
+    for e in data.get("entries", []):
+        cfg = TileConfig(*e["config"])
+        out[(e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"], e["k"], e["batch"])] = cfg
+    return out
+
+
+def _device_name(out: Tensor) -> str | None:
+    return torch.cuda.get_device_name(out.device) if out.is_cuda else None
+
+
+def table_choice(key: ProblemKey, device_name: str | None, path: Path | None = None) -> TileConfig | None:
+    """The shipped choice for ``key`` on the device named ``device_name`` with this Triton and these
+    kernels, or None."""
+    if device_name is None:
+        return None
+    return _table(str(path or TUNED_FILE)).get(_table_key(device_name, key))
+
+
+def table_entries(records: list[dict], device_name: str) -> list[dict]:
+    """The tuned decisions of ``records`` whose choice was bit-identical to v1 there (not shipped ones,
+    not cuBLAS) as :data:`TUNED_FILE` entries, each with its time and v1's on the device that made it."""
+    out = []
+    for r in records:
+        cfg, key = r["chosen"], r["key"]
+        note = next((n for c, _, n in r["results"] if c == cfg), "")
+        if r.get("source", "tuned") != "tuned" or cfg.kernel == "cublas" or note != "bitwise":
+            continue
+        us = next((t for c, t, _ in r["results"] if c == cfg), None)
+        v1 = next((t for c, t, _ in r["results"] if c.kernel == "v1"), None)
+        out.append({"device": device_name, "triton": _triton_version(), "kernels": kernels_digest(), "op": key.op,
+                    "m": key.m, "n": key.n, "k": key.k, "batch": key.batch, "config": list(cfg), "us": us,
+                    "v1_us": v1})
+    return out
 
 
 def cublas_allowed() -> bool:
@@ -250,10 +336,18 @@ def choose(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out
     got = _CHOICES.get(key)
     if got is not None:
         return got
-    if (not tuning_enabled() or key.flops() < MIN_TUNE_FLOPS
-            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+    if not tuning_enabled() or key.flops() < MIN_TUNE_FLOPS:
+        return default
+    if table_enabled():  # a shipped choice needs no launch: good during a capture too
+        shipped = table_choice(key, _device_name(out))
+        if shipped is not None:
+            _CHOICES[key] = shipped
+            RECORDS.append({"kind": kind, "key": key, "results": [], "chosen": shipped, "source": "shipped"})
+            return shipped
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return default
     best, record = tune(kind, key, launch, out, default)
+    record["source"] = "tuned"
     _CHOICES[key] = best
     RECORDS.append(record)
     return best
@@ -270,7 +364,8 @@ def report_lines() -> list[str]:
     lines = []
     for r in RECORDS:
         base = next((us for c, us, _ in r["results"] if c.kernel == "v1" and us is not None), None)
-        lines.append(f"tune {r['key'].describe()}: chosen {r['chosen'].describe()}")
+        how = " (shipped decision)" if r.get("source") == "shipped" else ""
+        lines.append(f"tune {r['key'].describe()}: chosen {r['chosen'].describe()}{how}")
         for cfg, us, note in r["results"]:
             t = f"{us:8.1f} us" if us is not None else "       -   "
             rel = f"  x{base / us:4.2f} vs v1" if (us and base) else ""

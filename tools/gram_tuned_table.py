@@ -1,0 +1,90 @@
+"""Write the Gram kernels' shipped tuning decisions for this device (CUDA only).
+
+    python tools/gram_tuned_table.py [--out anvil_fast/kernels/gram_tuned.json] [--note TEXT]
+
+Tunes every Gram problem the drop-in meets on the package's GPT (``--sizes``, default small and
+medium; gpt2small's banks are medium's) and the GPT-2-small bank layout of ``python -m anvil_fast.bench optimizer``, with
+``ANVIL_FAST_TUNE=fresh`` (every key tuned here, none taken from the file), and writes the decisions
+whose choice was bit-identical to v1 (:func:`anvil_fast.kernels.gram_tune.table_entries`) into the
+file, keeping the entries of other devices, Triton versions and kernel sources. A fresh process on
+the same device, Triton and kernels then compiles one configuration per problem instead of every
+candidate (:mod:`anvil_fast.kernels.gram_tune`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="small,medium")
+    ap.add_argument("--out", default=None, help="default: anvil_fast/kernels/gram_tuned.json")
+    ap.add_argument("--note", default="", help="added to the file's generated_by line (where it ran)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tools/gram_tuned_table.py needs CUDA")
+        return 2
+    os.environ["ANVIL_FAST_TUNE"] = "fresh"
+    from anvil_fast.bench.dropin import _model, _set_grads
+    from anvil_fast.bench import optimizer as B
+    from anvil_fast.kernels import gram_tune as GT
+    from anvil_fast.optim.entry import ANVIL
+
+    dev = torch.device("cuda")
+    GT.reset()
+    for size in [s for s in a.sizes.split(",") if s]:
+        model = _model(size, dev)
+        _set_grads(model, dev)
+        opt = ANVIL(model)
+        for _ in range(3):
+            opt.step()
+        torch.cuda.synchronize()
+        print(f"{size}: {len(GT.RECORDS)} decisions so far", flush=True)
+        del opt, model
+    layout = B.gpt2_small_layout()
+    opt, params = B.fast_optimizer(layout, dev)
+    grads = B.make_grads(params)
+    step = B.step_fn(opt, params, grads, True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    print(f"GPT-2-small layout: {len(GT.RECORDS)} decisions", flush=True)
+    name = torch.cuda.get_device_name(dev)
+    mine = GT.table_entries(GT.RECORDS, name)
+    out = Path(a.out) if a.out else GT.TUNED_FILE
+    old = json.loads(out.read_text()) if out.is_file() else {"entries": []}
+    same = {(e["device"], e["triton"], e["kernels"]) for e in mine}
+    kept = [e for e in old["entries"] if (e["device"], e["triton"], e["kernels"]) not in same]
+    entries = sorted(kept + mine, key=lambda e: (e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"],
+                                                  e["k"], e["batch"]))
+    import triton
+
+    data = {"generated_by": f"tools/gram_tuned_table.py --sizes {a.sizes} at commit {_commit()} on {name} (torch "
+                            f"{torch.__version__}, triton {triton.__version__}){' ' + a.note if a.note else ''}; "
+                            "do not edit",
+            "entries": entries}
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    skipped = len(GT.RECORDS) - len(mine)
+    print(f"wrote {len(mine)} decisions for {name} to {out} ({len(kept)} of other devices or versions kept; "
+          f"{skipped} not written: shipped, cuBLAS or not bit-identical to v1)")
+    print("\n".join(GT.report_lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
