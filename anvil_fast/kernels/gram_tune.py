@@ -336,16 +336,15 @@ def choose(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out
     got = _CHOICES.get(key)
     if got is not None:
         return got
-    if not tuning_enabled() or key.flops() < MIN_TUNE_FLOPS:
-        return default
-    if table_enabled():  # a shipped choice needs no launch: good during a capture too
+    if (not tuning_enabled() or key.flops() < MIN_TUNE_FLOPS
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+        return default  # (a capture: a shipped choice would compile its kernel inside it)
+    if table_enabled():
         shipped = table_choice(key, _device_name(out))
         if shipped is not None:
             _CHOICES[key] = shipped
             RECORDS.append({"kind": kind, "key": key, "results": [], "chosen": shipped, "source": "shipped"})
             return shipped
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return default
     best, record = tune(kind, key, launch, out, default)
     record["source"] = "tuned"
     _CHOICES[key] = best
