@@ -26,7 +26,7 @@
 #   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
 #           on the GPT-2 small and medium banks; .gns from tools/gns_bundle.sh carried)
 #   tunedtable  tools/gram_tuned_table.py: the Gram kernels' shipped tuning decisions for this device, into
-#           $OUT/gram_tuned.json (copy it to anvil_fast/kernels/)
+#           anvil_fast/kernels/gram_tuned.json here (later stages of the call use it) and $OUT (commit it)
 #   warmup  the drop-in's first step on the small GPT from cold compiler caches (fresh cache folders), in a
 #           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions)
 #   nodes   tools/graph_nodes.py for NODES_SIZES (default small medium): the graphed drop-in step's host time
@@ -153,8 +153,9 @@ for stage in ${STAGES:-suite bench}; do
     orthopeers) install_peers
            timeout "${T_ORTHOPEERS:-300}" python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 \
              --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
-    tunedtable) timeout "${T_TUNEDTABLE:-300}" python3 tools/gram_tuned_table.py --out "$OUT/gram_tuned.json" \
-             --note "${TUNED_NOTE:-}" 2>&1 | tee "$OUT/gram_tuned_table.log" | grep -v "^    " | tail -40 ;;
+    tunedtable) timeout "${T_TUNEDTABLE:-300}" python3 tools/gram_tuned_table.py --note "${TUNED_NOTE:-}" 2>&1 \
+             | tee "$OUT/gram_tuned_table.log" | grep -v "^    " | tail -40
+             cp anvil_fast/kernels/gram_tuned.json "$OUT/" 2>/dev/null ;;
     warmup) install_peers
            for mode in fresh 1; do
              cold=$(mktemp -d)
