@@ -495,3 +495,16 @@ def test_the_shipped_decisions_are_for_these_kernels():
         assert e["kernels"] == GT.kernels_digest(), (
             f"{GT.TUNED_FILE.name} was made for other kernels ({e['kernels']}, now {GT.kernels_digest()}): "
             "run tools/gram_tuned_table.py on the GPU it names")
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"rows": []}), json.dumps({"entries": [{"config": [1]}]}),
+                                  json.dumps({"entries": [{"device": "d", "triton": "t", "kernels": "k", "op": "XXT",
+                                                           "m": 1, "n": 1, "k": 1, "batch": 1,
+                                                           "config": [0, 0, 0, 0, 0, 8, "cublas", 0]}]})])
+def test_a_broken_decisions_file_warns_and_every_key_is_tuned(tmp_path, text):
+    from anvil_fast.kernels import gram_tune as GT
+
+    path = tmp_path / "gram_tuned.json"
+    path.write_text(text)
+    with pytest.warns(RuntimeWarning, match="not a table of tuning decisions"):
+        assert GT.table_choice(GT.ProblemKey("XXT", 768, 768, 256, 6, 0), "NVIDIA H200", path) is None

@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -177,11 +178,18 @@ def _table(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         return {}
-    data = json.loads(p.read_text())
     out = {}
-    for e in data.get("entries", []):
-        cfg = TileConfig(*e["config"])
-        out[(e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"], e["k"], e["batch"])] = cfg
+    try:
+        for e in json.loads(p.read_text())["entries"]:
+            cfg = TileConfig(*e["config"])
+            if cfg.kernel not in ("ptr", "tma", "v1"):
+                raise ValueError(f"kernel {cfg.kernel!r} (expected ptr, tma or v1)")
+            out[(e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"], e["k"], e["batch"])] = cfg
+    except (ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
+        # the decisions only save time: without them every key is tuned, as with ANVIL_FAST_TUNE=fresh
+        warnings.warn(f"{p}: not a table of tuning decisions ({type(exc).__name__}: {exc}); every Gram problem "
+                      "is tuned in this process instead", RuntimeWarning, stacklevel=2)
+        return {}
     return out
 
 
