@@ -20,9 +20,9 @@ A fresh process compiles every candidate of every new key, which is most of a co
 package therefore ships decisions (:data:`TUNED_FILE`, written by ``tools/gram_tuned_table.py`` on
 the device it names): where the device's name, the Triton version and the kernels' source
 (:func:`kernels_digest`) are those a decision was made with, the choice is taken from there and only
-it compiles. Every shipped choice is a Triton candidate, bit-identical to v1 where it was made (no
-cuBLAS), so a shipped choice and a fresh tuning give the same bits. ``ANVIL_FAST_TUNE=fresh`` tunes
-every key anew. :data:`RECORDS` keeps every decision (the benchmark
+it compiles. Every shipped choice is a Triton candidate that was bit-identical to v1 where it was
+made (never cuBLAS); where every candidate is (all Triton ones on the H200, NOTES.md), a shipped choice
+and a fresh tuning give the same bits. ``ANVIL_FAST_TUNE=fresh`` tunes every key anew. :data:`RECORDS` keeps every decision (the benchmark
 prints it). Every candidate computes fp32 sums of the same bf16 products in the same K order and
 rounds once; :data:`RECORDS` also says whether each one was bit-identical to the reference.
 
