@@ -543,3 +543,27 @@ def test_gpu_run_reads_the_memory_counters(tmp_path):
         assert r["ms"] > 0 and r["host_ms"] > 0
         assert r["peak_mib"] >= r["resident_mib"] >= 0 and r["reserved_mib"] >= 0
         assert all(isinstance(s, dict) and math.isfinite(s["max"]) for s in r["spread"].values()), r["spread"]
+
+
+def test_a_bf16_size_is_the_same_model_in_bf16_parameters_and_the_drop_in_steps_it():
+    import argparse
+
+    from anvil_fast.models import gpt
+
+    full, half = P.build_model("tiny", CPU), P.build_model("tiny-bf16", CPU)
+    for (n, a), (m, b) in zip(full.named_parameters(), half.named_parameters()):
+        assert n == m and b.dtype == torch.bfloat16 and torch.equal(a.detach().bfloat16(), b.detach()), n
+    ap = argparse.ArgumentParser()
+    P.add_args(ap)
+    assert ap.parse_args(["--sizes", "small-bf16,gpt2medium"]).sizes == ["small-bf16", "gpt2medium"]
+    with pytest.raises(ValueError, match="unknown GPT size 'tiny-fp8'"):
+        gpt.build("tiny-fp8")
+    from anvil_fast.optim.entry import ANVIL
+
+    params = list(half.parameters())
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, P.fixed_gradients(params, CPU)):
+        p.grad = g
+    ANVIL(half).step()
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in params)
+    assert sum(not torch.equal(p, b) for p, b in zip(params, before)) == len(params)

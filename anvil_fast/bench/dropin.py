@@ -58,7 +58,8 @@ SUMMARY = "the drop-in ANVIL's step on the package's GPT vs Muon + AdamW and Ada
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--sizes", default=None, help="comma-separated GPT sizes (default small,medium; cpu: smoke)")
+    ap.add_argument("--sizes", default=None, help="comma-separated GPT sizes (default small,medium; cpu: smoke; "
+                                                  "a size with -bf16, small-bf16, has bf16 parameters)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--rep-ms", type=float, default=None, help="timed steps per variant, in ms (default 500; cpu 20)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; cpu 1)")

@@ -1,6 +1,6 @@
 """``python -m anvil_fast.bench peers``: the drop-in ``anvil_fast.ANVIL``'s step next to every installed
 peer, each with its documented configuration, on the package's GPT (:func:`anvil_fast.models.gpt.build`, fp32
-parameters), each contender at each size in its own time-boxed process.
+parameters; a size named with ``-bf16``, bf16 ones), each contender at each size in its own time-boxed process.
 
 Contenders (:data:`CONTENDERS`, in the order they run):
 
@@ -845,10 +845,11 @@ def _write_outputs(out: Path, data: dict) -> None:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    from anvil_fast.models.gpt import SIZES
+    from anvil_fast.models.gpt import BF16_SUFFIX, SIZE_NAMES
 
-    ap.add_argument("--sizes", type=name_list((*SIZES, "smoke"), what="size"), default=None,
-                    help="comma-separated GPT sizes (default small,medium; --device cpu: smoke)")
+    ap.add_argument("--sizes", type=name_list((*SIZE_NAMES, "smoke"), what="size"), default=None,
+                    help=f"comma-separated GPT sizes (default small,medium; --device cpu: smoke); a size with "
+                         f"{BF16_SUFFIX} (small{BF16_SUFFIX}) has bf16 parameters")
     ap.add_argument("--contenders", default=None,
                     help="comma-separated contenders (default: all but the opt-in ones; module docstring)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -41,13 +41,21 @@ class GPTConfig:
 
 #: The named sizes: ``tiny`` (CPU, CI), ``small`` (~11M parameters), ``medium`` (GPT-2-small's
 #: layer count and width, ~85M without embeddings), ``gpt2small`` (GPT-2 small itself: medium's
-#: blocks with a 1024-token context and the 50304-token vocabulary, 124M with tied embeddings).
+#: blocks with a 1024-token context and the 50304-token vocabulary, 124M with tied embeddings),
+#: ``gpt2medium`` (GPT-2 medium itself: 24 layers of width 1024, the same context and vocabulary, 355M
+#: with tied embeddings).
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_embd=64, n_head=2, ctx=64),
     "small": GPTConfig(n_layer=6, n_embd=384, n_head=6, ctx=256),
     "medium": GPTConfig(n_layer=12, n_embd=768, n_head=12, ctx=256),
     "gpt2small": GPTConfig(n_layer=12, n_embd=768, n_head=12, ctx=1024, vocab=50304),
+    "gpt2medium": GPTConfig(n_layer=24, n_embd=1024, n_head=16, ctx=1024, vocab=50304),
 }
+#: A size's name with this suffix builds the same model, its weights rounded to bf16 parameters
+#: (``small-bf16``): the training setups that keep no fp32 copy.
+BF16_SUFFIX = "-bf16"
+#: Every name :func:`build` takes.
+SIZE_NAMES: tuple[str, ...] = tuple(SIZES) + tuple(n + BF16_SUFFIX for n in SIZES)
 
 
 class CausalSelfAttention(nn.Module):
@@ -134,11 +142,15 @@ class GPT(nn.Module):
 
 
 def build(size: str | GPTConfig, *, seed: int = 0, device: torch.device | str = "cpu", **overrides) -> GPT:
-    """A GPT of a named size (:data:`SIZES`) or config, initialized from ``seed`` on the CPU (so
-    every device gets the same weights), then moved to ``device``."""
+    """A GPT of a named size (:data:`SIZE_NAMES`: :data:`SIZES`, each also with BF16_SUFFIX) or
+    config, initialized from ``seed`` on the CPU (so every device gets the same weights), then moved
+    to ``device`` (and, for a ``-bf16`` name, to bf16 parameters)."""
+    dtype = None
     if isinstance(size, str):
-        if size not in SIZES:
-            raise ValueError(f"unknown GPT size {size!r}; known: {', '.join(SIZES)}")
+        if size not in SIZE_NAMES:
+            raise ValueError(f"unknown GPT size {size!r}; known: {', '.join(SIZE_NAMES)}")
+        if size.endswith(BF16_SUFFIX):
+            size, dtype = size[:-len(BF16_SUFFIX)], torch.bfloat16
         cfg = SIZES[size]
     else:
         cfg = size
@@ -148,7 +160,7 @@ def build(size: str | GPTConfig, *, seed: int = 0, device: torch.device | str = 
     with g:
         torch.manual_seed(seed)
         model = GPT(cfg)
-    return model.to(device)
+    return model.to(device=device, dtype=dtype)
 
 
-__all__ = ["GPT", "GPTConfig", "SIZES", "build"]
+__all__ = ["GPT", "GPTConfig", "SIZES", "SIZE_NAMES", "BF16_SUFFIX", "build"]
