@@ -298,7 +298,7 @@ def h200_rules() -> str:
 
 #: The false alarm of the normal reading on the H200 (results/h200_orthogonalizers/probe/README.md):
 #: the stored partial run, the adapter, and the matrices of the probe in the clause that failed (its bin
-#: of the smallest singular values at 2x2816x768; tests/test_papers.py recounts them from the probe's input).
+#: of the smallest singular values at 2x2816x768; tests/test_orthogonalizers.py recounts them from the probe's input).
 FEW_MATRICES = {"file": f"{H200_DIR}/probe/rule_5a15166_eager_2_2816_768_partial.json", "impl": "dion-polar-express",
                 "sibling": "dion-normuon", "matrices": 4}
 

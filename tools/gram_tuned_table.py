@@ -16,18 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def main(argv=None) -> int:
@@ -44,6 +36,7 @@ def main(argv=None) -> int:
     from anvil_fast.bench import optimizer as B
     from anvil_fast.kernels import gram_tune as GT
     from anvil_fast.optim.entry import ANVIL
+    from anvil_fast.studies.harness import source_commit
 
     dev = torch.device("cuda")
     GT.reset()
@@ -74,7 +67,7 @@ def main(argv=None) -> int:
                                                   e["k"], e["batch"]))
     import triton
 
-    data = {"generated_by": f"tools/gram_tuned_table.py --sizes {a.sizes} at commit {_commit()} on {name} (torch "
+    data = {"generated_by": f"tools/gram_tuned_table.py --sizes {a.sizes} at commit {source_commit() or 'unknown'} on {name} (torch "
                             f"{torch.__version__}, triton {triton.__version__}){' ' + a.note if a.note else ''}; "
                             "do not edit",
             "entries": entries}

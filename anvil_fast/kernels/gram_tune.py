@@ -152,6 +152,7 @@ TUNED_FILE = Path(__file__).with_name("gram_tuned.json")
 KERNELS_SOURCES = (Path(__file__).with_name("gram_kernels.py"), Path(__file__).with_name("gram.py"))
 
 
+@functools.lru_cache(maxsize=None)
 def kernels_digest() -> str:
     """The first 16 hex digits of the SHA-256 of the kernels' and their launches' source: a shipped
     decision holds for the code it was timed and checked with, and for no edit of it."""
@@ -161,6 +162,7 @@ def kernels_digest() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_version() -> str:
     try:
         import triton
@@ -211,10 +213,9 @@ def table_entries(records: list[dict], device_name: str) -> list[dict]:
     out = []
     for r in records:
         cfg, key = r["chosen"], r["key"]
-        note = next((n for c, _, n in r["results"] if c == cfg), "")
+        us, note = next(((t, n) for c, t, n in r["results"] if c == cfg), (None, ""))
         if r.get("source", "tuned") != "tuned" or cfg.kernel == "cublas" or note != "bitwise":
             continue
-        us = next((t for c, t, _ in r["results"] if c == cfg), None)
         v1 = next((t for c, t, _ in r["results"] if c.kernel == "v1"), None)
         out.append({"device": device_name, "triton": _triton_version(), "kernels": kernels_digest(), "op": key.op,
                     "m": key.m, "n": key.n, "k": key.k, "batch": key.batch, "config": list(cfg), "us": us,
