@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -489,9 +490,16 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
         warmups = dict(old.get("warmups", {}))
         print(f"resumed: {len(done)} rows of {a.json} kept", file=sys.stderr)
 
+    total = sum(len([f for f in families if not (f == H.SPECTRUM and i.math is None)]) for i in impls) * len(shapes)
+    clock = [time.monotonic(), len(done)]
+
     def write(rows):
+        if len(rows) > clock[1]:  # one line per new row on stderr (a log of a run without a bar says where time went)
+            now, r = time.monotonic(), rows[-1]
+            print(f"row {len(rows)}/{total} {r.impl} {'x'.join(map(str, r.shape))} {r.family}: {r.verdict()} "
+                  f"in {now - clock[0]:.1f} s", file=sys.stderr, flush=True)
+            clock[:] = [now, len(rows)]
         if a.json is not None:
-            total = sum(len([f for f in families if not (f == H.SPECTRUM and i.math is None)]) for i in impls) * len(shapes)
             H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
                                    meta={"complete": len(rows) >= total, "shapes": [list(s) for s in shapes],
                                          "families": families, "seed": a.seed, "warmups": warmups}), a.json)

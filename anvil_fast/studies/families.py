@@ -59,13 +59,15 @@ def make_matrix(family: str, shape: tuple[int, ...], *, seed: int = 0, device="c
 
 
 def rel_errs(y: Tensor, ref: Tensor) -> Tensor:
-    """Per matrix ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf where y is not finite)."""
-    y64 = y.detach().double().cpu().reshape(-1, *y.shape[-2:])
-    r64 = ref.detach().double().cpu().reshape(-1, *ref.shape[-2:])
+    """Per matrix ||y - ref||_F / ||ref||_F (absolute where ||ref|| = 0; inf where y is not finite), on the
+    CPU. Computed in float64 on y's device: only the per-matrix values travel (a spectrum probe's output is
+    2^26 elements, half a GiB in float64, which a copy to the host per call would move)."""
+    y64 = y.detach().double().reshape(-1, *y.shape[-2:])
+    r64 = ref.detach().to(y64.device, torch.float64).reshape(-1, *ref.shape[-2:])
     num = (y64 - r64).flatten(1).norm(dim=1)
     den = r64.flatten(1).norm(dim=1)
     err = torch.where(den > 0, num / den.clamp_min(1e-300), num)
-    return torch.where(torch.isfinite(y64).flatten(1).all(dim=1), err, torch.full_like(err, math.inf))
+    return torch.where(torch.isfinite(y64).flatten(1).all(dim=1), err, torch.full_like(err, math.inf)).cpu()
 
 
 def rel_err(y: Tensor, ref: Tensor) -> float:

@@ -1063,9 +1063,11 @@ class _Cache:
         return self.get(("roundings", shape, family, m), make)
 
 
-def _top(y: Tensor, shape, family) -> Tensor:
-    if family in POLAR_FAMILIES or min(shape[1:]) <= EXACT_SV_MAX:
-        s = singular_values(y)
+def _top(y: Tensor, shape, family, s: Tensor | None = None) -> Tensor:
+    """The top singular value per matrix (inf where not finite): from ``s`` (:func:`singular_values` of
+    y, when the caller has them: one eigendecomposition, not two) or measured here."""
+    if s is not None or family in POLAR_FAMILIES or min(shape[1:]) <= EXACT_SV_MAX:
+        s = singular_values(y) if s is None else s
         return torch.where(torch.isnan(s[:, -1]), torch.full_like(s[:, -1], math.inf), s[:, -1]).cpu()
     return top_singular_values(y)
 
@@ -1140,10 +1142,11 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.note = (f"formed a {row.gram_seen}x{row.gram_seen} Gram; transpose when {m.transpose_when} forms "
                     f"{row.gram_declared}x{row.gram_declared}")
     row.nonfinite = int((~torch.isfinite(y.detach().reshape(y.shape[0], -1)).all(dim=1)).sum())
+    s = None
     if family in POLAR_FAMILIES or min(shape[1:]) <= EXACT_SV_MAX:
         s = singular_values(y)
         row.sv_min, row.sv_mean, row.sv_max = sv_range(s)
-    top = _top(y, shape, family)
+    top = _top(y, shape, family, s)
     row.top_sv = float(top.max())
     row.exploded = int((top > row.sigma_x).sum())
     if family in POLAR_FAMILIES:
@@ -1152,9 +1155,13 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     if m is not None:
         ref = cache.ref(shape, family, m)
         eagers = {f: cache.eager(shape, family, m, f) for f in m.forms(dev)}
-        row.fast = float(rel_errs(y, ref).max())
-        row.floor = float(rel_errs(ref.bfloat16(), ref).max())
-        errs = {f: float(rel_errs(e, ref).max()) for f, e in eagers.items()}
+        # what depends only on the declared math and the input (the eager forms' errors, the floor, the
+        # caps), once per math: every implementation of the same math at this shape shares it
+        fast_errs = rel_errs(y, ref)
+        form_errs = {f: cache.get(("errs", shape, family, m, f), lambda f=f: rel_errs(eagers[f], ref)) for f in eagers}
+        row.fast = float(fast_errs.max())
+        row.floor = cache.get(("floor", shape, family, m), lambda: float(rel_errs(ref.bfloat16(), ref).max()))
+        errs = {f: float(e.max()) for f, e in form_errs.items()}
         row.eager = errs.get("fused", errs.get(GRAM_FORM, math.nan))
         row.eager_unfused = errs.get("unfused", math.nan)
         row.eager_horner = errs.get("horner", math.nan)
@@ -1163,16 +1170,23 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.eager_top_sv = float(etop.max())
         row.eager_exploded = int((etop > row.sigma_x).any(dim=0).sum())
         row.vacuous = vacuous(y, ref, x, top=top, sigma=row.sigma_x, dtype=getattr(torch, m.dtype))
-        k = min(shape[1:])
-        norms = ref.detach().double().reshape(-1, *ref.shape[-2:]).flatten(1).norm(dim=1).cpu()
-        caps = torch.tensor([T.cascade_error_cap(float(n), k, sigma=row.sigma_x) for n in norms], dtype=torch.float64)
-        if torch.isfinite(norms).all():
-            row.cap_ratio = float((rel_errs(y, ref) / caps).max())
-            row.eager_cap_ratio = max(float((rel_errs(e, ref) / caps).max()) for e in eagers.values())
+
+        def caps_of():
+            k = min(shape[1:])
+            norms = ref.detach().double().reshape(-1, *ref.shape[-2:]).flatten(1).norm(dim=1).cpu()
+            caps = torch.tensor([T.cascade_error_cap(float(n), k, sigma=row.sigma_x) for n in norms],
+                                dtype=torch.float64)
+            return caps if torch.isfinite(norms).all() else None
+
+        caps = cache.get(("caps", shape, family, m), caps_of)
+        if caps is not None:
+            row.cap_ratio = float((fast_errs / caps).max())
+            row.eager_cap_ratio = max(float((e / caps).max()) for e in form_errs.values())
         else:
             row.cap_ratio = math.inf
         if family in POLAR_FAMILIES:
-            row.math_polar = float(rel_errs(ref, cache.polar(shape, family)).max())
+            row.math_polar = cache.get(("math_polar", shape, family, m),
+                                       lambda: float(rel_errs(ref, cache.polar(shape, family)).max()))
         if row.well_conditioned and m.restarts is None:  # the bound counts the standard form's roundings
             row.roundings = cache.roundings(shape, family, m)
             row.bound = T.eager_bound("cascade", floor=row.floor, roundings=row.roundings)
