@@ -6,8 +6,9 @@ Builds the drop-in ``anvil_fast.ANVIL`` (defaults) on the package's GPT as ``pyt
 dropin`` does, with every CUDA graph in debug mode, takes ``--warmup`` steps, then:
 
 * the host time of each part of ``opt.step()`` (median over ``--steps`` steps, each begun on an idle
-  device so that no part waits on it): the whole call, the gradient collection, the upload of the
-  inbox, the graph's replay (``cudaGraphLaunch``) and the engine's step (those and the status copy);
+  device so that no part waits on it): the whole call; the drop-in's storage check, report of earlier
+  steps, param-group hand-over and engine call; the gradient collection, the upload of the inbox,
+  the graph's replay (``cudaGraphLaunch``) and the engine's step (those and the status copy);
 * the graph's nodes by kind (kernel, memcpy, memset, event record / wait, empty) and the kernels by
   name, read from CUDA's DOT dump of each captured graph (``DIR/graph_<i>.dot``).
 
@@ -34,11 +35,12 @@ def _debug_graphs() -> list:
     base = torch.cuda.CUDAGraph
 
     class DebugGraph(base):
-        def __new__(cls, *a, **k):
-            g = base.__new__(cls, *a, **k)
-            g.enable_debug_mode()
-            made.append(g)
-            return g
+        # after __init__: the C++ graph is built there (pybind), so a flag set in __new__ is lost with
+        # the object it was set on, and the graph is freed at capture end with nothing to dump
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.enable_debug_mode()
+            made.append(self)
 
     torch.cuda.CUDAGraph = DebugGraph
     return made
@@ -103,6 +105,11 @@ def main(argv=None) -> int:
             return r
         setattr(obj, name, wrapper)
 
+    # the drop-in's own host work around the engine (torch.optim's step wrapper is the rest of the total)
+    timed(opt, "_check_storage", "drop-in: storage check (parameter addresses)")
+    timed(opt, "_report", "drop-in: report (status of earlier steps)")
+    timed(opt, "_apply_groups", "drop-in: param groups (hyper-parameters, rails)")
+    timed(opt, "_engine_step", "drop-in: _engine_step (report, groups, engine.step)")
     if eng is not None:
         timed(eng, "collect", "collect (grads, addresses)")
         timed(eng, "upload", "upload (inbox to device)")

@@ -492,12 +492,17 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
 
     total = sum(len([f for f in families if not (f == H.SPECTRUM and i.math is None)]) for i in impls) * len(shapes)
     clock = [time.monotonic(), len(done)]
+    seconds: dict = {}
+    shown: dict = {}
 
     def write(rows):
-        if len(rows) > clock[1]:  # one line per new row on stderr (a log of a run without a bar says where time went)
+        if len(rows) > clock[1]:  # one line per new row on stderr: where a run without a bar spends its time
             now, r = time.monotonic(), rows[-1]
+            parts = sorted(((k, v - shown.get(k, 0.0)) for k, v in seconds.items()), key=lambda kv: -kv[1])
+            shown.update(seconds)
             print(f"row {len(rows)}/{total} {r.impl} {'x'.join(map(str, r.shape))} {r.family}: {r.verdict()} "
-                  f"in {now - clock[0]:.1f} s", file=sys.stderr, flush=True)
+                  f"in {now - clock[0]:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts if v >= 0.05) + ")",
+                  file=sys.stderr, flush=True)
             clock[:] = [now, len(rows)]
         if a.json is not None:
             H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
@@ -507,7 +512,7 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
     rows = H.judge(impls, shapes=shapes, families=families, seed=a.seed, device=a.device,
                    near_rank1_count=a.near_rank1_count, time_reps=a.time_reps, progress=a.progress,
                    time_limit=a.time_limit, checkpoint=write if a.json not in (None, "-") else None, done=done,
-                   warmups=warmups, spectrum_count=a.spectrum_count)
+                   warmups=warmups, spectrum_count=a.spectrum_count, seconds=seconds)
     print(H.format_table(rows))
     print("\n" + H.summary(rows))
     for n, why in unavailable.items():

@@ -1002,14 +1002,36 @@ class _Cache:
     float64 result, the eager bf16 results and the bound; the spectrum probe. Shared by every
     implementation judged in one call."""
 
-    def __init__(self, *, seed: int, device, count: int, spectrum_count: int | None = None):
+    def __init__(self, *, seed: int, device, count: int, spectrum_count: int | None = None,
+                 seconds: dict | None = None):
         self.seed, self.device, self.count, self.spectrum_count = seed, torch.device(device), count, spectrum_count
         self.store: dict = {}
+        #: wall seconds spent making each kind of entry (an eager form by its name), synchronized on CUDA
+        self.seconds = {} if seconds is None else seconds
+        self._inner: list[float] = []
 
     def get(self, key, make):
         if key not in self.store:
-            self.store[key] = make()
+            with self.timed(key[4] if key[0] == "eager" else key[0]):
+                self.store[key] = make()
         return self.store[key]
+
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Adds the block's wall seconds to ``seconds[what]``, less those of the timed blocks inside it
+        (each second counted once)."""
+        t0 = time.monotonic()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            total = time.monotonic() - t0
+            inner = self._inner.pop()
+            self.seconds[what] = self.seconds.get(what, 0.0) + total - inner
+            if self._inner:
+                self._inner[-1] += total
 
     def spectrum(self, shape, m: DeclaredMath) -> Spectrum:
         return self.get(("spectrum", shape, "spectrum", m), lambda: spectrum_input(
@@ -1122,7 +1144,8 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.sigma_x = m.exploded_sigma()
     try:
         try:
-            y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=chunk)
+            with cache.timed("implementation"):
+                y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=chunk)
         except Exception:
             if not impl.observe:
                 raise
@@ -1231,7 +1254,8 @@ def warm_up(impl: Implementation, shape, cache: _Cache) -> float:
 def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SHAPES, families=DEFAULT_FAMILIES,
           seed: int = 0, device="cpu", near_rank1_count: int = 8, time_reps: int = 0, progress: bool | None = None,
           time_limit: float | None = None, checkpoint: Callable[[list[Row]], None] | None = None,
-          done: Sequence[Row] = (), warmups: dict | None = None, spectrum_count: int | None = None) -> list[Row]:
+          done: Sequence[Row] = (), warmups: dict | None = None, spectrum_count: int | None = None,
+          seconds: dict | None = None) -> list[Row]:
     """Every row for every implementation, shape and family (same inputs for all implementations),
     shape by shape, implementation by implementation (each one's first call at a shape, the warm-up,
     outside its rows: :func:`warm_up`). ``near_rank1_count``: inputs of the near-rank-1 family per
@@ -1239,7 +1263,9 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     no new implementation is started at a shape (the rows done are returned); ``checkpoint``: called
     with the rows so far after every row; ``done``: rows of an earlier run (``--resume``), kept and not
     measured again; ``warmups``: filled with the warm-up seconds per "impl shape"; ``spectrum_count``:
-    matrices of the spectrum probe per shape (default :func:`spectrum_count`: fewer see less)."""
+    matrices of the spectrum probe per shape (default :func:`spectrum_count`: fewer see less); ``seconds``:
+    filled with the wall seconds per phase (the implementation's calls, its warm-ups, and each kind of
+    shared entry: the probe, the float64 results, each eager form), where a run's time goes."""
     from anvil_ref.progress import Progress
 
     impls = [impls] if isinstance(impls, Implementation) else list(impls)
@@ -1251,7 +1277,7 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
             raise ValueError(f"shapes: expected (chunk, rows, cols) of positive integers, got {s!r}")
-    cache = _Cache(seed=seed, device=device, count=near_rank1_count, spectrum_count=spectrum_count)
+    cache = _Cache(seed=seed, device=device, count=near_rank1_count, spectrum_count=spectrum_count, seconds=seconds)
     have = {(r.impl, tuple(r.shape), r.family): r for r in done}
     rows = list(done)
     warmups = {} if warmups is None else warmups
@@ -1266,7 +1292,8 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
         for j, (s, impl) in enumerate(todo):
             if j and time_limit is not None and time.monotonic() - t0 > time_limit:
                 break  # (the first always runs: every run makes progress)
-            warmups[f"{impl.name} {'x'.join(map(str, s))}"] = warm_up(impl, s, cache)
+            with cache.timed("warm-up"):
+                warmups[f"{impl.name} {'x'.join(map(str, s))}"] = warm_up(impl, s, cache)
             for f in fams(impl):
                 if (impl.name, s, f) in have:
                     continue
