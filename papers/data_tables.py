@@ -219,6 +219,43 @@ def peers_repeats_table(folder: str) -> str:
               "the first run's first steps include compilation the later ones reuse.")
 
 
+#: The drop-in's first step from cold compiler caches, one fresh process per mode of the Gram
+#: kernels' tuner (``tools/h200_session.sh``'s warmup stage), and the host time of the graphed step by
+#: part (``tools/graph_nodes.py``), from one call on the H200.
+WARMUP_RUN = "h200_gram_tuned"
+WARMUP_MODES = (("warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate configuration compiled and timed"),
+                ("warmup_tune_1", "default: the shipped decisions (anvil_fast/kernels/gram_tuned.json)"))
+
+
+def warmup_table() -> str:
+    """Per tuner mode: the small GPT's first step (s), then its step time and host time once warm."""
+    import json
+
+    from papers.markdown import md_table
+
+    d = RESULTS / WARMUP_RUN
+    rows, commits = [], set()
+    for folder, what in WARMUP_MODES:
+        run = json.loads((d / folder / "peers.json").read_text())
+        r = next(r for r in run["rows"] if r["contender"] == "anvil")
+        if r["status"] != "ok":
+            raise ValueError(f"results/{WARMUP_RUN}/{folder}: the anvil row's status is {r['status']!r}")
+        commits.add((d / folder / "commit.txt").read_text().split()[0])
+        rows.append([what, f"{r['first_step_s']:.1f}", f"{r['ms']:.3f}", f"{r['host_ms']:.3f}"])
+    head = (d / WARMUP_MODES[1][0] / "command.txt").read_text().splitlines()[1]
+    return (md_table(["Gram kernels' tuning", "first step s", "ms/step (idle)", "host ms"], rows)
+            + f"\n\n*Source: `results/{WARMUP_RUN}/warmup_tune_*/` (commit {', '.join(sorted(commits))}), one run "
+              f"each on one H200, fresh compiler cache folders, each `{head}` with the tuning mode its note "
+              "names.*")
+
+
+def host_parts() -> str:
+    """The graphed small-GPT step's host time by part (tools/graph_nodes.py's log), verbatim."""
+    return quote_log(f"{WARMUP_RUN}/graph_nodes_small.log", ("host us", "  opt.step", "  drop-in", "  collect", "  upload", "  graph replay",
+                                                                  "  engine.step"),
+                     command="python tools/graph_nodes.py --size small")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "maps_comparison": lambda: include_markdown("maps_comparison.md"),
     "maps_facts": lambda: include_markdown("maps_facts.md"),
@@ -233,4 +270,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "gram_side_study": lambda: include_markdown("gram_side_study.md"),
     "peers_runs": peers_runs,
     "peers_repeats": peers_repeats,
+    "warmup": warmup_table,
+    "host_parts": host_parts,
 }
