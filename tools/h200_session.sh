@@ -131,11 +131,13 @@ for stage in ${STAGES:-suite bench}; do
              cmd=$(sed -n "${i}p" /tmp/ortho_cmds.txt | sed 's/^PYTHONPATH=\.peers\/dion python /python3 /')
              [ -n "$cmd" ] || return 0
              echo "orthogonalizers line $i" > "$OUT/orthogonalizers_$i.log"
-             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
-             echo "rc=$?" >> "$OUT/orthogonalizers_$i.log"
-             # a run cut by the timeout keeps its finished rows in its JSON (rewritten after every row)
+             # the JSON lives in $OUT while the run writes it (after every row), seeded with the stored one
+             # for --resume: whatever cuts the call short, the rows finished so far come back
              json=$(grep -o -- '--json [^ ;]*' <<< "$cmd" | cut -d' ' -f2)
              [ -f "$json" ] && cp "$json" "$OUT/"
+             cmd=$(sed "s|--json $json|--json $OUT/$(basename "$json")|; s|; *cp [^;]*\$OUT/ *\$||" <<< "$cmd")
+             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
+             echo "rc=$?" >> "$OUT/orthogonalizers_$i.log"
            }
            running=0
            for i in ${ORTHO_LINES:-1}; do
