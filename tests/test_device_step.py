@@ -91,6 +91,44 @@ def test_device_scalars_are_the_host_formulas(rails):
     assert int(opt.state[m.gain]["step"]) == 2 and int(opt.state[m.lm_head.weight]["step"]) == 3
 
 
+def test_the_inbox_is_sent_when_its_bytes_change_and_only_then():
+    """A step whose hyper-parameters and gradient state equal the last step's issues no copy of the
+    inbox (the device holds those bytes); a changed lr or a parameter without gradient is sent before
+    the step that uses it."""
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, lr=0.02, momentum=0.9)
+    eng = opt.engine
+    hyper = list(anvil_fast.optim.device_step.HYPER)
+    sent = []
+
+    class Slot:  # the pinned slots' host view, counting what upload() writes through it
+        def __init__(self, a):
+            self.a = a
+
+        def __setitem__(self, k, v):
+            sent.append(1)
+            self.a[k] = v
+
+    eng._slot_np = [Slot(a) for a in eng._slot_np]
+    for step in range(2):
+        _fixed_grads(m, step)
+        opt.step()
+    assert len(sent) == 1  # the first step's inbox; the second's was the same
+    _fixed_grads(m, 2)
+    opt.step()
+    assert len(sent) == 1
+    assert torch.equal(eng.inbox, torch.from_numpy(eng._inbox_np))
+    opt.param_groups[0]["lr"] = 0.013
+    _fixed_grads(m, 3)
+    opt.step()
+    assert len(sent) == 2 and float(eng.hyper[hyper.index("lr")]) == 0.013
+    _fixed_grads(m, 4)
+    m.gain.grad = None
+    opt.step()
+    assert len(sent) == 3 and torch.equal(eng.inbox, torch.from_numpy(eng._inbox_np))
+
+
 # ----------------------------------------------------------------------------------------------- semantics
 def test_a_step_without_any_gradient_runs_and_counts_nothing():
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ graphs, everything after step 0 is one replay):
    read a has-gradient flag after the gradients were copied into the banks' bf16 buffers (the
    FAITHFUL configuration's compiled rails on CUDA read those), in the ``transient`` read (the
    CPU's) a has-gradient flag alone -- written into one of several pinned buffers in rotation and
-   moved to the device in one copy.
+   moved to the device in one copy, or not at all when its bytes equal the last ones sent.
 1. The check (:mod:`anvil_fast.kernels.nonfinite`): one flag per parameter, set where its gradient holds
    a NaN or an infinity as the step reads it (a bank's gradient as the bf16 it travels in: an fp32
    value past bf16's range counts as infinite).
@@ -218,6 +218,7 @@ class DeviceStep:
         self._slot_np = [s.numpy() for s in self._slots]
         self._slot_events = [None] * len(self._slots)
         self._next_slot = 0
+        self._sent: np.ndarray | None = None  # the inbox's bytes as last sent to the device
         # ---- the banks read their masks, addresses and guard counters from these buffers
         for b in bank_order:
             bank = inner.banks[b.label]
@@ -425,6 +426,11 @@ class DeviceStep:
         self._hyper_np[:] = values
 
     def upload(self) -> None:
+        """The inbox to the device: through the next pinned slot, asynchronously; nothing when the
+        device's inbox already holds these bytes (it is written here only, so the bytes last sent are
+        what it holds): with unchanged hyper-parameters and gradient addresses a step issues no copy."""
+        if self._sent is not None and self._inbox_np.data == self._sent.data:
+            return
         k = self._next_slot
         self._next_slot = (k + 1) % len(self._slots)
         ev = self._slot_events[k]
@@ -436,6 +442,10 @@ class DeviceStep:
             if ev is None:
                 ev = self._slot_events[k] = torch.cuda.Event()
             ev.record()
+        if self._sent is None:
+            self._sent = self._inbox_np.copy()
+        else:
+            self._sent[:] = self._inbox_np
 
     # ------------------------------------------------------------------ the device part
     def check(self) -> None:
