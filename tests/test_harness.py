@@ -414,6 +414,40 @@ def test_a_run_keeps_every_finished_row_when_a_later_one_never_ends():
     assert calls == [1] and seen == ["genuine"]
 
 
+def test_phase_seconds_count_each_second_once():
+    """``seconds`` says where a run's time goes: the implementation's calls, its warm-up and each kind
+    of shared entry (every eager form by name), nested entries counted once, so the phases add up to
+    no more than the run's wall time."""
+    import time
+
+    seconds: dict = {}
+    slow = []
+
+    def sleepy(x):  # the implementation's own time: 5 ms per call (per matrix)
+        time.sleep(0.005)
+        slow.append(1)
+        return torch_muon(x)
+
+    t0 = time.monotonic()
+    rows = H.judge(H.Implementation("sleepy", sleepy, H.DeclaredMath.of(**TORCH_MATH), per_matrix=True),
+            shapes=[(2, 32, 24)], families=("spectrum", "gaussian"), spectrum_count=64, progress=False,
+            seconds=seconds)
+    wall = time.monotonic() - t0
+    assert [r.verdict() for r in rows] == ["ok", "ok"]
+    forms = H.DeclaredMath.of(**TORCH_MATH).forms("cpu")
+    assert {"implementation", "warm-up", "spectrum", "ref", *forms} <= set(seconds)
+    assert seconds["implementation"] + seconds["warm-up"] >= 0.005 * len(slow)
+    assert seconds["implementation"] >= 0.005 * (64 + 2)  # the rows' calls: the probe's and the batch's matrices
+    assert sum(seconds.values()) <= wall + 1e-3
+    # nested: the outer phase keeps only its own time
+    cache = H._Cache(seed=0, device="cpu", count=1)
+    with cache.timed("outer"):
+        time.sleep(0.05)
+        with cache.timed("inner"):
+            time.sleep(0.2)
+    assert 0.2 <= cache.seconds["inner"] < 0.4 and 0.05 <= cache.seconds["outer"] < 0.2
+
+
 # ------------------------------------------------------------------------------ the field's code and the mutation set
 
 from anvil_fast import testing as AT  # noqa: E402  (the public testing API)
