@@ -28,7 +28,8 @@
 #   tunedtable  tools/gram_tuned_table.py: the Gram kernels' shipped tuning decisions for this device, into
 #           anvil_fast/kernels/gram_tuned.json here (later stages of the call use it) and $OUT (commit it)
 #   warmup  the drop-in's first step on the small GPT from cold compiler caches (fresh cache folders), in a
-#           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions)
+#           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions);
+#           then tools/first_step.py (cold, default): that first step's profile
 #   nodes   tools/graph_nodes.py for NODES_SIZES (default small medium): the graphed drop-in step's host time
 #           per part and its CUDA graph's nodes by kind and kernel (DOT dumps under $OUT/nodes_<size>/)
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
@@ -165,7 +166,11 @@ for stage in ${STAGES:-suite bench}; do
                timeout "${T_WARMUP:-200}" python3 -m anvil_fast.bench peers --sizes small --contenders anvil \
                --out "$OUT/warmup_tune_$mode" --no-progress --budget-s $(( ${T_WARMUP:-200} - 20 )) \
                --note "cold compiler caches, ANVIL_FAST_TUNE=$mode" 2>&1 | tee "$OUT/warmup_tune_$mode.log" | grep -E "^  |error"
-           done ;;
+           done
+           # where the cold first step's time goes (the default tuning): construction, first step, profile
+           cold=$(mktemp -d)
+           TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor timeout "${T_WARMUP:-200}" \
+             python3 tools/first_step.py --size small --out "$OUT/first_step" 2>&1 | tee "$OUT/first_step.log" | head -3 ;;
     nodes) for size in ${NODES_SIZES:-small medium}; do
              timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
                | tee "$OUT/graph_nodes_$size.log" | head -50

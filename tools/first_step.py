@@ -1,0 +1,83 @@
+"""Where the drop-in's first step spends its wall time (CUDA): construction and the first ``opt.step()``.
+
+    python tools/first_step.py --size small --out DIR
+
+Builds the package's GPT with gradients as ``python -m anvil_fast.bench dropin`` does, then profiles
+(cProfile) ``anvil_fast.ANVIL(model)`` and its first step, each synchronized; prints their wall
+seconds, the second step's (the compiled and captured step), and the functions with the most
+cumulative and own time, and writes the profile to ``DIR/first_step.prof``. Run it with empty
+``TRITON_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` folders for a cold start (``tools/h200_session.sh``'s
+warmup stage does): the lines then say what the warm-up goal has to cut (compilation, the Gram
+kernels' tuning, the capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--top", type=int, default=35, help="rows of each profile table")
+    ap.add_argument("--device", default="cuda", help="cuda (what it is for), or cpu to check the tool itself")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("tools/first_step.py needs CUDA (or --device cpu)")
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    from anvil_fast.bench.dropin import _model, _set_grads
+    from anvil_fast.optim.entry import ANVIL
+
+    dev = torch.device(a.device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    model = _model(a.size, dev)
+    _set_grads(model, dev)
+    sync()
+    t_model = time.monotonic() - t0
+
+    prof = cProfile.Profile()
+    times = {}
+    prof.enable()
+    t = time.monotonic()
+    opt = ANVIL(model)
+    sync()
+    times["construction"] = time.monotonic() - t
+    t = time.monotonic()
+    opt.step()
+    sync()
+    times["first step"] = time.monotonic() - t
+    prof.disable()
+    t = time.monotonic()
+    opt.step()
+    sync()
+    times["second step"] = time.monotonic() - t
+    prof.dump_stats(str(out / "first_step.prof"))
+    print(f"{a.size}: imports and model {t_model:.1f} s; " + "; ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(a.top)
+        lines = [line for line in buf.getvalue().splitlines() if line.strip()]
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+        print(f"by {key} time (construction and first step):")
+        print("\n".join(line[:200] for line in lines[start:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
