@@ -36,6 +36,8 @@
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
 #           makes it N runs in a row, into $OUT/run1 .. runN
+# PYCACHE=DIR: Python's bytecode cache in DIR for every process of the call (env.txt says whether the
+# image's packages have one of their own).
 # TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
 # `bash tools/h200_session.sh pack` only packs $OUT (after a run cut short by an outer timeout).
 set -o pipefail
@@ -64,12 +66,19 @@ install_peers() {
   PEERS_INSTALLED=1
 }
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -n "${PYCACHE:-}" ] && mkdir -p "$PYCACHE" && export PYTHONPYCACHEPREFIX=$PYCACHE
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.txt"; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
+  python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)"
+  # whether imports load bytecode or compile every source (a fresh process's import time; PYCACHE=DIR
+  # gives Python a writable bytecode cache there, PYTHONPYCACHEPREFIX, for every later process)
+  python3 -c "import importlib.util as u, os, torch._inductor.compile_fx as m
+f = m.__file__; c = u.cache_from_source(f)
+print('bytecode cache of', f, 'exists' if os.path.exists(c) else 'missing', '- its folder', 'writable' if os.access(os.path.dirname(c) if os.path.isdir(os.path.dirname(c)) else os.path.dirname(f), os.W_OK) else 'read-only',
+      '- PYTHONPYCACHEPREFIX', os.environ.get('PYTHONPYCACHEPREFIX'))"; } 2>&1 | tee "$OUT/env.txt"
 for stage in ${STAGES:-suite bench}; do
   stamp "$stage"
   case $stage in
