@@ -228,7 +228,8 @@ WARMUP_MODES = (("warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate co
 
 
 def warmup_table() -> str:
-    """Per tuner mode: the small GPT's first step (s), then its step time and host time once warm."""
+    """Per tuner mode: the small GPT's first step (s) of each contender of that run (ANVIL, and a peer
+    where the run had one). Step times are 6.2's peer tables' business, not these runs'."""
     import json
 
     from papers.markdown import md_table
@@ -237,16 +238,18 @@ def warmup_table() -> str:
     rows, commits = [], set()
     for folder, what in WARMUP_MODES:
         run = json.loads((d / folder / "peers.json").read_text())
-        r = next(r for r in run["rows"] if r["contender"] == "anvil")
-        if r["status"] != "ok":
-            raise ValueError(f"results/{WARMUP_RUN}/{folder}: the anvil row's status is {r['status']!r}")
+        for r in run["rows"]:  # ANVIL, and any peer the run had beside it from the same cold caches
+            if r["status"] != "ok":
+                raise ValueError(f"results/{WARMUP_RUN}/{folder}: the {r['contender']} row's status is {r['status']!r}")
+            rows.append([r["label"], what if r["contender"].startswith("anvil") else "(a peer in the same run)",
+                         f"{r['first_step_s']:.1f}"])
         commits.add((d / folder / "commit.txt").read_text().split()[0])
-        rows.append([what, f"{r['first_step_s']:.1f}", f"{r['ms']:.3f}", f"{r['host_ms']:.3f}"])
     head = (d / WARMUP_MODES[1][0] / "command.txt").read_text().splitlines()[1]
-    return (md_table(["Gram kernels' tuning", "first step s", "ms/step (idle)", "host ms"], rows)
+    return (md_table(["contender", "Gram kernels' tuning", "first step s"], rows)
             + f"\n\n*Source: `results/{WARMUP_RUN}/warmup_tune_*/` (commit {', '.join(sorted(commits))}), one run "
               f"each on one H200, fresh compiler cache folders, each `{head}` with the tuning mode its note "
-              "names.*")
+              "names" + ("" if any(r[1].startswith("(a peer") for r in rows) else "; ANVIL alone, no peer in these runs")
+            + ".*")
 
 
 def host_parts() -> str:

@@ -28,7 +28,8 @@
 #   tunedtable  tools/gram_tuned_table.py: the Gram kernels' shipped tuning decisions for this device, into
 #           anvil_fast/kernels/gram_tuned.json here (later stages of the call use it) and $OUT (commit it)
 #   warmup  the drop-in's first step on the small GPT from cold compiler caches (fresh cache folders), in a
-#           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions);
+#           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions,
+#           with dion's graphed Muon in the same run: .peers carried);
 #           then tools/first_step.py (cold, default): that first step's profile
 #   nodes   tools/graph_nodes.py for NODES_SIZES (default small medium): the graphed drop-in step's host time
 #           per part and its CUDA graph's nodes by kind and kernel (DOT dumps under $OUT/nodes_<size>/)
@@ -169,10 +170,12 @@ for stage in ${STAGES:-suite bench}; do
              | tee "$OUT/gram_tuned_table.log" | grep -v "^    " | tail -40
              cp anvil_fast/kernels/gram_tuned.json "$OUT/" 2>/dev/null ;;
     warmup) install_peers
+           # the default mode's run has dion's graphed Muon beside it (its first step from the same cold caches)
            for mode in fresh 1; do
              cold=$(mktemp -d)
+             who=anvil; [ "$mode" = 1 ] && who=anvil,dion_graphed
              TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor ANVIL_FAST_TUNE=$mode \
-               timeout "${T_WARMUP:-200}" python3 -m anvil_fast.bench peers --sizes small --contenders anvil \
+               timeout "${T_WARMUP:-200}" python3 -m anvil_fast.bench peers --sizes small --contenders $who \
                --out "$OUT/warmup_tune_$mode" --no-progress --budget-s $(( ${T_WARMUP:-200} - 20 )) \
                --note "cold compiler caches, ANVIL_FAST_TUNE=$mode" 2>&1 | tee "$OUT/warmup_tune_$mode.log" | grep -E "^  |error"
            done
