@@ -495,15 +495,20 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
     seconds: dict = {}
     shown: dict = {}
 
+    # one line per finished row on stdout where no bar is drawn (a pipe, --no-progress): what a log of
+    # the run needs to say where the time went, each row with its phases' seconds
+    row_lines = a.progress is False or (a.progress is None and not sys.stderr.isatty())
+
     def write(rows):
-        if len(rows) > clock[1]:  # one line per new row on stderr: where a run without a bar spends its time
+        if len(rows) > clock[1] and row_lines:
             now, r = time.monotonic(), rows[-1]
             parts = sorted(((k, v - shown.get(k, 0.0)) for k, v in seconds.items()), key=lambda kv: -kv[1])
             shown.update(seconds)
             print(f"row {len(rows)}/{total} {r.impl} {'x'.join(map(str, r.shape))} {r.family}: {r.verdict()} "
                   f"in {now - clock[0]:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts if v >= 0.05) + ")",
-                  file=sys.stderr, flush=True)
-            clock[:] = [now, len(rows)]
+                  flush=True)
+        if len(rows) > clock[1]:
+            clock[:] = [time.monotonic(), len(rows)]
         if a.json is not None:
             H.write_json(H.to_json(rows, command=cmd, impls=impls, unavailable=unavailable,
                                    meta={"complete": len(rows) >= total, "shapes": [list(s) for s in shapes],
