@@ -414,6 +414,23 @@ def test_a_run_keeps_every_finished_row_when_a_later_one_never_ends():
     assert calls == [1] and seen == ["genuine"]
 
 
+def test_the_probe_of_a_math_is_the_same_from_a_shared_basis():
+    """The spectrum probe's random bases are made once per shape and shared by every math judged there:
+    each math's probe equals the one made for it alone, whichever maths used the basis before."""
+    shape = (2, 40, 24)
+    basis = H.spectrum_basis(shape, seed=5, count=96)
+    maths = [H.DeclaredMath.of(**TORCH_MATH), H.DeclaredMath.of(**dict(TORCH_MATH, normalization="frobenius", eps=3e-4,
+                                                                    margin=1.02)),
+             H.DeclaredMath.of(**dict(TORCH_MATH, normalization="frobenius", eps=0.0))]  # no eps tail of its own
+    for m in maths + maths[::-1]:
+        shared = H.spectrum_input(shape, m, seed=5, device="cpu", count=96, basis=basis)
+        alone = H.spectrum_input(shape, m, seed=5, device="cpu", count=96)
+        assert torch.equal(shared.x, alone.x) and torch.equal(shared.u, alone.u)
+        assert torch.equal(shared.key.nan_to_num(-1.0), alone.key.nan_to_num(-1.0))
+    assert not torch.equal(H.spectrum_input(shape, maths[0], seed=5, device="cpu", count=96, basis=basis).x,
+                           H.spectrum_input(shape, maths[1], seed=5, device="cpu", count=96, basis=basis).x)
+
+
 def test_phase_seconds_count_each_second_once():
     """``seconds`` says where a run's time goes: the implementation's calls, its warm-up and each kind
     of shared entry (every eager form by name), nested entries counted once, so the phases add up to

@@ -583,12 +583,30 @@ def spectrum_count(shape) -> int:
     return max(b, min(want, SPECTRUM_MAX_ELEMENTS // (m * n)))
 
 
-def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int | None = None) -> Spectrum:
-    """The probe's matrices (the math verdict, :mod:`anvil_fast.core.tolerances`): full-rank
-    matrices with a top singular value in [0.2, 1] of the Frobenius norm and the rest log-uniform over
-    three decades, filling the norm, and matrices of rank 1 to 4; random orthogonal U, V; an overall scale 2^U(-4, 4) (every matrix's bf16 norm rounds differently) or,
-    for SPECTRUM_EPS_SHARE of them, a norm near eps / margin (where eps and the normalization's kind
-    set the scale)."""
+@dataclass
+class SpectrumBasis:
+    """What the ``spectrum`` probe of one shape and seed shares across declared maths: the random
+    orthogonal ``u``, ``v`` (two float64 QR factorizations per matrix, the probe's costly part), the
+    unit-norm singular values ``s`` and the scales (float64, CPU), and the generator's state after
+    them, from which a math's eps-scaled tail is drawn (:func:`spectrum_input`)."""
+
+    u: Tensor
+    v: Tensor
+    s: Tensor
+    scale: Tensor
+    state: Tensor
+    #: device -> (u, v) there, made once
+    placed: dict = dataclasses.field(default_factory=dict)
+
+    def on(self, device) -> tuple[Tensor, Tensor]:
+        key = str(torch.device(device))
+        if key not in self.placed:
+            self.placed[key] = (self.u.to(device), self.v.to(device))
+        return self.placed[key]
+
+
+def spectrum_basis(shape, *, seed: int, count: int | None = None) -> SpectrumBasis:
+    """The math-independent part of :func:`spectrum_input` (its first draws, in its order)."""
     b, m, n = (int(v) for v in shape)
     k = min(m, n)
     cnt = spectrum_count(shape) if count is None else count
@@ -611,6 +629,23 @@ def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int 
     s = torch.where(i % 4 < 2, full, low)
     s = s.sort(dim=-1, descending=True).values  # unit Frobenius norm
     scale = torch.exp2((2 * torch.rand(cnt, 1, generator=g, **f64) - 1) * SPECTRUM_SCALE_EXP)
+    return SpectrumBasis(u, v, s, scale, g.get_state())
+
+
+def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int | None = None,
+                   basis: SpectrumBasis | None = None) -> Spectrum:
+    """The probe's matrices (the math verdict, :mod:`anvil_fast.core.tolerances`): full-rank
+    matrices with a top singular value in [0.2, 1] of the Frobenius norm and the rest log-uniform over
+    three decades, filling the norm, and matrices of rank 1 to 4; random orthogonal U, V; an overall scale 2^U(-4, 4) (every matrix's bf16 norm rounds differently) or,
+    for SPECTRUM_EPS_SHARE of them, a norm near eps / margin (where eps and the normalization's kind
+    set the scale). ``basis``: :func:`spectrum_basis` of the same shape, seed and count, made once for
+    every math judged there (the same numbers as without it)."""
+    basis = spectrum_basis(shape, seed=seed, count=count) if basis is None else basis
+    u, v, s, scale = basis.u, basis.v, basis.s, basis.scale.clone()
+    cnt = int(u.shape[0])
+    g = torch.Generator()
+    g.set_state(basis.state)
+    f64 = dict(dtype=torch.float64)
     n_eps = int(round(cnt * SPECTRUM_EPS_SHARE)) if math_.eps > 0 else 0
     if n_eps:
         at = math_.eps ** 0.5 if math_.normalization == "aol" else math_.eps / math_.margin
@@ -633,7 +668,8 @@ def spectrum_input(shape, math_: DeclaredMath, *, seed: int, device, count: int 
         key = s * scale / d[:, None]
     keep = key > 0  # a low-rank matrix's zero singular values carry no point
     key = torch.where(keep, key, torch.full_like(key, math.nan))
-    return Spectrum(x.to(device), u.to(device), v.to(device), key.to(device), d, nrm)
+    ud, vd = (u.to(device), v.to(device)) if math_.normalization == "aol" else basis.on(device)
+    return Spectrum(x.to(device), ud, vd, key.to(device), d, nrm)
 
 
 def projections(y: Tensor, sp: Spectrum) -> Tensor:
@@ -1034,9 +1070,11 @@ class _Cache:
                 self._inner[-1] += total
 
     def spectrum(self, shape, m: DeclaredMath) -> Spectrum:
+        count = None if self.spectrum_count is None else max(shape[0], self.spectrum_count)
+        # the random bases once per shape, whatever maths are judged there
+        basis = self.get(("basis", shape, count), lambda: spectrum_basis(shape, seed=self.seed, count=count))
         return self.get(("spectrum", shape, "spectrum", m), lambda: spectrum_input(
-            shape, m, seed=self.seed, device=self.device,
-            count=None if self.spectrum_count is None else max(shape[0], self.spectrum_count)))
+            shape, m, seed=self.seed, device=self.device, count=count, basis=basis))
 
     def x(self, shape, family, m: DeclaredMath | None = None):
         if family == SPECTRUM:
