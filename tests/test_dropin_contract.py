@@ -424,6 +424,54 @@ def test_lr_schedulers_see_both_groups_and_profile_hooks_run():
     assert "DropInAnvil" in repr(opt)
 
 
+def test_the_step_runs_torchs_wrapper_exactly_when_a_hook_or_profiler_would_see_it(monkeypatch):
+    """The step skips torch.optim's per-call profiler range and hook loops when nothing would see them
+    (lean_step), and runs them, as torch does, when a hook is registered or a profiler is on: instance
+    pre-hooks (which may replace the arguments) and post-hooks, a profiler's Optimizer.step range; always
+    without autograd, the closure with it, the caller's grad mode restored."""
+    m = _small()
+    opt = ANVIL(m)
+    ranges = []
+    real = torch.autograd.profiler.record_function
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", lambda name, *a: ranges.append(name) or real(name, *a))
+    calls = []
+    x = _ids()
+
+    def closure():
+        calls.append(("closure grad", torch.is_grad_enabled()))
+        loss = nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+        calls.append(("after grad", torch.is_grad_enabled()))
+    with torch.no_grad():
+        opt.step(closure)
+        calls.append(("after no_grad", torch.is_grad_enabled()))
+    assert calls == [("closure grad", True), ("after grad", True), ("closure grad", True), ("after no_grad", False)]
+    assert ranges == []  # no hook, no profiler: torch's range and hook loops were not run
+
+    calls.clear()
+    # torch's hook contract: the arguments it returns replace the step's (the optimizer first)
+    pre = opt.register_step_pre_hook(lambda o, a, k: calls.append("pre") or ((o,), {"closure": closure}))
+    post = opt.register_step_post_hook(lambda o, a, k: calls.append(("post", tuple(k))))
+    before = opt.taken_steps
+    assert opt.step() is not None  # the pre-hook's closure ran: torch's wrapper passed its arguments on
+    assert opt.taken_steps == before + 1
+    assert calls == ["pre", ("closure grad", True), ("post", ("closure",))]
+    assert ranges == ["Optimizer.step#DropInAnvil.step"]
+    pre.remove()
+    post.remove()
+
+    opt.zero_grad()
+    _train(m, opt, 1)  # no hook: the lean path, which the profiler below must not be confused by
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _train(m, opt, 1)
+    names = [e.name for e in prof.events()]
+    assert "Optimizer.step#DropInAnvil.step" in names
+
+
 def test_parameters_that_need_no_gradient_are_held_and_left_alone():
     """torch's optimizers hold parameters given without requires_grad: a step leaves them as they are."""
     ps = [torch.randn(2, 3, generator=torch.Generator().manual_seed(i)) for i in range(2)]

@@ -40,7 +40,8 @@ from anvil_ref.rails import rail_scalars
 
 from .contract import (EXTRAS_KEY, LEGACY_STATE_FORMAT, STATE_FORMAT, TorchContract, _StateView,  # noqa: F401
                        merged_state_keys)
-from .frontend import AnvilFrontend, NonFiniteGradientWarning, check_hyperparameters, check_options, hyperparameter_groups
+from .frontend import (AnvilFrontend, NonFiniteGradientWarning, check_hyperparameters, check_options,
+                       hyperparameter_groups, lean_step)
 from .optimizer import AnvilAndAdam, NonFiniteGradientError
 from .plan import (FROZEN, HEAD_NAMES, IO_LAYERS, MATRIX_DTYPES, Bank, BankPlan, Plan, PlanEntry, Route,  # noqa: F401
                    _collect, _owning_modules, _strip_compile, build_banks, classify, named_parameters_of, plan_routes)
@@ -611,7 +612,7 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         raise KeyError(name)
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
+    @lean_step
     def step(self, closure=None):
         """One ANVIL + Adam step from the parameters' ``.grad`` (:func:`anvil_fast.optim.entry.ANVIL`'s
         docstring); returns the closure's loss."""

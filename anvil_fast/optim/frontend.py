@@ -25,12 +25,14 @@ ranks) -> the kernels, which read that buffer (``tests/test_frontend.py`` follow
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from anvil_ref.rails import rail_scalars
@@ -102,6 +104,45 @@ def check_options(rails: str, total_steps: int | None, lr_scale: str, nonfinite:
         raise ValueError(f"lr_scale must be one of {LR_SCALE_CONVENTIONS}, got {lr_scale!r}")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+
+
+def lean_step(step: Callable) -> Callable:
+    """A front-end's ``step`` as torch.optim runs every optimizer's step (its step pre- and post-hooks,
+    a profiler range ``Optimizer.step#<class>.step``, here also without autograd), but with no range
+    and no hook loop when there is neither a hook nor a profiler to see them.
+
+    torch.optim wraps each optimizer class's step at construction (``Optimizer.profile_hook_step``):
+    on every call a profiler range (two dispatcher calls) and the hook loops, with no profiler on and
+    no hook registered too. With ``torch.no_grad()``'s context that is a fixed host cost per step of
+    the order of the drop-in's whole graphed step (``tools/graph_nodes.py`` times both). The function
+    returned is marked ``hooked`` so that torch does not wrap it again, and it runs torch's own
+    wrapper whenever a step hook is registered (on the optimizer or globally) or a profiler is on
+    (``torch.autograd._profiler_enabled()``: torch.profiler's and autograd's profilers), so hooks,
+    traces and memory profiles see the step as they see any optimizer's."""
+    wrapped = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(step))
+
+    @functools.wraps(step)
+    def run(self, *args, **kwargs):
+        if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks()
+                or torch._C._autograd._profiler_enabled()):
+            return wrapped(self, *args, **kwargs)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+    run.hooked = True
+    return run
+
+
+def _global_step_hooks() -> bool:
+    """Whether a global optimizer step hook is registered (``torch.optim.optimizer.
+    register_optimizer_step_pre_hook`` / ``..._post_hook``); True where this torch keeps them elsewhere."""
+    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    return pre is None or post is None or bool(pre) or bool(post)
 
 
 class AnvilFrontend(torch.optim.Optimizer):
@@ -240,5 +281,5 @@ class AnvilFrontend(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-__all__ = ["AnvilFrontend", "NonFiniteGradientWarning", "check_hyperparameters", "hyperparameter_groups",
+__all__ = ["AnvilFrontend", "NonFiniteGradientWarning", "lean_step", "check_hyperparameters", "hyperparameter_groups",
            "check_options", "RAILS", "NONFINITE_POLICIES"]

@@ -59,7 +59,7 @@ from anvil_ref.constants import ADAM_DEFAULTS, ANVIL_DEFAULTS
 from anvil_fast.parallel.comms import LocalComms
 from .dropin import (HEAD_NAMES, BankPlan, DropInAnvil, classify, holds_dtensors, merged_state_keys,
                      named_parameters_of, plan_routes, refuse_ddp_with_own_averaging, refuse_dtensors_in)
-from .frontend import AnvilFrontend, check_options, hyperparameter_groups
+from .frontend import AnvilFrontend, check_options, hyperparameter_groups, lean_step
 
 #: The format of :meth:`FSDPAnvil.state_dict` (torch's layout; held in the first param group's
 #: ``"anvil_fast"`` entry), and the name-keyed one it still loads.
@@ -354,7 +354,7 @@ class FSDPAnvil(AnvilFrontend):
         self.timings[phase] = self.timings.get(phase, 0.0) + now - t0
         return now
 
-    @torch.no_grad()
+    @lean_step
     def step(self, closure=None):
         """One step (module docstring); returns the closure's loss."""
         import time
