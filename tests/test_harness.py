@@ -231,6 +231,46 @@ def test_a_wrong_output_shape_fails_with_its_note():
                                 families=("gaussian",))
 
 
+def test_a_function_of_one_matrix_is_called_one_matrix_at_a_time_unless_told_otherwise():
+    """torch's Muon (and the original Muon) take one matrix and refuse a batch: by default the harness
+    sees the refusal at the first call and calls it per matrix, saying so in every row; told that it
+    takes batches, the refusal is the rows' failure."""
+    rows = H.assert_orthogonalizer(torch_muon, **TORCH_MATH, **NO_PROBE)
+    assert {r.verdict() for r in rows} == {"ok"}
+    assert all(r.note.startswith("called one matrix at a time (a batch raised ValueError") for r in rows), rows[0].note
+    assert "called one matrix at a time" in H.format_table(rows)
+    with pytest.raises(H.OrthogonalizerMismatch, match=r"safety: raised ValueError"):
+        H.assert_orthogonalizer(torch_muon, **TORCH_MATH, **NO_PROBE, per_matrix=False)
+    batched = H.assert_orthogonalizer(lambda x: torch.stack([torch_muon(m) for m in x]), **TORCH_MATH, **NO_PROBE)
+    assert all(r.note == "" for r in batched)  # a batch function is called on batches, as before
+    assert [r.fast for r in batched] == [r.fast for r in rows]
+
+
+def test_an_implementation_that_writes_its_input_changes_nothing_the_others_read():
+    """The function gets a copy: one that works in place (``G /= ...`` where its cast is a no-op, or
+    here one that zeroes what it is given) leaves the harness's inputs, and so the rows of the next
+    implementation judged with it, as they were."""
+
+    def in_place(G):
+        G.div_(G.norm(dim=(-2, -1), keepdim=True).clamp_min(EPS))  # torch's normalization, in place
+        return torch.stack([torch_muon(m) for m in G])
+
+    def wiper(G):
+        G.zero_()
+        return G
+
+    batched = H.Implementation("batched", lambda x: torch.stack([torch_muon(m) for m in x]),
+                               H.DeclaredMath.of(**TORCH_MATH))
+    alone = H.judge([batched], **NO_PROBE, progress=False)
+    both = H.judge([H.Implementation("wiper", wiper, H.DeclaredMath.of(**TORCH_MATH)), batched], **NO_PROBE,
+                   progress=False)
+    after = [r for r in both if r.impl == "batched"]
+    assert [(r.family, r.fast, r.eager, r.top_sv) for r in after] == [(r.family, r.fast, r.eager, r.top_sv) for r in alone]
+    assert {r.verdict() for r in both if r.impl == "wiper"} == {"FAIL"}
+    rows = H.assert_orthogonalizer(in_place, **TORCH_MATH, **CASE)
+    assert {r.verdict() for r in rows} == {"ok"}
+
+
 def test_undeclared_math_is_unjudged_unless_not_finite():
     rows = H.judge(H.Implementation("muon", torch_muon, None, per_matrix=True), shapes=[(2, 32, 32)],
                    families=("gaussian", "near_rank1"), near_rank1_count=4, progress=False)
@@ -350,6 +390,22 @@ def test_cli_judges_an_impl_and_writes_json(tmp_path, capsys):
     assert data["commit"] == H.source_commit() and (data["commit"] is None or len(data["commit"]) == 40)
     assert [row["family"] for row in data["rows"]] == ["gaussian", "well_conditioned"]
     assert data["rows"][1]["bound"] > data["rows"][1]["eager"] > 0
+
+
+def test_cli_calls_a_function_of_one_matrix_per_matrix_by_default_as_the_api_does(tmp_path, capsys):
+    common = ["--impl", "torch.optim._muon:_zeropower_via_newtonschulz",
+              "--impl-kwargs", json.dumps({"ns_coefficients": list(KJ), "ns_steps": STEPS, "eps": EPS}),
+              "--coeffs", ",".join(map(str, KJ)), "--steps", str(STEPS), "--normalization", "frobenius_clamp",
+              "--shapes", "2x32x24", "--families", "gaussian", "--no-progress"]
+    out = tmp_path / "rows.json"
+    rc, text, err = _cli(capsys, *common, "--json", str(out))
+    assert rc == 0, text + err
+    assert json.loads(out.read_text())["rows"][0]["note"].startswith("called one matrix at a time")
+    rc, text, err = _cli(capsys, *common, "--batched")
+    assert rc == 1 and "safety: raised ValueError" in text, text + err
+    import inspect
+
+    assert inspect.signature(H.assert_orthogonalizer).parameters["per_matrix"].default is None
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -318,7 +318,7 @@ def summary(rows: list[Row]) -> str:
 
 HARNESS_EPILOG = """\
 Testing your own orthogonalization (anvil_fast.studies.harness): give the function (it takes a batch
-[chunk, rows, cols], or one matrix with --per-matrix, and returns the same shape) and the math it
+[chunk, rows, cols], or one matrix, which the first call shows, and returns the same shape) and the math it
 declares; each row is judged against that math in float64 and against a plain eager bf16 run of it:
 
   python -m anvil_fast.studies.difftest --impl mylib.ortho:newton_schulz \\
@@ -384,7 +384,12 @@ def _harness_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--impl", metavar="package.module:function", help="the function to judge")
     g.add_argument("--impl-kwargs", type=_json_object, default={}, metavar="JSON",
                    help="keyword arguments passed to it on every call")
-    g.add_argument("--per-matrix", action="store_true", help="it takes one matrix [rows, cols], not a batch")
+    per = g.add_mutually_exclusive_group()
+    per.add_argument("--per-matrix", dest="per_matrix", action="store_const", const=True, default=None,
+                     help="it takes one matrix [rows, cols], not a batch (default, as the API: decided from one "
+                          "call on a batch, which a function of one matrix refuses)")
+    per.add_argument("--batched", dest="per_matrix", action="store_const", const=False,
+                     help="it takes a batch [chunk, rows, cols]: no such call")
     g.add_argument("--input-dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
                    help="dtype of the input it is given (default: %(default)s)")
     g.add_argument("--coeffs", type=_coeffs, default=None, help="its per-step (a, b, c): see below")

@@ -1,7 +1,8 @@
 """Differential testing of anyone's orthogonalization: a callable ``f(X) -> Y`` judged against the math it declares.
 
 Every optimizer library ships a bf16 Newton-Schulz / Polar Express kernel. Given one, as a callable on
-a batch ``[chunk, rows, cols]`` (or on one matrix, ``per_matrix=True``), and the math it declares -- a
+a batch ``[chunk, rows, cols]`` or on one matrix (``per_matrix``; by default seen from its first call),
+and the math it declares -- a
 :class:`DeclaredMath`: per-step coefficients, normalization and orientation rule, as
 :mod:`anvil_ref.polar` runs them in float64 -- the harness runs it on the package's input families
 (:mod:`anvil_fast.studies.families`) and reports, per (implementation, shape, family):
@@ -84,7 +85,9 @@ HARNESS_FAMILIES = (SPECTRUM,) + FAMILIES
 DEFAULT_FAMILIES = tuple(f for f in HARNESS_FAMILIES if f != "huge")
 #: The family of the timed calls (CUDA, ``time_reps``).
 TIMED_FAMILY = "gaussian"
-#: Shapes of a default judgement on the CPU (small: seconds per implementation).
+#: Shapes of a default judgement (small, so that the spectrum probe holds SPECTRUM_MIN_COUNT matrices
+#: of each; the probe is most of a judgement's time: minutes on a CPU, several times that for a
+#: function of one matrix, called once per matrix).
 DEFAULT_SHAPES = ((2, 48, 32), (2, 32, 48), (2, 32, 32))
 #: Matrix products whose shapes :class:`GramRecorder` records.
 PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul"})
@@ -180,23 +183,60 @@ class DeclaredMath:
 class Implementation:
     """A callable to judge: ``fn`` takes a batch ``[chunk, rows, cols]`` of ``input_dtype`` (one
     matrix ``[rows, cols]`` when ``per_matrix``) and returns its orthogonalization, any float dtype;
-    ``math`` is what it declares (None: undeclared)."""
+    ``math`` is what it declares (None: undeclared). ``per_matrix=None``: decided by
+    :meth:`settle` from one call on a batch (a function written for one matrix, as torch's Muon and
+    the original Muon write it, raises or returns another shape there, and is then called one
+    matrix at a time). ``fn`` always gets a copy of the harness's input: one that works in place
+    (``X /= ...`` after a cast that is a no-op) cannot change what the other columns read."""
 
     name: str
     fn: Callable[[Tensor], Tensor]
     math: DeclaredMath | None
-    per_matrix: bool = False
+    per_matrix: bool | None = False
     input_dtype: torch.dtype = torch.float32
     note: str = ""
     #: run under :class:`GramRecorder` (off for compiled functions: dynamo does not trace under a
     #: dispatch mode)
     observe: bool = True
+    #: how :meth:`settle` decided to call it, when it decided one matrix at a time (each row says it)
+    called: str = ""
 
-    def __call__(self, x: Tensor) -> Tensor:
-        x = x.to(self.input_dtype)
+    def prepare(self, x: Tensor) -> Tensor:
+        """What ``fn`` is given for ``x``: a copy in ``input_dtype``."""
+        return x.to(self.input_dtype, copy=True)
+
+    def run(self, x: Tensor) -> Tensor:
+        """``fn`` on an input :meth:`prepare` made (per matrix or on the batch)."""
         if self.per_matrix:
             return torch.stack([self.fn(m) for m in x.unbind(0)])
         return self.fn(x)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(self.prepare(x))
+
+    def settle(self, x: Tensor) -> None:
+        """``per_matrix=None``: call ``fn`` once on the batch ``x``; where it raises or returns another
+        shape and one matrix of it works, it is called one matrix at a time from then on (``called``
+        says why); else on batches (the rows report what the batch call does)."""
+        if self.per_matrix is not None:
+            return
+        with torch.no_grad():
+            try:
+                y = self.fn(self.prepare(x))
+                if isinstance(y, Tensor) and tuple(y.shape) == tuple(x.shape):
+                    self.per_matrix = False
+                    return
+                why = f"returned {tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__} for a batch"
+            except Exception as exc:  # noqa: BLE001 -- any refusal of a batch is what is decided on
+                why = f"a batch raised {type(exc).__name__}"
+            try:
+                y = self.fn(self.prepare(x[0]))
+                one = isinstance(y, Tensor) and tuple(y.shape) == tuple(x.shape[1:])
+            except Exception:  # noqa: BLE001
+                one = False
+        self.per_matrix = one
+        if one:
+            self.called = f"called one matrix at a time ({why}; per_matrix=True says so and skips this check)"
 
 
 class GramRecorder(TorchDispatchMode):
@@ -1180,6 +1220,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     if m is not None:
         row.gram_declared = P.gram_side(shape, transpose_when=m.transpose_when)
         row.sigma_x = m.exploded_sigma()
+    row.note = impl.called
     try:
         try:
             with cache.timed("implementation"):
@@ -1264,8 +1305,9 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:
         from anvil_fast.kernels.timing import median_ms
 
+        xin = impl.prepare(x)  # the copy made once: the calls alone are timed
         with torch.no_grad():
-            row.ms = median_ms(lambda: impl(x), n=time_reps, warmup=2, device=x.device)
+            row.ms = median_ms(lambda: impl.run(xin), n=time_reps, warmup=2, device=x.device)
     return row
 
 
@@ -1276,6 +1318,7 @@ def warm_up(impl: Implementation, shape, cache: _Cache) -> float:
     t0 = time.monotonic()
     try:
         x = cache.x(tuple(shape), "gaussian")
+        impl.settle(x)
         run_impl(impl, x, seed=cache.seed, record=False, chunk=shape[0])
         sc = spectrum_chunk(shape)
         if cache.spectrum_count is not None:
@@ -1458,14 +1501,16 @@ def callable_name(fn: Callable) -> str:
 def assert_orthogonalizer(fn: Callable[[Tensor], Tensor], *, coeffs: MapsLike | None = None, steps: int | None = None,
                           cycle: bool = False, normalization: str = "frobenius", margin: float = 1.0,
                           eps: float = 1e-7, transpose_when: str = "tall", shapes=DEFAULT_SHAPES,
-                          families: Sequence[str] = DEFAULT_FAMILIES, seed: int = 0, per_matrix: bool = False,
+                          families: Sequence[str] = DEFAULT_FAMILIES, seed: int = 0, per_matrix: bool | None = None,
                           input_dtype: torch.dtype = torch.float32, device="cpu", near_rank1_count: int = 8,
                           name: str | None = None, spectrum_count: int | None = None) -> list[Row]:
     """Judge ``fn`` (module docstring) and raise :class:`OrthogonalizerMismatch` naming every failed
     clause (its verdict, value and limit) and the table if a row FAILs; returns the rows (findings
     do not raise: read them with ``row.verdicts()``). ``coeffs`` (with ``steps``, ``cycle``,
     :meth:`DeclaredMath.of`), ``normalization``, ``margin``, ``eps`` and ``transpose_when`` declare its
-    math; ``coeffs=None``: undeclared (only safety is judged)."""
+    math; ``coeffs=None``: undeclared (only safety is judged). ``per_matrix``: True for a function of
+    one matrix ``[rows, cols]``, False for one of a batch, None (default) decided from one call on a
+    batch (:meth:`Implementation.settle`; the rows then say so)."""
     m = None if coeffs is None else DeclaredMath.of(coeffs, steps=steps, cycle=cycle, normalization=normalization,
                                                      margin=margin, eps=eps, transpose_when=transpose_when)
     impl = Implementation(name or callable_name(fn), fn, m, per_matrix=per_matrix, input_dtype=input_dtype)
