@@ -408,6 +408,31 @@ def test_cli_calls_a_function_of_one_matrix_per_matrix_by_default_as_the_api_doe
     assert inspect.signature(H.assert_orthogonalizer).parameters["per_matrix"].default is None
 
 
+#: The Gram form's math (gram-newton-schulz's reset before step 3), declared with its iteration dtype.
+GRAM_MATH = dict(coeffs=[KJ], steps=STEPS, normalization="frobenius", margin=1.0, eps=EPS, transpose_when="tall",
+                 restarts=(2,), dtype="bfloat16")
+
+
+def gram_form(x):
+    """The Gram-form iteration of GRAM_MATH as the harness's eager baseline runs it (dion's and Dao AI
+    Lab's order of products)."""
+    return H.eager_declared(x, H.DeclaredMath.of(**GRAM_MATH), H.GRAM_FORM)
+
+
+def test_the_gram_form_and_the_iteration_dtype_are_declared_through_the_api_and_the_cli(tmp_path, capsys):
+    rows = H.assert_orthogonalizer(gram_form, **GRAM_MATH, **NO_PROBE)
+    assert {r.verdict() for r in rows} == {"ok"} and all(r.rounding_ratio() <= 1.0 for r in rows)
+    out = tmp_path / "rows.json"
+    args = ["--impl", "tests.test_harness:gram_form", "--coeffs", ",".join(map(str, KJ)), "--steps", str(STEPS),
+            "--eps", str(EPS), "--shapes", "2x48x32", "--families", "gaussian", "--no-progress"]
+    rc, text, err = _cli(capsys, *args, "--restarts", "2", "--dtype", "bfloat16", "--json", str(out))
+    assert rc == 0, text + err
+    math_ = json.loads(out.read_text())["implementations"]["tests.test_harness:gram_form"]["math"]
+    assert math_["restarts"] == [2] and math_["dtype"] == "bfloat16"
+    rc, text, err = _cli(capsys, *args, "--restarts", "two")
+    assert rc == 2 and "expected step indices" in err
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--impl", "nosuch_module:f"], "cannot import 'nosuch_module'"),
     (["--impl", "torch:matmul", "--coeffs", "1,2"], "expected triples"),

@@ -376,8 +376,21 @@ def _json_object(text: str) -> dict:
     return v
 
 
+def _restarts(text: str) -> tuple[int, ...]:
+    """--restarts: 0-based step indices, comma-separated."""
+    try:
+        out = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected step indices >= 0 like 2 or 2,4, got {text!r}")
+    return out
+
+
 def _harness_args(ap: argparse.ArgumentParser) -> None:
     from anvil_ref.cli_args import positive_int
+
+    from . import harness as H
     from anvil_ref.polar import NORMALIZATIONS, ORIENTATIONS
 
     g = ap.add_argument_group("anyone's orthogonalization (anvil_fast.studies.harness)")
@@ -403,6 +416,11 @@ def _harness_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--transpose-when", choices=ORIENTATIONS, default="tall",
                    help="which matrices it transposes before iterating: tall (rows > cols; the Gram on the "
                         "short side), wide, never, always (default: %(default)s)")
+    g.add_argument("--restarts", type=_restarts, default=None, metavar="I[,I...]",
+                   help="it iterates in the Gram form, X re-formed before these steps (0-based; e.g. 2 for "
+                        "gram-newton-schulz's reset): its eager baseline is then the Gram form's")
+    g.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                   help="the dtype it iterates in (default: %(default)s)")
     g.add_argument("--adapter", default=None, metavar="NAME[,NAME...]",
                    help="adapters of other libraries' implementations (and the package's), or 'all'")
     g.add_argument("--list-adapters", action="store_true", help="list the adapters and whether each runs here")
@@ -410,8 +428,8 @@ def _harness_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--near-rank1-count", type=positive_int, default=8,
                    help="near-rank-1 inputs per shape, the explosion count (default: %(default)s)")
     g.add_argument("--spectrum-count", type=positive_int, default=None,
-                   help="matrices of the spectrum probe per shape (default: 4096, fewer on large shapes; "
-                        "fewer see less of a slip)")
+                   help=f"matrices of the spectrum probe per shape (default: {H.SPECTRUM_MIN_COUNT}, fewer on large "
+                        "shapes; fewer see less of a slip)")
     g.add_argument("--time-reps", type=int, default=0, help="timed calls per shape on CUDA (default: none)")
     g.add_argument("--time-budget-s", "--time-limit", dest="time_limit", type=float, default=None, metavar="SECONDS",
                    help="start no new (implementation, shape) after this many seconds; the rows done are written "
@@ -462,7 +480,8 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
         if a.coeffs is not None:
             try:
                 math_ = H.DeclaredMath.of(a.coeffs, steps=a.steps, cycle=a.cycle, normalization=a.normalization,
-                                          margin=a.margin, eps=a.eps, transpose_when=a.transpose_when)
+                                          margin=a.margin, eps=a.eps, transpose_when=a.transpose_when,
+                                          restarts=a.restarts, dtype=a.dtype)
             except ValueError as exc:
                 ap.error(f"declared math: {exc}")
         kw = dict(a.impl_kwargs)

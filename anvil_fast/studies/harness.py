@@ -1500,19 +1500,22 @@ def callable_name(fn: Callable) -> str:
 
 def assert_orthogonalizer(fn: Callable[[Tensor], Tensor], *, coeffs: MapsLike | None = None, steps: int | None = None,
                           cycle: bool = False, normalization: str = "frobenius", margin: float = 1.0,
-                          eps: float = 1e-7, transpose_when: str = "tall", shapes=DEFAULT_SHAPES,
+                          eps: float = 1e-7, transpose_when: str = "tall", restarts: Sequence[int] | None = None,
+                          dtype: str = "bfloat16", shapes=DEFAULT_SHAPES,
                           families: Sequence[str] = DEFAULT_FAMILIES, seed: int = 0, per_matrix: bool | None = None,
                           input_dtype: torch.dtype = torch.float32, device="cpu", near_rank1_count: int = 8,
                           name: str | None = None, spectrum_count: int | None = None) -> list[Row]:
     """Judge ``fn`` (module docstring) and raise :class:`OrthogonalizerMismatch` naming every failed
     clause (its verdict, value and limit) and the table if a row FAILs; returns the rows (findings
     do not raise: read them with ``row.verdicts()``). ``coeffs`` (with ``steps``, ``cycle``,
-    :meth:`DeclaredMath.of`), ``normalization``, ``margin``, ``eps`` and ``transpose_when`` declare its
-    math; ``coeffs=None``: undeclared (only safety is judged). ``per_matrix``: True for a function of
+    :meth:`DeclaredMath.of`), ``normalization``, ``margin``, ``eps``, ``transpose_when``, ``restarts`` (the
+    Gram form's) and ``dtype`` (the iteration's) declare its math (:class:`DeclaredMath`); ``coeffs=None``:
+    undeclared (only safety is judged). ``per_matrix``: True for a function of
     one matrix ``[rows, cols]``, False for one of a batch, None (default) decided from one call on a
     batch (:meth:`Implementation.settle`; the rows then say so)."""
     m = None if coeffs is None else DeclaredMath.of(coeffs, steps=steps, cycle=cycle, normalization=normalization,
-                                                     margin=margin, eps=eps, transpose_when=transpose_when)
+                                                     margin=margin, eps=eps, transpose_when=transpose_when,
+                                                     restarts=None if restarts is None else tuple(restarts), dtype=dtype)
     impl = Implementation(name or callable_name(fn), fn, m, per_matrix=per_matrix, input_dtype=input_dtype)
     rows = judge(impl, shapes=shapes, families=families, seed=seed, device=device, near_rank1_count=near_rank1_count,
                  progress=False, spectrum_count=spectrum_count)
