@@ -14,8 +14,10 @@ failed clause -- its verdict, its value and its limit -- and the table of every 
 per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
 
 * **math** (FAIL): on the ``spectrum`` family, inputs of known singular values, the output's singular
-  values against the declared composite map, averaged over thousands of points (a 1e-3 slip in any
-  coefficient of any step is seen where the probe holds thousands of matrices; its standard errors come
+  values against the declared composite map, averaged over thousands of points (a 1e-3 slip raising
+  any coefficient of any step of Muon's quintic is seen where the probe holds thousands of matrices;
+  one lowering a coefficient of its first step shrinks the output as the eager forms' bf16 rounding
+  does and stays inside their hull, unseen; its standard errors come
   from the spread over matrices and are read through Student's t, so at the largest shapes, where
   few matrices fit, it sees gross slips only); the Gram on the declared side;
 * **safety** (FAIL, every family): a non-finite output, a vacuous one (zero, the identity, the input),

@@ -364,7 +364,10 @@ INDUCTOR_FORMS = (INDUCTOR_FORM, "inductor-prescaled")
 #: gram NS, the package's GRAM_SIDE), each product rounded once to bf16.
 GRAM_FORM = "gram"
 #: The Gram forms: ``gram`` adds ``a I`` in the iteration's dtype (``Z + a * I``, ``diagonal().add_(a)``),
-#: ``gram-a32`` in fp32 (a fused epilogue).
+#: ``gram-a32`` in fp32 (a fused epilogue), at the first step and after a restart; later steps take a as
+#: ``addmm``'s beta, unrounded, as dion's and gram-newton-schulz's code does. A Gram form that builds
+#: ``P = a*I + b*R + c*R@R`` with ``I`` in bf16 at every step runs each step's a rounded to bf16
+#: (Muon's 3.4445 becomes 3.4375, a slip of 7e-3): the math verdict reports that as the map it runs.
 GRAM_FORMS = (GRAM_FORM, "gram-a32")
 
 
@@ -574,9 +577,10 @@ def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = Tr
 #: Matrices of the ``spectrum`` probe per shape: SPECTRUM_MIN_COUNT, at most as many as fit
 #: SPECTRUM_MAX_ELEMENTS elements (large shapes: fewer matrices, each with many points), at least the
 #: shape's batch. The top of the normalized range, where a first step's coefficients show, has one
-#: point per matrix: 16384 matrices see a 1e-3 slip of any coefficient of Muon's quintic at 10 or more
-#: standard errors with the compiled form in the hull (tests/test_harness.py's mutation set; 4096 saw
-#: step 1's b and c at 5).
+#: point per matrix: 16384 matrices see a 1e-3 slip raising any coefficient of Muon's quintic at 10 or
+#: more standard errors with the compiled form in the hull (tests/test_harness.py's mutation set; 4096
+#: saw step 1's b and c at 5). A slip lowering step 1's a, b or c moves the output the way the forms'
+#: rounding does (it shrinks it), inside their hull: no count of matrices separates the two.
 SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 16384, 2 ** 26
 #: The probe's matrices reach an implementation in batches of about this many elements.
 SPECTRUM_CHUNK_ELEMENTS = 2 ** 17
