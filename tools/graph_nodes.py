@@ -125,10 +125,24 @@ def main(argv=None) -> int:
         opt.step()
         totals.append(time.perf_counter() - t)
     torch.cuda.synchronize()
+    # the same steps with a step hook registered: the drop-in then runs torch.optim's own wrapper (its
+    # profiler range and hook loops, lean_step), which a step without hooks skips; interleaved with the
+    # plain steps above would disturb their parts, so after them, from an idle device as well
+    plain = {k: statistics.median(v) for k, v in parts.items()}  # before the hooked steps add to them
+    hooked = []
+    handle = opt.register_step_pre_hook(lambda *_: None)
+    for _ in range(a.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        opt.step()
+        hooked.append(time.perf_counter() - t)
+    handle.remove()
+    torch.cuda.synchronize()
     print(f"host us per step, median of {a.steps} (each from an idle device):")
     print(f"  opt.step() total: {statistics.median(totals) * 1e6:.1f}")
-    for k, v in parts.items():
-        print(f"  {k}: {statistics.median(v) * 1e6:.1f}")
+    for k, v in plain.items():
+        print(f"  {k}: {v * 1e6:.1f}")
+    print(f"  opt.step() total with a step hook (torch.optim's wrapper): {statistics.median(hooked) * 1e6:.1f}")
     # the step's own graphs (the tuner's timing graphs are debug-mode too, and not the step's)
     step_graphs = list(eng.graphs.values()) if eng is not None and getattr(eng, "graphs", None) else made
     for i, g in enumerate(step_graphs):
