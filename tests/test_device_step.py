@@ -129,6 +129,50 @@ def test_the_inbox_is_sent_when_its_bytes_change_and_only_then():
     assert len(sent) == 3 and torch.equal(eng.inbox, torch.from_numpy(eng._inbox_np))
 
 
+def test_record_rails_move_the_groups_every_step_and_send_no_inbox():
+    """rails='record': the device reads the rails from its table at its own count, so the steps whose
+    groups changed only in the rails (every step of the schedule's warm-up) send no inbox and hand
+    nothing over but the rails; the groups and the inner optimizer still show the step's rails, a
+    changed lr is still sent, and the run's weights are those of a twin that hands everything over
+    at every step."""
+    from anvil_ref.rails import rail_scalars
+
+    def run(rails_on_device: bool):
+        torch.manual_seed(0)
+        m = TinyLM()
+        opt = ANVIL(m, lr=0.02, rails="record", total_steps=6)
+        eng = opt.engine
+        sent = []
+
+        class Slot:  # the pinned slots' host view, counting what upload() writes through it
+            def __init__(self, a):
+                self.a = a
+
+            def __setitem__(self, k, v):
+                sent.append(1)
+                self.a[k] = v
+
+        eng._slot_np = [Slot(a) for a in eng._slot_np]
+        if not rails_on_device:  # the twin: every step's groups handed over in full
+            real = opt._apply_groups
+            opt._apply_groups = lambda taken, every_step, rails_on_device=False: real(taken, every_step=every_step)
+        for step in range(5):
+            _fixed_grads(m, step)
+            if step == 3:
+                opt.param_groups[0]["lr"] = 0.013
+            opt.step()
+            want = rail_scalars(step, 6)
+            g = opt.param_groups[0]
+            assert (g["momentum"], g["fast_beta"], g["fast_weight"]) == tuple(want)
+            assert opt.inner.param_cfgs[next(iter(opt.inner.banks))].momentum == want.momentum
+        return [p.detach().clone() for p in m.parameters()], len(sent)
+
+    lean, n_lean = run(True)
+    full, n_full = run(False)
+    assert n_lean == 2  # the first step's inbox and the new lr's
+    assert n_full == 5 and all(torch.equal(a, b) for a, b in zip(lean, full))
+
+
 # ----------------------------------------------------------------------------------------------- semantics
 def test_a_step_without_any_gradient_runs_and_counts_nothing():
     torch.manual_seed(0)

@@ -649,7 +649,7 @@ class DropInAnvil(TorchContract, AnvilFrontend):
             if eng.counts()[0] >= self.total_steps:
                 raise ValueError(f"rails='record': the schedule covers total_steps={self.total_steps} steps and all "
                                  f"were taken; build the optimizer with a larger total_steps")
-        self._apply_groups(self._host_taken, every_step=self.rails == "record")
+        self._apply_groups(self._host_taken, every_step=self.rails == "record", rails_on_device=eng.record is not None)
         if not eng.step():
             return  # no parameter has a gradient: nothing ran, nothing counted
         if self.nonfinite == "raise" or not eng.cuda:
@@ -792,6 +792,11 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         self.inner.set_hyperparameters(anvil=values.get("anvil"), adam=values.get("adam"))
         if self.engine is not None:
             self.engine.load_hyper()
+
+    def _hand_over_rails(self, anvil: Mapping[str, Any]) -> None:
+        # the inner optimizer's values only: the device step reads the rails from its record table
+        # (derive_scalars), and its inbox, left as it is, is not sent again (DeviceStep.upload)
+        self.inner.set_hyperparameters(anvil=anvil)
 
     def _save_members(self, without: list[tuple[Bank, int]]) -> list[tuple[Tensor, Tensor]]:
         """(live slice, copy) of every weight and state slice of the members without a gradient."""

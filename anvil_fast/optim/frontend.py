@@ -41,6 +41,8 @@ from anvil_ref.update import LR_SCALE_CONVENTIONS
 from .optimizer import NonFiniteGradientError
 
 RAILS = ("nesterov", "record")
+#: The anvil group's entries ``rails="record"`` writes before every step (:func:`anvil_ref.rails.rail_scalars`).
+RECORD_RAIL_KEYS = ("momentum", "fast_beta", "fast_weight")
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -200,14 +202,17 @@ class AnvilFrontend(torch.optim.Optimizer):
                       NonFiniteGradientWarning, stacklevel=stacklevel)
 
     # ------------------------------------------------------------------ the groups at each step
-    def _group_key(self) -> tuple:
-        return tuple(v for g in self.param_groups for k, v in g.items() if k != "params")
+    def _group_key(self, skip: tuple[str, ...] = ()) -> tuple:
+        return tuple(v for g in self.param_groups for k, v in g.items() if k != "params" and k not in skip)
 
-    def _apply_groups(self, taken: Callable[[], int], *, every_step: bool) -> bool:
+    def _apply_groups(self, taken: Callable[[], int], *, every_step: bool, rails_on_device: bool = False) -> bool:
         """Validate the groups (the record's rails set first from ``taken()``, a momentum-cycling
         scheduler's Adam momentum copied into ``betas``) and hand their values over
         (:meth:`_hand_over`), everything checked before anything is handed; unless ``every_step``,
-        only when they changed since the last hand-over. Returns whether they were handed over."""
+        only when they changed since the last hand-over. ``rails_on_device``: what runs the update
+        reads the record's rails from its own table at its own step count (the one-process device
+        step), so a step whose groups changed in the rails alone writes them into the groups, for
+        their readers, and hands nothing over. Returns whether they were handed over."""
         if not every_step and self._group_key() == self._hyper_key:
             return False
         for g in self.param_groups:
@@ -220,8 +225,14 @@ class AnvilFrontend(torch.optim.Optimizer):
                 g.update(momentum=s.momentum, fast_beta=s.fast_beta, fast_weight=s.fast_weight)
             if g["kind"] == "adam" and "momentum" in g:  # a momentum-cycling scheduler's beta1
                 g["betas"] = (float(g["momentum"]), float(g["betas"][1]))
+        # after the record's rails and Adam's betas were written
+        key = self._group_key(RECORD_RAIL_KEYS if rails_on_device else ())
+        if rails_on_device and key == self._hyper_key:
+            self._hand_over_rails({k: v for g in self.param_groups if g["kind"] == "anvil"
+                                   for k, v in g.items() if k not in ("params", "param_names")})
+            return False
+        for g in self.param_groups:
             check_hyperparameters(g["kind"], g)
-        key = self._group_key()  # after the record's rails and Adam's betas were written
         self._hand_over({g["kind"]: {k: v for k, v in g.items() if k not in ("params", "param_names")}
                          for g in self.param_groups})
         self._hyper_key = key
@@ -230,6 +241,12 @@ class AnvilFrontend(torch.optim.Optimizer):
     def _hand_over(self, values: Mapping[str, Mapping[str, Any]]) -> None:
         """Give the checked group values (kind -> name -> value) to what runs the update."""
         raise NotImplementedError
+
+    def _hand_over_rails(self, anvil: Mapping[str, Any]) -> None:
+        """The anvil group's values where only the record's rails changed (``rails_on_device``):
+        what runs the update reads the rails from its own table; its holder of the values is kept
+        in step for their readers."""
+        self._hand_over({"anvil": anvil})
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> str:
