@@ -91,15 +91,8 @@ def test_device_scalars_are_the_host_formulas(rails):
     assert int(opt.state[m.gain]["step"]) == 2 and int(opt.state[m.lm_head.weight]["step"]) == 3
 
 
-def test_the_inbox_is_sent_when_its_bytes_change_and_only_then():
-    """A step whose hyper-parameters and gradient state equal the last step's issues no copy of the
-    inbox (the device holds those bytes); a changed lr or a parameter without gradient is sent before
-    the step that uses it."""
-    torch.manual_seed(0)
-    m = TinyLM()
-    opt = ANVIL(m, lr=0.02, momentum=0.9)
-    eng = opt.engine
-    hyper = list(anvil_fast.optim.device_step.HYPER)
+def _count_sends(eng) -> list:
+    """A list that grows by one each time ``eng.upload()`` writes the inbox into a pinned slot."""
     sent = []
 
     class Slot:  # the pinned slots' host view, counting what upload() writes through it
@@ -111,6 +104,19 @@ def test_the_inbox_is_sent_when_its_bytes_change_and_only_then():
             self.a[k] = v
 
     eng._slot_np = [Slot(a) for a in eng._slot_np]
+    return sent
+
+
+def test_the_inbox_is_sent_when_its_bytes_change_and_only_then():
+    """A step whose hyper-parameters and gradient state equal the last step's issues no copy of the
+    inbox (the device holds those bytes); a changed lr or a parameter without gradient is sent before
+    the step that uses it."""
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = ANVIL(m, lr=0.02, momentum=0.9)
+    eng = opt.engine
+    hyper = list(anvil_fast.optim.device_step.HYPER)
+    sent = _count_sends(eng)
     for step in range(2):
         _fixed_grads(m, step)
         opt.step()
@@ -142,17 +148,7 @@ def test_record_rails_move_the_groups_every_step_and_send_no_inbox():
         m = TinyLM()
         opt = ANVIL(m, lr=0.02, rails="record", total_steps=6)
         eng = opt.engine
-        sent = []
-
-        class Slot:  # the pinned slots' host view, counting what upload() writes through it
-            def __init__(self, a):
-                self.a = a
-
-            def __setitem__(self, k, v):
-                sent.append(1)
-                self.a[k] = v
-
-        eng._slot_np = [Slot(a) for a in eng._slot_np]
+        sent = _count_sends(eng)
         if not rails_on_device:  # the twin: every step's groups handed over in full
             real = opt._apply_groups
             opt._apply_groups = lambda taken, every_step, rails_on_device=False: real(taken, every_step=every_step)
