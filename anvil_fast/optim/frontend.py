@@ -139,12 +139,15 @@ def lean_step(step: Callable) -> Callable:
     return run
 
 
+#: torch's registries of global step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` /
+#: ``..._post_hook``), dicts it fills in place: looked up once, not on every step
+_GLOBAL_PRE = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+_GLOBAL_POST = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+
+
 def _global_step_hooks() -> bool:
-    """Whether a global optimizer step hook is registered (``torch.optim.optimizer.
-    register_optimizer_step_pre_hook`` / ``..._post_hook``); True where this torch keeps them elsewhere."""
-    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
-    return pre is None or post is None or bool(pre) or bool(post)
+    """Whether a global optimizer step hook is registered; True where this torch keeps them elsewhere."""
+    return _GLOBAL_PRE is None or _GLOBAL_POST is None or bool(_GLOBAL_PRE) or bool(_GLOBAL_POST)
 
 
 class AnvilFrontend(torch.optim.Optimizer):
@@ -227,14 +230,15 @@ class AnvilFrontend(torch.optim.Optimizer):
                 g["betas"] = (float(g["momentum"]), float(g["betas"][1]))
         # after the record's rails and Adam's betas were written
         key = self._group_key(RECORD_RAIL_KEYS if rails_on_device else ())
+        values = {g["kind"]: {k: v for k, v in g.items() if k not in ("params", "param_names")}
+                  for g in self.param_groups}
         if rails_on_device and key == self._hyper_key:
-            self._hand_over_rails({k: v for g in self.param_groups if g["kind"] == "anvil"
-                                   for k, v in g.items() if k not in ("params", "param_names")})
+            if "anvil" in values:
+                self._hand_over_rails(values["anvil"])
             return False
         for g in self.param_groups:
             check_hyperparameters(g["kind"], g)
-        self._hand_over({g["kind"]: {k: v for k, v in g.items() if k not in ("params", "param_names")}
-                         for g in self.param_groups})
+        self._hand_over(values)
         self._hyper_key = key
         return True
 
