@@ -137,7 +137,7 @@ def optimizer_gpu_tests() -> str:
 
 #: The stored H200 runs of ``python -m anvil_fast.bench peers`` the paper shows, newest first; each
 #: folder holds peers.md (written by the bench), command.txt and, where recorded, commit.txt.
-PEERS_RUNS = ("h200_gram_ns/peers", "h200_peers/both_sizes", "h200_peers/medium")
+PEERS_RUNS = ("h200_peers/small_all", "h200_peers/medium_all")
 
 
 def peers_runs() -> str:
@@ -219,44 +219,48 @@ def peers_repeats_table(folder: str) -> str:
               "the first run's first steps include compilation the later ones reuse.")
 
 
-#: The drop-in's first step from cold compiler caches, one fresh process per mode of the Gram
-#: kernels' tuner (``tools/h200_session.sh``'s warmup stage), and the host time of the graphed step by
-#: part (``tools/graph_nodes.py``), from one call on the H200.
-WARMUP_RUN = "h200_gram_tuned"
-WARMUP_MODES = (("warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate configuration compiled and timed"),
-                ("warmup_tune_1", "default: the shipped decisions (anvil_fast/kernels/gram_tuned.json)"))
+#: The drop-in's first step from cold compiler caches (fresh cache folders, a fresh process), per
+#: mode of the Gram kernels' tuner, each run a folder of results/ with its peers.json, command.txt and
+#: commit.txt: ``tools/h200_session.sh``'s warmup stage, and the same command with dion's graphed Muon
+#: beside the drop-in. The host time of the graphed step by part (``tools/graph_nodes.py``) is HOST_RUN's.
+WARMUP_RUNS = (("h200_gram_tuned/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate configuration compiled and timed"),
+               ("h200_gram_tuned/warmup_tune_1", "default: the shipped decisions (anvil_fast/kernels/gram_tuned.json)"),
+               ("h200_host/warmup_tune_1", "default: the shipped decisions"))
+HOST_RUN = "h200_host"
 
 
 def warmup_table() -> str:
-    """Per tuner mode: the small GPT's first step (s) of each contender of that run (ANVIL, and a peer
-    where the run had one). Step times are 6.2's peer tables' business, not these runs'."""
+    """Per run of WARMUP_RUNS: the small GPT's first step (s) of each contender of that run (ANVIL, and
+    a peer where the run had one, from the same cold caches). Step times are 6.2's peer tables'
+    business, not these runs'."""
     import json
 
     from papers.markdown import md_table
 
-    d = RESULTS / WARMUP_RUN
-    rows, commits = [], set()
-    for folder, what in WARMUP_MODES:
-        run = json.loads((d / folder / "peers.json").read_text())
-        for r in run["rows"]:  # ANVIL, and any peer the run had beside it from the same cold caches
+    rows = []
+    for folder, what in WARMUP_RUNS:
+        d = RESULTS / folder
+        run = json.loads((d / "peers.json").read_text())
+        commit = (d / "commit.txt").read_text().split()[0][:7]
+        for r in run["rows"]:  # ANVIL, and any peer the run had beside it
             if r["status"] != "ok":
-                raise ValueError(f"results/{WARMUP_RUN}/{folder}: the {r['contender']} row's status is {r['status']!r}")
-            rows.append([r["label"], what if r["contender"].startswith("anvil") else "(a peer in the same run)",
+                raise ValueError(f"results/{folder}: the {r['contender']} row's status is {r['status']!r}")
+            rows.append([f"`results/{folder}/` ({commit})", r["label"],
+                         what if r["contender"].startswith("anvil") else "(a peer in the same run)",
                          f"{r['first_step_s']:.1f}"])
-        commits.add((d / folder / "commit.txt").read_text().split()[0])
-    head = (d / WARMUP_MODES[1][0] / "command.txt").read_text().splitlines()[1]
-    return (md_table(["contender", "Gram kernels' tuning", "first step s"], rows)
-            + f"\n\n*Source: `results/{WARMUP_RUN}/warmup_tune_*/` (commit {', '.join(sorted(commits))}), one run "
-              f"each on one H200, fresh compiler cache folders, each `{head}` with the tuning mode its note "
-              "names" + ("" if any(r[1].startswith("(a peer") for r in rows) else "; ANVIL alone, no peer in these runs")
-            + ".*")
+    head = (RESULTS / WARMUP_RUNS[1][0] / "command.txt").read_text().splitlines()[1]
+    return (md_table(["run (commit)", "contender", "Gram kernels' tuning", "first step s"], rows)
+            + "\n\n*One run each on one H200, each with fresh compiler cache folders, the command as "
+              f"`{head}` with the contenders and tuning mode its `command.txt` names; a peer's first step is "
+              "comparable only with ANVIL's of the same run.*")
 
 
 def host_parts() -> str:
     """The graphed small-GPT step's host time by part (tools/graph_nodes.py's log), verbatim."""
-    return quote_log(f"{WARMUP_RUN}/graph_nodes_small.log", ("host us", "  opt.step", "  drop-in", "  collect", "  upload", "  graph replay",
-                                                                  "  engine.step"),
-                     command="python tools/graph_nodes.py --size small")
+    commit = (RESULTS / HOST_RUN / "commit.txt").read_text().split()[0][:7]
+    return quote_log(f"{HOST_RUN}/graph_nodes_small.log", ("host us", "  opt.step", "  drop-in", "  collect", "  upload",
+                                                            "  graph replay", "  engine.step"),
+                     command="python tools/graph_nodes.py --size small", where=f"one H200 (commit {commit})")
 
 
 TABLES: dict[str, Callable[[], str]] = {

@@ -35,10 +35,20 @@ def _debug_graphs() -> list:
     base = torch.cuda.CUDAGraph
 
     class DebugGraph(base):
-        # after __init__: the C++ graph is built there (pybind), so a flag set in __new__ is lost with
-        # the object it was set on, and the graph is freed at capture end with nothing to dump
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
+        # keep_graph=True: torch (2.8 on) instantiates the graph at capture end and frees its cudaGraph_t
+        # unless it is kept, and debug_dump prints the kept one; the debug flag after __init__ (the C++
+        # graph is built there, so a flag set in __new__ is lost with the object it was set on)
+        def __new__(cls, keep_graph: bool = False, *a, **k):
+            try:
+                return super().__new__(cls, True, *a, **k)
+            except TypeError:  # a torch without keep_graph
+                return super().__new__(cls)
+
+        def __init__(self, keep_graph: bool = False, *a, **k):
+            try:
+                super().__init__(True, *a, **k)
+            except TypeError:
+                super().__init__()
             self.enable_debug_mode()
             made.append(self)
 
