@@ -37,6 +37,8 @@
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
 #           makes it N runs in a row, into $OUT/run1 .. runN
+#   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
+#           beyond the model and its gradients by where they were made, then the same with one forward first
 # PYCACHE=DIR: Python's bytecode cache in DIR for every process of the call (env.txt says whether the
 # image's packages have one of their own).
 # TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
@@ -186,6 +188,10 @@ for stage in ${STAGES:-suite bench}; do
     nodes) for size in ${NODES_SIZES:-small medium}; do
              timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
                | tee "$OUT/graph_nodes_$size.log" | head -50
+           done ;;
+    resident) for ff in "" --forward-first; do
+             timeout "${T_RESIDENT:-120}" python3 tools/resident_diff.py --size small --contenders anvil,torch_muon,adamw \
+               $ff 2>&1 | tee -a "$OUT/resident_diff.log"
            done ;;
     peers) install_peers
            # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender
