@@ -190,8 +190,10 @@ for stage in ${STAGES:-suite bench}; do
                | tee "$OUT/graph_nodes_$size.log" | head -50
            done ;;
     resident) for ff in "" --forward-first; do
-             timeout "${T_RESIDENT:-120}" python3 tools/resident_diff.py --size small --contenders anvil,torch_muon,adamw \
-               $ff 2>&1 | tee -a "$OUT/resident_diff.log"
+             for who in anvil torch_muon adamw; do
+               timeout "${T_RESIDENT:-60}" python3 tools/resident_diff.py --size small --contender $who $ff 2>&1 \
+                 | tee -a "$OUT/resident_diff.log"
+             done
            done ;;
     peers) install_peers
            # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender

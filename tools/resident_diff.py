@@ -1,9 +1,10 @@
 """Which device allocations an optimizer holds beyond the model and its gradients (CUDA only).
 
-    python tools/resident_diff.py --size small --contenders anvil,adamw,torch_muon [--forward-first]
+    python tools/resident_diff.py --size small --contender anvil [--forward-first]
 
-For each contender, in this process one after another (the model rebuilt each time), as
-``python -m anvil_fast.bench peers`` measures its "resident MiB": the model, its fixed gradients,
+For one contender of ``python -m anvil_fast.bench peers``, in a fresh process (what one contender
+leaves behind, a library's workspace say, would sit in the next one's baseline), as that bench
+measures its "resident MiB": the model, its fixed gradients,
 the baseline; the optimizer built and ``--warmup`` steps taken. With CUDA's allocator history on,
 it then lists every allocation live after the steps and not live at the baseline, grouped by the
 first frame outside torch's own files, with their count and MiB, largest first; their sum is the
@@ -42,14 +43,14 @@ def _where(block: dict) -> str:
         name = f.get("filename", "")
         if "/torch/" in name or name.startswith("<") or "/python3" in name and "site-packages" not in name:
             continue
-        return f"{name.rsplit('/', 2)[-2:][-1]}:{f.get('line')} {f.get('name')}"
+        return f"{'/'.join(name.rsplit('/', 2)[-2:])}:{f.get('line')} {f.get('name')}"
     return "(no frame outside torch)"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="small")
-    ap.add_argument("--contenders", default="anvil,adamw")
+    ap.add_argument("--contender", default="anvil")
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--forward-first", action="store_true")
     ap.add_argument("--top", type=int, default=12)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     from anvil_fast.bench import peers as P
 
     dev = torch.device("cuda")
-    for name in a.contenders.split(","):
+    for name in [a.contender]:
         c = P.contender(name)
         model = P.build_model(a.size, dev)
         params = [p for p in model.parameters() if p.requires_grad]
