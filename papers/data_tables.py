@@ -135,6 +135,12 @@ def optimizer_gpu_tests() -> str:
                      command="python3 -m pytest -q -s -m gpu tests/", where="two H200s (NCCL; the whole GPU suite)")
 
 
+def run_commit(folder: Path) -> str | None:
+    """The commit a stored run's folder records (its ``commit.txt``), or None where it records none."""
+    f = folder / "commit.txt"
+    return f.read_text().split()[0] if f.exists() else None
+
+
 #: The stored H200 runs of ``python -m anvil_fast.bench peers`` the paper shows, newest first; each
 #: folder holds peers.md (written by the bench), command.txt and, where recorded, commit.txt.
 PEERS_RUNS = ("h200_peers/small_all", "h200_peers/medium_all")
@@ -152,7 +158,7 @@ def peers_runs() -> str:
             raise ValueError(f"results/{folder}/peers.md: not written by the bench (first line {first[:60]!r})")
         body = re.sub(r"^# .*\n", "", body.strip() + "\n", count=1, flags=re.M)
         body = re.sub(r"^## (.*)$", r"**\1**", body.strip(), flags=re.M)
-        commit = (d / "commit.txt").read_text().split()[0] if (d / "commit.txt").exists() else None
+        commit = run_commit(d)
         head = (d / "command.txt").read_text().splitlines()[0]
         where = f"commit {commit}" if commit else "the commit its command names"
         out.append(f"*Run `results/{folder}/` ({where}): {head}*\n\n{body}")
@@ -184,7 +190,7 @@ def peers_repeats_table(folder: str) -> str:
     d = RESULTS / folder
     runs = sorted((p for p in d.glob("run*/peers.json")), key=lambda p: int(p.parent.name[3:]))
     data = [json.loads(p.read_text()) for p in runs]
-    commits = {(p.parent / "commit.txt").read_text().split()[0] for p in runs}
+    commits = {run_commit(p.parent) for p in runs}
     order: list[tuple[str, str]] = []
     for run in data:
         for r in run["rows"]:
@@ -241,7 +247,7 @@ def warmup_table() -> str:
     for folder, what in WARMUP_RUNS:
         d = RESULTS / folder
         run = json.loads((d / "peers.json").read_text())
-        commit = (d / "commit.txt").read_text().split()[0][:7]
+        commit = run_commit(d)[:7]
         for r in run["rows"]:  # ANVIL, and any peer the run had beside it
             if r["status"] != "ok":
                 raise ValueError(f"results/{folder}: the {r['contender']} row's status is {r['status']!r}")
@@ -257,7 +263,7 @@ def warmup_table() -> str:
 
 def host_parts() -> str:
     """The graphed small-GPT step's host time by part (tools/graph_nodes.py's log), verbatim."""
-    commit = (RESULTS / HOST_RUN / "commit.txt").read_text().split()[0][:7]
+    commit = run_commit(RESULTS / HOST_RUN)[:7]
     return quote_log(f"{HOST_RUN}/graph_nodes_small.log", ("host us", "  opt.step", "  drop-in", "  collect", "  upload",
                                                             "  graph replay", "  engine.step"),
                      command="python tools/graph_nodes.py --size small", where=f"one H200 (commit {commit})")
