@@ -38,7 +38,7 @@
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
 #           makes it N runs in a row, into $OUT/run1 .. runN
 #   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
-#           beyond the model and its gradients by where they were made, then the same with one forward first
+#           beyond the model, its gradients and a first forward by where they were made, then the same without that forward
 # PYCACHE=DIR: Python's bytecode cache in DIR for every process of the call (env.txt says whether the
 # image's packages have one of their own).
 # TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
@@ -189,7 +189,7 @@ for stage in ${STAGES:-suite bench}; do
              timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
                | tee "$OUT/graph_nodes_$size.log" | head -50
            done ;;
-    resident) for ff in "" --forward-first; do
+    resident) for ff in "" --no-forward; do
              for who in anvil torch_muon adamw; do
                timeout "${T_RESIDENT:-60}" python3 tools/resident_diff.py --size small --contender $who $ff 2>&1 \
                  | tee -a "$OUT/resident_diff.log"

@@ -41,9 +41,10 @@ importable gets a row "not installed". microsoft/dion is imported if installed, 
 ``source`` says which, with a digest of its ``dion/*.py``.
 
 Method, per contender and size, in a fresh process: build the model (seed 0) and one fixed seeded
-random gradient per parameter (std :data:`GRAD_SCALE`); put it into ``.grad``; take the memory
-baseline (``memory_allocated`` / ``memory_reserved``: the model and its gradients exist, the optimizer
-does not); build the optimizer; run ``--warmup`` steps (compilation, autotuning, graph capture);
+random gradient per parameter (std :data:`GRAD_SCALE`); put it into ``.grad``; run one forward of the
+model (:func:`first_forward`); take the memory baseline (``memory_allocated`` / ``memory_reserved``:
+the model, its gradients and what its forward's libraries keep per process exist, the optimizer does
+not); build the optimizer; run ``--warmup`` steps (compilation, autotuning, graph capture);
 then ``--steps`` timed steps. Before every step the fixed gradient is copied into ``p.grad`` (a fresh
 tensor where the optimizer cleared it, as a backward pass would allocate), outside the timed region.
 
@@ -431,6 +432,15 @@ def fixed_gradients(params, device, seed: int = GRAD_SEED) -> list[torch.Tensor]
     return [GRAD_SCALE * torch.randn(p.shape, device=device, generator=g, dtype=p.dtype) for p in params]
 
 
+def first_forward(model, device) -> None:
+    """One forward of ``model`` on one row of tokens, without a gradient, as a training loop's forward
+    runs before the optimizer's first step: what a matmul library allocates once per process and
+    stream (cuBLAS's workspace, 32 MiB on an H200) is then in the memory baseline, not charged to
+    whichever contender's step happens to run the process's first matmul."""
+    with torch.no_grad():
+        model(torch.zeros(1, model.cfg.ctx, dtype=torch.long, device=device))
+
+
 def load_gradients(params, fixed) -> None:
     """The fixed gradient into every ``p.grad``: copied into the tensor the optimizer keeps there, or
     a fresh tensor where it cleared it (as a backward pass would allocate one)."""
@@ -515,6 +525,7 @@ def measure(c: Contender, size: str, device, *, warmup: int, steps: int, phase=l
     params = [p for p in model.parameters() if p.requires_grad]
     fixed = fixed_gradients(params, device)
     load_gradients(params, fixed)
+    first_forward(model, device)
     row: dict[str, Any] = dict(parameters=sum(p.numel() for p in params), resident_mib=None, peak_mib=None,
                                reserved_mib=None)
     base = None
