@@ -13,13 +13,18 @@ examples); another project imports it in its pytest suite::
 failed clause -- its verdict, its value and its limit -- and the table of every row. Three verdicts
 per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
 
-* **math** (FAIL): on the ``spectrum`` family, inputs of known singular values, the output's singular
-  values against the declared composite map, averaged over thousands of points (a 1e-3 slip raising
-  any coefficient of any step of Muon's quintic is seen where the probe holds thousands of matrices;
-  one lowering a coefficient of its first step shrinks the output as the eager forms' bf16 rounding
-  does and stays inside their hull, unseen; its standard errors come
-  from the spread over matrices and are read through Student's t, so at the largest shapes, where
-  few matrices fit, it sees gross slips only); the Gram on the declared side;
+* **math** (FAIL): on the ``spectrum`` family, inputs of known singular values, two measurements.
+  The lifted run: the function called with every tensor torch dispatches promoted to float64
+  (``Lift``), its output against the declared math in float64 within ``LIFT_RTOL``: any 1e-3 slip of
+  any coefficient of any step, raised or lowered, stands far past it, where the lift reaches the
+  arithmetic (pure PyTorch, eager or compiled; a Triton kernel that rounds inside, it does not, and
+  the row says so). The probe: the output's singular values against the declared composite map,
+  averaged over thousands of points (a 1e-3 slip raising any coefficient of any step of Muon's
+  quintic is seen where the probe holds thousands of matrices; one lowering a coefficient of its
+  first step shrinks the output as the eager forms' bf16 rounding does and stays inside their hull,
+  unseen by the probe; its standard errors come from the spread over matrices and are read through
+  Student's t, so at the largest shapes, where few matrices fit, it sees gross slips only); the Gram
+  on the declared side;
 * **safety** (FAIL, every family): a non-finite output, a vacuous one (zero, the identity, the input),
   an explosion where the same math in eager bf16 does not explode;
 * **rounding** (a finding, not a FAIL): the error against the float64 math over the largest eager bf16
@@ -37,12 +42,12 @@ from anvil_fast.studies.field_examples import (DECLARED as FIELD_EXAMPLES, MUON_
                                                muon_newton_schulz_horner, polar_express)
 from anvil_fast.studies.harness import (DEFAULT_FAMILIES, DEFAULT_SHAPES, FORMS, HARNESS_FAMILIES, INDUCTOR_FORMS,
                                         SPECTRUM,
-                                        DeclaredMath, Implementation, OrthogonalizerMismatch, Row,
+                                        DeclaredMath, Implementation, Lift, Lifted, OrthogonalizerMismatch, Row,
                                         assert_orthogonalizer, callable_name, eager_declared, format_table, judge,
-                                        reference, summary)
+                                        lifted_run, reference, summary)
 
 __all__ = ["assert_orthogonalizer", "judge", "OrthogonalizerMismatch", "DeclaredMath", "Implementation", "Row",
            "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "SPECTRUM", "FORMS", "INDUCTOR_FORMS", "reference",
-           "eager_declared", "format_table", "summary", "callable_name", "MUTANTS", "MUON_MATH",
+           "eager_declared", "format_table", "summary", "callable_name", "Lift", "Lifted", "lifted_run", "MUTANTS", "MUON_MATH",
            "POLAR_EXPRESS_MATH", "FIELD_EXAMPLES", "muon_newton_schulz", "muon_newton_schulz_fused",
            "muon_newton_schulz_compiled", "muon_newton_schulz_horner", "polar_express"]

@@ -330,7 +330,10 @@ def few_matrices() -> dict[str, str]:
 
 def values(data: dict | None = None) -> dict[str, str]:
     data = load() if data is None else data
+    from anvil_fast.core import tolerances as T
+
     return {**few_matrices(), "peers_h200_rules": h200_rules(), "peers_command": f"`{COMMAND}`",
+            "lift_count": str(T.LIFT_COUNT), "lift_rtol": f"{T.LIFT_RTOL:g}",
             "peers_runs": str(len(RUNS)), "peers_h200_progress": h200_progress(),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}
 

@@ -120,10 +120,23 @@ def test_a_dropped_transpose_in_torch_muon_fails():
 
 
 def test_the_slip_is_seen_by_the_math_verdict(monkeypatch):
-    # loosen the math verdict's limit tenfold: nothing else sees a 1% slip (its rounding stays within
-    # a finding's reach), so it passes
+    # loosen the math verdict's two limits: nothing else sees a 1% slip (its rounding stays within a
+    # finding's reach), so it passes
     monkeypatch.setattr(T, "MATH_Z", 1e3)
+    monkeypatch.setattr(T, "LIFT_RTOL", 1.0)
     judge(slipped)
+
+
+def test_the_slip_is_seen_by_each_of_the_math_verdict_s_two_measurements(monkeypatch):
+    # the lifted run alone (torch's Muon is pure PyTorch: the lift reaches it), then the probe alone
+    monkeypatch.setattr(T, "MATH_Z", 1e3)
+    with pytest.raises(H.OrthogonalizerMismatch, match=r"math: run in float64 \(every tensor lifted\), its output is "
+                                                       r"off the declared math by 0\.0\d+ > 1e-06"):
+        judge(slipped)
+    monkeypatch.setattr(T, "MATH_Z", 6.0)
+    monkeypatch.setattr(T, "LIFT_RTOL", 1.0)
+    with pytest.raises(H.OrthogonalizerMismatch, match=r"math: singular values off the declared map"):
+        judge(slipped)
 
 
 def test_the_dropped_transpose_is_seen_by_the_gram_side_only(monkeypatch):
@@ -578,6 +591,9 @@ def test_every_slip_of_the_mutation_set_fails_through_the_api():
         fails = [c for f in MUTATION_CASE["families"] for c in by[(n, f)].failures()]
         assert fails and all(re.search(r"^(math|safety): ", c) for c in fails), (n, fails)
     assert by[("step1_c_plus_1e-3", "spectrum")].math_z > T.MATH_Z
+    # every coefficient slip, raising or lowering, stands past the lifted run's limit by 100 and more
+    slips = [n for n in AT.MUTANTS if re.fullmatch(r"step\d_[abc]_(plus|minus)_1e-3", n)]
+    assert len(slips) == 30 and min(by[(n, "spectrum")].lift_err for n in slips) > 100 * T.LIFT_RTOL
     assert "zero" in by[("float16_input", "tiny")].failures()[0]  # float16 flushes 2^-100 to zero
     assert by[("no_transpose", "zero")].failures() == ["math: orientation: formed a 24x24 Gram; transpose when tall "
                                                        "forms 16x16 (seen 24, limit: the declared 16)"]
@@ -645,11 +661,12 @@ def test_the_math_of_a_more_precise_implementation_passes():
     H.assert_orthogonalizer(f32, **AT.MUON_MATH, shapes=[(2, 32, 32)], families=("spectrum",), spectrum_count=1024)
 
 
-def test_polar_express_slips_after_its_first_step_fail_and_its_first_step_s_are_below_the_rounding():
-    """Polar Express's 1e-3 slips (its own code, one coefficient changed): every b and c of steps 2-5 and
-    the a of steps 2 and 5 stand far past the limit; a slip of step 1's b or c (coefficients of 16 and
-    22) moves the output less than the evaluation forms' rounding biases differ, and passes: the math
-    verdict's stated limit, which README.md and the paper repeat."""
+def test_every_polar_express_slip_fails_and_the_probe_alone_misses_its_first_step_s():
+    """Polar Express's 1e-3 slips (its own code, one coefficient changed, raised or lowered): the lifted
+    run sees every one at 100 times its limit and more. The probe alone (what judges code the lift
+    cannot reach) sees every b and c of steps 2-5 and the a of steps 2 and 5 raised; a slip of step 1's
+    b or c (coefficients of 16 and 22) moves the bf16 output less than the evaluation forms' rounding
+    biases differ, and passes it: the probe's stated limit, which README.md and the paper repeat."""
     from anvil_fast.studies import field_examples as F
 
     m = H.DeclaredMath.of(**F.POLAR_EXPRESS_MATH)
@@ -657,9 +674,13 @@ def test_polar_express_slips_after_its_first_step_fail_and_its_first_step_s_are_
     impls.append(H.Implementation("genuine", F.polar_express, m))
     by = {r.impl: r for r in H.judge(impls, shapes=[(2, 24, 16)], families=("spectrum",), progress=False)}
     caught = {n for n, r in by.items() if r.verdict() == "FAIL"}
+    assert caught == set(F.POLAR_EXPRESS_MUTANTS) and len(caught) == 30
+    assert min(by[n].lift_err for n in F.POLAR_EXPRESS_MUTANTS) > 100 * T.LIFT_RTOL
+    assert by["genuine"].lift_err < 1e-4 * T.LIFT_RTOL and by["genuine"].verdict() == "ok"
+    probe = {n for n, r in by.items() if r.math_z > T.MATH_Z}
     assert {f"step{s}_{c}_plus_1e-3" for s in (2, 3, 4, 5) for c in "bc"} | {"step2_a_plus_1e-3",
-                                                                          "step5_a_plus_1e-3"} <= caught
-    assert not {"genuine", "step1_b_plus_1e-3", "step1_c_plus_1e-3"} & caught
+                                                                          "step5_a_plus_1e-3"} <= probe
+    assert not {"genuine", "step1_b_plus_1e-3", "step1_c_plus_1e-3"} & probe
     assert by["genuine"].math_z < 2
 
 
@@ -676,6 +697,123 @@ def test_polar_express_as_torch_compile_fuses_it_passes_at_a_bank_shape():
                    families=("spectrum",), progress=False)
     assert [r.verdict() for r in rows] == ["ok"], rows[0].failures()
     assert rows[0].math_z < 3
+
+
+# ------------------------------------------------------------------------------ the lifted run
+
+def _muon_by_hand(G, coeffs=None, *, rounding=None, buffers=None):
+    """Muon's quintic as the field writes it, with hooks for what the lift must tell apart: ``coeffs``
+    (a tensor of a lower dtype made before the call), ``rounding`` (applied to every product, as a
+    kernel torch does not dispatch would round) and ``buffers`` (a dict keeping a bf16 buffer from one
+    call to the next, written in place)."""
+    a, b, c = coeffs if coeffs is not None else AT.MUON_MATH["coeffs"][0]
+    X = G.bfloat16()
+    flip = X.size(-2) > X.size(-1)
+    X = X.mT if flip else X
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(AT.MUON_MATH["steps"]):
+        A = X @ X.mT
+        Y = a * X + (b * A + c * A @ A) @ X
+        if rounding is not None:
+            Y = rounding(Y)
+        if buffers is not None:
+            out = buffers.setdefault(tuple(X.shape), torch.empty(X.shape, dtype=torch.bfloat16))
+            out.copy_(Y)
+            Y = out
+        X = Y
+    return (X.mT if flip else X).clone()
+
+
+def _lifted(fn, math_=None, shape=(2, 24, 16)):
+    m = math_ or H.DeclaredMath.of(**AT.MUON_MATH)
+    x = H.spectrum_input(shape, m, seed=0, device="cpu", count=64).x
+    impl = H.Implementation(getattr(fn, "__name__", "fn"), fn, m, per_matrix=None)
+    impl.settle(x[:2])
+    impl(H.lift_input(x))  # a call of the lifted batch's shape before: what it keeps from one, it has
+    return H.lifted_run(impl, H.lift_input(x), m)
+
+
+def test_the_lift_reaches_the_field_s_code_and_finds_its_math_exact():
+    from anvil_fast.studies import adapters as A
+
+    seen = {}
+    for name in A.ADAPTERS:
+        try:
+            impl = A.build(name, device="cpu")
+        except A.Unavailable:
+            continue
+        if impl.math is None or name.startswith("anvil-"):  # ANVIL's fast path refuses float64 (below)
+            continue
+        x = H.spectrum_input((2, 24, 16), impl.math, seed=0, device="cpu", count=64).x
+        impl.settle(x[:2])
+        lf = H.lifted_run(impl, H.lift_input(x), impl.math)
+        seen[name] = lf.err
+        assert lf.err is not None and lf.err < 1e-4 * T.LIFT_RTOL and lf.off < 1e-2 * T.LIFT_OFF, (name, lf)
+    assert {"torch-muon", "field-muon-newton-schulz", "field-muon-newton-schulz-compiled",
+            "field-polar-express"} <= set(seen)
+    lf = _lifted(A.build("anvil-safe", device="cpu").fn)
+    assert lf.err is None and "raised" in lf.why_not
+
+
+def test_a_rounding_the_lift_cannot_reach_takes_it_out_of_the_verdict():
+    """A product rounded where torch does not dispatch (here float32 through NumPy, as a Triton kernel's
+    store would) leaves a part off the input's singular basis; a bf16 buffer kept from an earlier call
+    and written in place keeps its dtype: neither run is judged by the lift, so its rounding is no
+    false alarm, and the probe judges the math (and passes it)."""
+    def rounded(G):
+        return _muon_by_hand(G, rounding=lambda y: torch.from_numpy(y.float().numpy().astype(np.float32)).to(y.dtype))
+
+    buffers: dict = {}
+    lf = _lifted(rounded)
+    assert lf.err is None and T.LIFT_OFF < lf.off < 1e-4 and "off its input's singular basis" in lf.why_not
+    lf = _lifted(lambda G: _muon_by_hand(G, buffers=buffers))
+    assert lf.err is None and "(copy_)" in lf.why_not
+    m = H.DeclaredMath.of(**AT.MUON_MATH)
+    for fn in (rounded, lambda G: _muon_by_hand(G, buffers=buffers)):
+        rows = H.judge([H.Implementation("f", fn, m)], shapes=[(2, 24, 16)], families=("spectrum",), progress=False)
+        assert [r.verdict() for r in rows] == ["ok"] and rows[0].lift_err is None, rows[0].failures()
+
+
+def test_coefficients_held_in_bf16_are_named_as_such():
+    """Coefficients kept in a bf16 tensor are run rounded (3.4445 as 3.4375): the lift names the dtype
+    that explains the output, a finding; the probe sees the rounded map and FAILs it, as it should a
+    0.007 change of a."""
+    held = torch.tensor(AT.MUON_MATH["coeffs"][0], dtype=torch.bfloat16)
+    lf = _lifted(lambda G: _muon_by_hand(G, coeffs=held))
+    assert lf.coeffs == "bfloat16" and lf.err > 100 * T.LIFT_RTOL
+    lf = _lifted(lambda G: _muon_by_hand(G, coeffs=torch.tensor(AT.MUON_MATH["coeffs"][0], dtype=torch.float64)))
+    assert lf.err < 1e-4 * T.LIFT_RTOL and lf.coeffs == ""
+
+
+def test_the_lift_promotes_every_dtype_and_factory_and_leaves_written_tensors_alone():
+    buf = torch.zeros(3, dtype=torch.bfloat16)
+    with H.Lift() as lift:
+        t = torch.ones(3, dtype=torch.bfloat16) / 3
+        e = torch.eye(2, dtype=torch.float16)
+        h = torch.full((2,), 1 / 3).half()
+        buf.add_(1 / 3)
+    assert (t.dtype, e.dtype, h.dtype) == (torch.float64,) * 3 and float(t[0]) == 1 / 3
+    assert buf.dtype == torch.bfloat16 and lift.low == ["add_"]
+    assert float(buf[0]) == float(torch.tensor(1 / 3).bfloat16())
+
+
+def test_an_eps_of_any_placement_and_size_moves_the_lifted_output_less_than_its_limit():
+    """The lifted input's scale puts an eps (bf16's 2^-7, added or clamped) far below LIFT_RTOL, so the
+    lift never FAILs an eps the declared math places another way; the eps itself is judged by the
+    probe's matrices near eps and the ``tiny`` family."""
+    for eps, clamp in ((2.0 ** -7, False), (2.0 ** -7, True), (0.0, True)):
+        def f(G, eps=eps, clamp=clamp):
+            X = G.bfloat16()
+            X = X.mT if X.size(-2) > X.size(-1) else X
+            n = X.norm(dim=(-2, -1), keepdim=True)
+            X = X / (n.clamp_min(max(eps, 1e-30)) if clamp else n + eps)
+            for _ in range(5):
+                A = X @ X.mT
+                a, b, c = AT.MUON_MATH["coeffs"][0]
+                X = a * X + (b * A + c * A @ A) @ X
+            return X.mT if G.size(-2) > G.size(-1) else X
+        lf = _lifted(f)
+        assert lf.err is not None and lf.err < 0.1 * T.LIFT_RTOL, (eps, clamp, lf)
 
 
 # ------------------------------------------------------------------------------ the device's own arithmetic in the forms

@@ -6,7 +6,8 @@ Builds the drop-in ``anvil_fast.ANVIL`` (defaults) on the package's GPT as ``pyt
 dropin`` does, with every CUDA graph in debug mode, takes ``--warmup`` steps, then:
 
 * the host time of each part of ``opt.step()`` (median over ``--steps`` steps, each begun on an idle
-  device so that no part waits on it): the whole call; the drop-in's storage check, report of earlier
+  device so that no part waits on it; once for each way of waiting, ``--waits``: blocked in a
+  synchronize, or polling an event, where the host thread stays awake): the whole call; the drop-in's storage check, report of earlier
   steps, param-group hand-over and engine call; the gradient collection, the upload of the inbox,
   the graph's replay (``cudaGraphLaunch``) and the engine's step (those and the status copy);
 * the graph's nodes by kind (kernel, memcpy, memset, event record / wait, empty) and the kernels by
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--waits", default="sync,spin", help="how each step waits for an idle device: sync, spin "
+                    "(a comma list: one table each)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tools/graph_nodes.py needs CUDA")
@@ -126,33 +129,49 @@ def main(argv=None) -> int:
         for g in eng.graphs.values():
             timed(g, "replay", "graph replay (cudaGraphLaunch)")
         timed(eng, "step", "engine.step (all of the above + status copy)")
-    totals = []
-    # each step from an idle device: no part of the host's work waits on the device (the upload's
-    # pinned slot and the status event are free), so the times are the host's own
-    for _ in range(a.steps):
+    def idle(wait: str) -> None:
+        """Wait until the device is idle: ``sync`` blocks in cudaDeviceSynchronize (the host thread may
+        sleep, and wake on a colder, slower core), ``spin`` polls an event from Python, so the thread
+        stays on a running core, as it would while a training loop's host works ahead."""
+        if wait == "sync":
+            torch.cuda.synchronize()
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        while not ev.query():
+            pass
+        torch.cuda.synchronize()  # (returns at once)
+
+    for wait in a.waits.split(","):
+        parts.clear()
+        totals = []
+        # each step from an idle device: no part of the host's work waits on the device (the upload's
+        # pinned slot and the status event are free), so the times are the host's own
+        for _ in range(a.steps):
+            idle(wait)
+            t = time.perf_counter()
+            opt.step()
+            totals.append(time.perf_counter() - t)
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        opt.step()
-        totals.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    # the same steps with a step hook registered: the drop-in then runs torch.optim's own wrapper (its
-    # profiler range and hook loops, lean_step), which a step without hooks skips; interleaved with the
-    # plain steps above would disturb their parts, so after them, from an idle device as well
-    plain = {k: statistics.median(v) for k, v in parts.items()}  # before the hooked steps add to them
-    hooked = []
-    handle = opt.register_step_pre_hook(lambda *_: None)
-    for _ in range(a.steps):
+        # the same steps with a step hook registered: the drop-in then runs torch.optim's own wrapper (its
+        # profiler range and hook loops, lean_step), which a step without hooks skips; interleaved with the
+        # plain steps above would disturb their parts, so after them, from an idle device as well
+        plain = {k: statistics.median(v) for k, v in parts.items()}  # before the hooked steps add to them
+        hooked = []
+        handle = opt.register_step_pre_hook(lambda *_: None)
+        for _ in range(a.steps):
+            idle(wait)
+            t = time.perf_counter()
+            opt.step()
+            hooked.append(time.perf_counter() - t)
+        handle.remove()
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        opt.step()
-        hooked.append(time.perf_counter() - t)
-    handle.remove()
-    torch.cuda.synchronize()
-    print(f"host us per step, median of {a.steps} (each from an idle device):")
-    print(f"  opt.step() total: {statistics.median(totals) * 1e6:.1f}")
-    for k, v in plain.items():
-        print(f"  {k}: {v * 1e6:.1f}")
-    print(f"  opt.step() total with a step hook (torch.optim's wrapper): {statistics.median(hooked) * 1e6:.1f}")
+        print(f"host us per step, median of {a.steps} (each from an idle device, waited for by {wait}):")
+        print(f"  opt.step() total: {statistics.median(totals) * 1e6:.1f}")
+        for k, v in plain.items():
+            print(f"  {k}: {v * 1e6:.1f}")
+        print(f"  opt.step() total with a step hook (torch.optim's wrapper): {statistics.median(hooked) * 1e6:.1f}",
+              flush=True)
     # the step's own graphs (the tuner's timing graphs are debug-mode too, and not the step's)
     step_graphs = list(eng.graphs.values()) if eng is not None and getattr(eng, "graphs", None) else made
     for i, g in enumerate(step_graphs):

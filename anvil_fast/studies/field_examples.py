@@ -177,6 +177,7 @@ def _mutants() -> dict:
     for step in range(MUON_STEPS):
         for i, letter in enumerate("abc"):
             out[f"step{step + 1}_{letter}_plus_1e-3"] = _slipped(step, i)
+            out[f"step{step + 1}_{letter}_minus_1e-3"] = _slipped(step, i, -1e-3)
     out.update({
         "margin_1.02": lambda G: _orthogonalize(G, base, margin=1.02),
         "eps_1e-5": lambda G: _orthogonalize(G, base, eps=1e-5),
@@ -203,11 +204,12 @@ def _polar_express_mutants() -> dict:
     out = {}
     for step in range(len(POLAR_EXPRESS_ABC)):
         for i, letter in enumerate("abc"):
-            coeffs = [list(t) for t in POLAR_EXPRESS_ABC]
-            coeffs[step][i] += 1e-3
-            fn = (lambda co: lambda G: _polar_express(G, co))(coeffs)
-            fn.__name__ = fn.__qualname__ = f"polar_express_mutant_step{step + 1}_{letter}_plus_1e_3"
-            out[f"step{step + 1}_{letter}_plus_1e-3"] = fn
+            for sign, word in ((1, "plus"), (-1, "minus")):
+                coeffs = [list(t) for t in POLAR_EXPRESS_ABC]
+                coeffs[step][i] += sign * 1e-3
+                fn = (lambda co: lambda G: _polar_express(G, co))(coeffs)
+                fn.__name__ = fn.__qualname__ = f"polar_express_mutant_step{step + 1}_{letter}_{word}_1e_3"
+                out[f"step{step + 1}_{letter}_{word}_1e-3"] = fn
     return out
 
 

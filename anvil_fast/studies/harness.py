@@ -20,6 +20,11 @@ and the math it declares -- a
 ``math z``     on the ``spectrum`` family (:func:`spectrum_input`: inputs of known singular values),
                the largest deviation of its output's singular values from the declared map beyond
                every eager form's, in standard errors (:func:`math_statistic`)
+``lifted``     on the ``spectrum`` family: its error against the declared math when it runs with every
+               tensor torch dispatches promoted to float64 (:func:`lifted_run`), where that run
+               reaches its arithmetic (pure PyTorch, eager or compiled: torch.compile runs the
+               Python source under a dispatch mode); ``-`` where it does not (a Triton kernel that
+               rounds inside, a fast path that refuses float64): the probe alone judges its math
 ``sv``         min / mean / max of its output's singular values divided by their RMS
 ``exploded``   outputs whose top singular value passes the math's explosion threshold
                (:func:`anvil_fast.core.tolerances.exploded_sigma`), next to the eager runs'
@@ -29,7 +34,7 @@ and the math it declares -- a
 ``ms``         median time per call on CUDA (after a warm-up call per shape, :func:`warm_up`)
 
 and three verdicts (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`, :data:`VERDICT_RULE`),
-every failed clause naming its value and its limit: **math** (the spectrum probe, the Gram side) and
+every failed clause naming its value and its limit: **math** (the spectrum probe, the lifted run, the Gram side) and
 **safety** (non-finite, vacuous, an explosion its eager math does not have) FAIL; **rounding** (``err``
 over the largest eager form's, beyond twice plus one bf16 rounding) is a finding, as is a math that
 explodes in bf16 in its own eager run. Undeclared math (``math=None``) gets safety only, verdict
@@ -64,6 +69,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from anvil_ref import polar as P
 from anvil_ref.maps import MapsLike, load_maps
@@ -95,7 +101,8 @@ PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul"})
 VERDICT_RULE = (
     "verdicts (anvil_fast/core/tolerances.py, orthogonalizer_clauses): math = the spectrum probe's singular values "
     f"within {T.MATH_Z:g} standard errors of the declared map beyond every eager form's (and the float64 math's), "
-    "the Gram on the declared side; safety = finite, not vacuous (zero, the identity, the input), no explosion "
+    f"and, where the implementation runs with every tensor lifted to float64, its output within {T.LIFT_RTOL:g} of "
+    "the float64 math; the Gram on the declared side; safety = finite, not vacuous (zero, the identity, the input), no explosion "
     "where the same math in eager bf16 does not explode; rounding = err <= "
     f"{T.FACTOR:g} x the larger eager form's + 2**{math.log2(T.ATOL):g}, else a finding (k = err / eager). "
     "FAIL = a math or safety clause fails; finding = a rounding clause or the math's own bf16 behaviour; "
@@ -275,6 +282,126 @@ def run_impl(impl: Implementation, x: Tensor, *, seed: int = 0, record: bool = T
         ys += [impl(part) for part in parts[1:]]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return y, None if rec is None else rec.gram_side()
+
+
+# ------------------------------------------------------------------------------ the implementation lifted to float64
+
+#: Floating dtypes the lift promotes to float64.
+_LOW = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Lift(TorchDispatchMode):
+    """While active, every op torch dispatches runs in float64: floating tensor arguments below
+    float64 are promoted and a floating ``dtype`` argument below float64 becomes float64, so a casting
+    ``G.bfloat16()``, a buffer ``torch.empty(..., dtype=torch.bfloat16)`` and every product become
+    float64 ones. ``low``: ops that still returned a tensor below float64 (in place into a tensor made
+    before the lift, say): the run did not stay in float64. Arithmetic torch does not dispatch (a
+    Triton kernel, NumPy) is not reached; :func:`lifted_run` tells such a run by its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.low: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def up(t):
+            return t.double() if isinstance(t, Tensor) and t.dtype in _LOW else t
+
+        kwargs = dict(kwargs or {})
+        if kwargs.get("dtype") in _LOW:
+            kwargs["dtype"] = torch.float64
+        # a tensor the op writes (in place, out=) is left as it is: a promoted copy would take the write
+        # and the tensor itself keep its old values
+        written = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        args = tuple(v if a.name in written else tree_map(up, v) for a, v in zip(func._schema.arguments, args))
+        kwargs = {k: v if k in written else tree_map(up, v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+
+        def low(out):
+            return any(isinstance(o, Tensor) and o.dtype in _LOW for o in (out if isinstance(out, (tuple, list)) else (out,)))
+
+        if low(out) and not written and any(a.name == "dtype" and a.kwarg_only for a in func._schema.arguments):
+            out = func(*args, **{**kwargs, "dtype": torch.float64})  # a factory's default dtype
+        if low(out):
+            self.low.append(func._overloadpacket.__name__)
+        return out
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """The implementation run under :class:`Lift` (:func:`lifted_run`). ``err``: its output against the
+    declared math in float64 (largest relative Frobenius error; None where the lift did not reach its
+    arithmetic, ``why_not`` says why); ``off``: the part of its output off the singular basis of the
+    normalized input (relative; an exact run of any odd matrix polynomial has none, a rounding
+    somewhere the lift does not reach puts some there); ``coeffs``: where ``err`` is past
+    LIFT_RTOL, the dtype whose rounding of every declared coefficient explains the output ("" none)."""
+
+    err: float | None
+    off: float
+    why_not: str = ""
+    coeffs: str = ""
+
+
+def lift_input(x: Tensor) -> Tensor:
+    """The lifted run's input from the spectrum probe's batch ``x``: its first LIFT_COUNT matrices (full
+    rank with a top singular value near the norm, and low rank: the first step's coefficients show)
+    scaled by 2^LIFT_SCALE_EXP (exact), where an eps in the normalization, whichever its placement or
+    value up to bf16's 2^-7, moves the output by less than LIFT_RTOL / 10."""
+    return x[:T.LIFT_COUNT] * 2.0 ** T.LIFT_SCALE_EXP
+
+
+def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath) -> float:
+    """||y - u diag(u^T y v) v^T|| / ||y||, largest over the batch, with u, v the singular vectors of
+    the declared normalization of x (float64, oriented as declared)."""
+    flip = P.transposes(tuple(x.shape), transpose_when=math_.transpose_when)
+    z = x.double().cpu()
+    yo = y.double().cpu()
+    if flip:
+        z, yo = z.mT, yo.mT
+    z0 = torch.as_tensor(P.normalize(z, normalization=math_.normalization, margin=math_.margin, eps=math_.eps))
+    u, _, vh = torch.linalg.svd(z0, full_matrices=False)
+    d = (u.mT @ yo @ vh.mT).diagonal(dim1=-2, dim2=-1)
+    rest = yo - (u * d[..., None, :]) @ vh
+    return float((rest.flatten(1).norm(dim=1) / yo.flatten(1).norm(dim=1).clamp_min(1e-300)).max())
+
+
+def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: int = 0) -> Lifted:
+    """``impl`` on ``x`` (:func:`lift_input`) under :class:`Lift`, compared with the declared math in
+    float64: a coefficient slip far below bf16's noise stands out against float64's. The lift reaches
+    the run where its output is float64, no op returned a lower dtype, and the output has no part off
+    the input's singular basis beyond LIFT_OFF (an exact run of the declared kind of math has none)."""
+    xin = impl.prepare(x)
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    lift = Lift()
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), lift:
+            torch.manual_seed(seed)
+            y = impl.run(xin)
+    except Exception as exc:  # noqa: BLE001 -- a refusal of float64 is a fact about the run, not a verdict
+        return Lifted(None, math.nan, f"raised {type(exc).__name__} in float64")
+    if not isinstance(y, Tensor) or tuple(y.shape) != tuple(x.shape):
+        return Lifted(None, math.nan, "returned another shape in float64")
+    if lift.low:
+        return Lifted(None, math.nan, f"wrote into a tensor of a lower dtype made before the call "
+                                      f"({', '.join(sorted(set(lift.low)))})")
+    if y.dtype != torch.float64:
+        return Lifted(None, math.nan, f"returned {str(y.dtype).replace('torch.', '')}: computed outside torch's dispatcher")
+    if not torch.isfinite(y).all():
+        return Lifted(None, math.nan, "not finite in float64")
+    x64 = xin.double()
+    off = _off_spectral(y, x64, math_)
+    if not off <= T.LIFT_OFF:
+        return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g}: a rounding the "
+                                 "lift does not reach (a kernel's), or not a matrix polynomial")
+    err = float(rel_errs(y, reference(x64, math_)).max())
+    coeffs = ""
+    if not err <= T.LIFT_RTOL:
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            held = dataclasses.replace(math_, coeffs=tuple(tuple(float(torch.tensor(c).to(dt)) for c in t)
+                                                           for t in math_.coeffs))
+            if float(rel_errs(y, reference(x64, held)).max()) <= T.LIFT_RTOL:
+                coeffs = str(dt).replace("torch.", "")
+                break
+    return Lifted(err, off, "", coeffs)
 
 
 # ------------------------------------------------------------------------------ the same math, float64
@@ -580,7 +707,8 @@ def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = Tr
 #: point per matrix: 16384 matrices see a 1e-3 slip raising any coefficient of Muon's quintic at 10 or
 #: more standard errors with the compiled form in the hull (tests/test_harness.py's mutation set; 4096
 #: saw step 1's b and c at 5). A slip lowering step 1's a, b or c moves the output the way the forms'
-#: rounding does (it shrinks it), inside their hull: no count of matrices separates the two.
+#: rounding does (it shrinks it), inside their hull: no count of matrices separates the two (the
+#: lifted run, which leaves no rounding, does).
 SPECTRUM_MIN_COUNT, SPECTRUM_MAX_ELEMENTS = 16384, 2 ** 26
 #: The probe's matrices reach an implementation in batches of about this many elements.
 SPECTRUM_CHUNK_ELEMENTS = 2 ** 17
@@ -1007,6 +1135,13 @@ class Row:
     math_form: str = ""
     math_points: int = 0
     math_matrices: int = 0  #: the matrices the worst clause's statistic sums
+    #: spectrum rows: the lifted run (:class:`Lifted`): its error against the float64 math (None where
+    #: the lift did not reach its arithmetic, ``lift_note`` says why), its part off the input's singular
+    #: basis, and the dtype of coefficients that explains its output
+    lift_err: float | None = None
+    lift_off: float | None = None
+    lift_note: str = ""
+    lift_coeffs: str = ""
     note: str = ""
     ms: float | None = None
     declared: bool = True
@@ -1304,6 +1439,10 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                                 margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
             row.math_form, row.math_points, row.math_matrices = st.form, st.points, st.matrices
+            with cache.timed("lift"):
+                lf = lifted_run(impl, lift_input(x), m, seed=cache.seed)
+            row.lift_err, row.lift_note, row.lift_coeffs = lf.err, lf.why_not, lf.coeffs
+            row.lift_off = lf.off if lf.off == lf.off else None
     else:
         row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:
@@ -1401,7 +1540,7 @@ def _g(v, fmt=".3g") -> str:
 
 def format_table(rows: list[Row]) -> str:
     head = (f"{'impl':<26} {'shape':<10} {'family':<16} {'err':>8} {'eager':>8} {'unfused':>8} {'k':>5} "
-            f"{'floor':>8} {'polar':>7} {'math':>7} {'math z':>7} {'sv min/mean/max':>17} {'exploded':>9} "
+            f"{'floor':>8} {'polar':>7} {'math':>7} {'math z':>7} {'lifted':>8} {'sv min/mean/max':>17} {'exploded':>9} "
             f"{'gram':>7} {'ms':>7} {'verdict':>9}  clauses")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -1411,13 +1550,14 @@ def format_table(rows: list[Row]) -> str:
         clauses = "; ".join(v["math"] + v["safety"] + v["rounding"] + v["findings"] + ([r.note] if r.note else []))
         lines.append(f"{r.impl:<26} {'x'.join(map(str, r.shape)):<10} {r.family:<16} {_g(r.fast):>8} {_g(r.eager):>8} "
                      f"{_g(r.eager_unfused):>8} {_g(r.rounding_ratio(), '.2f'):>5} {_g(r.floor):>8} {_g(r.polar):>7} "
-                     f"{_g(r.math_polar):>7} {_g(r.math_z, '.2f'):>7} {sv:>17} {r.exploded:>4}/{r.count:<4} {gram:>7} "
+                     f"{_g(r.math_polar):>7} {_g(r.math_z, '.2f'):>7} {_g(r.lift_err, '.2g'):>8} {sv:>17} {r.exploded:>4}/{r.count:<4} {gram:>7} "
                      f"{_g(r.ms):>7} {r.verdict():>9}  {clauses}")
     lines.append("err: relative Frobenius error against the same math in float64 (max over matrices); eager / unfused: "
                  "the same math in plain eager bf16, fused and unfused form; k: err / the larger of the two; floor: the "
                  "float64 result rounded to bf16; polar / math: the implementation's and the float64 math's error "
                  "against the exact polar factor; math z: the spectrum probe's largest deviation from the declared "
-                 "map, in standard errors; sv: singular values / their RMS; exploded: top singular value > the "
+                 "map, in standard errors; lifted: its error against the float64 math when run with every tensor "
+                 "in float64 (- where that run does not reach its arithmetic); sv: singular values / their RMS; exploded: top singular value > the "
                  "math's explosion threshold; gram: side of the largest square product seen / declared; ms: median "
                  "per call (CUDA)")
     lines.append(VERDICT_RULE)
