@@ -139,6 +139,12 @@ def classify(e: dict) -> str:
             if f.startswith("the math explodes"):
                 words.append(f"finding: the math explodes in bf16 on {r['family']}")
                 break
+    from anvil_fast.core.tolerances import LIFT_RTOL
+
+    if sp and sp.get("lift_err") is not None and sp["lift_err"] <= LIFT_RTOL:
+        words.append("its math exact when run in float64")
+    elif sp and sp.get("lift_note"):
+        words.append(f"not judged in float64 ({sp['lift_note'].split(':')[0]})")
     if sp and sp.get("math_z") is not None:
         words.append(f"math within {sp['math_z']:.1f} standard errors" if sp["verdict"] != "FAIL" or
                      not (sp.get("verdicts") or {}).get("math") else f"FAIL: math off along {sp['math_clause']}")
@@ -194,9 +200,9 @@ def table(data: dict | None = None) -> str:
     if data is None:
         return f"*(no data yet: `{H200_DIR}/*.json` is written by `{COMMAND}` and the other runs of the study)*"
     head = ("| adapter | shape | err vs its math (Gaussian) | eager fused | eager unfused | eager Horner | k | "
-            "math z (spectrum) | err vs polar | its math vs polar | exploded (near-rank-1) | verdicts | "
+            "math z (spectrum) | lifted (float64) | err vs polar | its math vs polar | exploded (near-rank-1) | verdicts | "
             "what it is |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for e in summarize(data):
         g = e["families"].get("gaussian") or {}
         sp = e["families"].get("spectrum") or {}
@@ -206,7 +212,7 @@ def table(data: dict | None = None) -> str:
         exploded = "-" if not nr else f"{nr.get('exploded', 0)}/{nr.get('count', 0)}"
         lines.append(f"| {e['impl']} | {e['shape']} | {_f(g.get('fast'))} | {_f(g.get('eager'))} | "
                      f"{_f(g.get('eager_unfused'))} | {_f(g.get('eager_horner'))} | {_f(k, '.2f')} | "
-                     f"{_f(sp.get('math_z'), '.1f')} | {_f(g.get('polar'))} | {_f(g.get('math_polar'))} | {exploded} | "
+                     f"{_f(sp.get('math_z'), '.1f')} | {_f(sp.get('lift_err'), '.1e')} | {_f(g.get('polar'))} | {_f(g.get('math_polar'))} | {exploded} | "
                      f"{', '.join(f'{n} {v}' for v, n in counts.items())} | {classify(e)} |")
     gen = data.get("generated_by", "")
     gen = gen if isinstance(gen, list) else [gen]

@@ -176,6 +176,10 @@ def test_a_wrong_margin_in_pytorch_optimizer_fails():
 def test_the_wrong_margin_is_seen_by_the_math_verdict(monkeypatch):
     mx = _pto()
     monkeypatch.setattr(T, "MATH_Z", 1e3)
+    with pytest.raises(H.OrthogonalizerMismatch, match=r"math: run in float64"):  # the lifted run sees it too
+        H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, weights="polar_express"),
+                                **_pe_math(mx), **CASE)
+    monkeypatch.setattr(T, "LIFT_RTOL", 1.0)
     H.assert_orthogonalizer(lambda x: mx.zero_power_via_newton_schulz_5(x, 5, weights="polar_express"),
                             **_pe_math(mx), **CASE)
 
