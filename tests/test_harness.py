@@ -820,6 +820,29 @@ def test_an_eps_of_any_placement_and_size_moves_the_lifted_output_less_than_its_
         assert lf.err is not None and lf.err < 0.1 * T.LIFT_RTOL, (eps, clamp, lf)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_lift_reaches_the_field_s_pure_pytorch_code_and_finds_it_exact():
+    """torch.compile on CUDA runs the Python source under a dispatch mode, so the field's compiled code
+    is reached and exact in float64 there too; Triton adapters are left to the H200 table (their
+    autotuning takes minutes), where a kernel's rounding keeps them out of the lift."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from anvil_fast.studies import adapters as A
+
+    names = [n for n in A.ADAPTERS if not any(k in n for k in ("triton", "quack", "syrk", "anvil-"))]
+    impls, _ = A.load(names, device="cuda")
+    seen = {}
+    for impl in impls:
+        if impl.math is None:
+            continue
+        x = H.spectrum_input((2, 48, 32), impl.math, seed=0, device="cuda", count=64).x
+        impl.settle(x[:2])
+        lf = H.lifted_run(impl, H.lift_input(x), impl.math)
+        seen[impl.name] = lf
+        assert lf.err is not None and lf.err < 1e-4 * T.LIFT_RTOL, (impl.name, lf)
+    assert "field-muon-newton-schulz-compiled" in seen and "torch-muon" in seen
+
+
 # ------------------------------------------------------------------------------ the device's own arithmetic in the forms
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
