@@ -27,6 +27,7 @@
 #           on the GPT-2 small and medium banks; .gns from tools/gns_bundle.sh carried)
 #   tunedtable  tools/gram_tuned_table.py: the Gram kernels' shipped tuning decisions for this device, into
 #           anvil_fast/kernels/gram_tuned.json here (later stages of the call use it) and $OUT (commit it)
+#   pyc     compileall of the installed packages into PYCACHE (an installed environment's bytecode; before warmup)
 #   warmup  the drop-in's first step on the small GPT from cold compiler caches (fresh cache folders), in a
 #           fresh process: ANVIL_FAST_TUNE=fresh (every candidate compiled) and the default (shipped decisions,
 #           with dion's graphed Muon in the same run: .peers carried);
@@ -171,6 +172,11 @@ for stage in ${STAGES:-suite bench}; do
     tunedtable) timeout "${T_TUNEDTABLE:-300}" python3 tools/gram_tuned_table.py --note "${TUNED_NOTE:-}" 2>&1 \
              | tee "$OUT/gram_tuned_table.log" | grep -v "^    " | tail -40
              cp anvil_fast/kernels/gram_tuned.json "$OUT/" 2>/dev/null ;;
+    pyc)   install_peers  # Python's bytecode for every installed package, into PYCACHE (needs PYCACHE): what an installed
+           # environment has and this image lacks, so that a later stage's first step is timed without it
+           [ -n "${PYCACHE:-}" ] && timeout "${T_PYC:-240}" python3 -m compileall -q -j 0 \
+             "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" /tmp/site > "$OUT/pyc.log" 2>&1
+           echo "compileall rc $? ($(find "$PYCACHE" -name '*.pyc' | wc -l) files)" | tee -a "$OUT/pyc.log" ;;
     warmup) install_peers
            # the default mode's run has dion's graphed Muon beside it (its first step from the same cold caches)
            for mode in fresh 1; do
