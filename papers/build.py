@@ -141,10 +141,11 @@ def build() -> dict[Path, str]:
     """Every output file and its content."""
     from papers import multigpu, training
 
-    from papers import frontier, orthogonalizers, references
+    from papers import data_tables, frontier, orthogonalizers, references
 
     template = TEMPLATE.read_text()
-    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values(), **orthogonalizers.values()}
+    vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values(), **orthogonalizers.values(),
+            **data_tables.values()}
     tables = {**TABLES, **extra_tables(), **training.tables(), **multigpu.tables(), "frontier": frontier.table,
               **orthogonalizers.tables()}
     figures = {**FIGURE_PRODUCERS, **training.figures(), "frontier": frontier.figure}

@@ -168,7 +168,7 @@ def peers_runs() -> str:
 #: Bench peers runs of one command repeated in a row, each its own set of fresh processes: the spread
 #: of a contender's step time between processes, which a single run cannot show.
 #: One folder per repeated command (a size each); a folder without runs yet is left out.
-PEERS_REPEATS = ("h200_peers/repeats_small", "h200_peers/repeats_medium")
+PEERS_REPEATS = ("h200_peers/repeats_small_dd58493", "h200_peers/repeats_medium")
 
 
 def peers_repeats() -> str:
@@ -231,7 +231,9 @@ def peers_repeats_table(folder: str) -> str:
 #: beside the drop-in. The host time of the graphed step by part (``tools/graph_nodes.py``) is HOST_RUN's.
 WARMUP_RUNS = (("h200_gram_tuned/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate configuration compiled and timed"),
                ("h200_gram_tuned/warmup_tune_1", "default: the shipped decisions (anvil_fast/kernels/gram_tuned.json)"),
-               ("h200_host/warmup_tune_1", "default: the shipped decisions"))
+               ("h200_host/warmup_tune_1", "default: the shipped decisions"),
+               ("h200_host/warmup_pyc/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh, the packages' bytecode compiled first"),
+               ("h200_host/warmup_pyc/warmup_tune_1", "default, the packages' bytecode compiled first"))
 HOST_RUN = "h200_host"
 
 
@@ -261,12 +263,71 @@ def warmup_table() -> str:
               "comparable only with ANVIL's of the same run.*")
 
 
+#: The graphed medium-GPT step's host parts, after a blocking and a polling wait (tools/graph_nodes.py
+#: --waits sync,spin), and the earlier call whose medium log read five times the small GPT's.
+HOST_MEDIUM_RUNS = ("h200_host/nodes_medium_waits", "h200_host/resident_medium_nodes")
+HOST_LINES = ("host us", "  opt.step", "  drop-in", "  collect", "  upload", "  graph replay", "  engine.step")
+
+
 def host_parts() -> str:
     """The graphed small-GPT step's host time by part (tools/graph_nodes.py's log), verbatim."""
     commit = run_commit(RESULTS / HOST_RUN)[:7]
-    return quote_log(f"{HOST_RUN}/graph_nodes_small.log", ("host us", "  opt.step", "  drop-in", "  collect", "  upload",
-                                                            "  graph replay", "  engine.step"),
+    return quote_log(f"{HOST_RUN}/graph_nodes_small.log", HOST_LINES,
                      command="python tools/graph_nodes.py --size small", where=f"one H200 (commit {commit})")
+
+
+def host_parts_medium() -> str:
+    """The medium GPT's host parts from each run of HOST_MEDIUM_RUNS, verbatim, each with its commit."""
+    out = []
+    for folder in HOST_MEDIUM_RUNS:
+        commit = run_commit(RESULTS / folder)[:7]
+        out.append(quote_log(f"{folder}/graph_nodes_medium.log", HOST_LINES,
+                             command="python tools/graph_nodes.py --size medium", where=f"one H200 (commit {commit})"))
+    return "\n\n".join(out)
+
+
+def host_parts_of(path: str) -> list[tuple[str, dict[str, float]]]:
+    """Each table of a tools/graph_nodes.py log: (its header line, {part: microseconds}), in log order."""
+    out: list[tuple[str, dict[str, float]]] = []
+    for line in (RESULTS / path).read_text().splitlines():
+        if line.startswith("host us"):
+            out.append((line, {}))
+        elif out and line.startswith("  ") and ": " in line:
+            name, _, v = line.strip().rpartition(": ")
+            try:
+                out[-1][1][name] = float(v)
+            except ValueError:
+                continue
+    return out
+
+
+def values() -> dict[str, str]:
+    """The medium GPT's host parts between HOST_MEDIUM_RUNS' calls (each part's factor, the later
+    call's blocking-wait table against the earlier call's) and, within the later call, what the
+    polling wait saves on the whole step."""
+    later = host_parts_of(f"{HOST_MEDIUM_RUNS[0]}/graph_nodes_medium.log")
+    earlier = host_parts_of(f"{HOST_MEDIUM_RUNS[1]}/graph_nodes_medium.log")[0][1]
+    sync = next(t for h, t in later if "sync" in h)
+    spin = next(t for h, t in later if "spin" in h)
+    factors = {k: earlier[k] / sync[k] for k in earlier if k in sync and sync[k] > 0}
+    report = next(v for k, v in factors.items() if k.startswith("drop-in: report"))
+    total = "opt.step() total"
+    import json
+
+    def resident(folder: str, who: str) -> str:
+        rows = json.loads((RESULTS / folder / "peers.json").read_text())["rows"]
+        return f"{next(r['resident_mib'] for r in rows if r['contender'] == who and r['size'] == 'small'):.1f}"
+
+    rep = f"{PEERS_REPEATS[0]}/run1"
+    log = (RESULTS / HOST_MEDIUM_RUNS[1] / "resident_diff.log").read_text()
+    muon = [float(m) for m in re.findall(r"^torch_muon small.*?: resident ([\d.]+) MiB", log, flags=re.M)]
+    return {"cublas_workspace_mib": f"{muon[0] - muon[1]:.1f}","resident_after_forward_anvil": resident(rep, "anvil"),
+            "resident_after_forward_dion": resident(rep, "dion_graphed"),
+            "resident_before_forward_anvil": resident("h200_peers/small_all", "anvil"),
+            "resident_adamw": resident("h200_peers/small_all", "adamw"),
+            "host_medium_factor_range": f"{min(factors.values()):.1f} to {max(factors.values()):.1f}",
+            "host_medium_report_factor": f"{report:.1f}",
+            "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%"}
 
 
 TABLES: dict[str, Callable[[], str]] = {
@@ -285,4 +346,5 @@ TABLES: dict[str, Callable[[], str]] = {
     "peers_repeats": peers_repeats,
     "warmup": warmup_table,
     "host_parts": host_parts,
+    "host_parts_medium": host_parts_medium,
 }
