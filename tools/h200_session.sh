@@ -93,7 +93,9 @@ for stage in ${STAGES:-suite bench}; do
     train) mkdir -p results/train/logs/protocol
            # each call's logs keep their own name (its UTC start), so a later chunk never overwrites an earlier one's
            STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-           echo "${ANVIL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" > results/train/logs/protocol_commit.txt
+           # the device's copy of .git can be a snapshot older than the tree it runs: the caller names the
+           # commit (ANVIL_COMMIT=$(git rev-parse HEAD) here, before the call), and without it none is claimed
+           echo "${ANVIL_COMMIT:-unknown (ANVIL_COMMIT not given)}" > results/train/logs/protocol_commit.txt
            cp "$OUT/env.txt" results/train/logs/protocol_env.txt
            # microsoft/dion's runs name the source they ran: its commit, written beside the archive by whoever carried it
            cat .peers/dion/COMMIT > results/train/logs/dion_commit.txt 2>/dev/null || echo "no .peers/dion/COMMIT" > results/train/logs/dion_commit.txt
