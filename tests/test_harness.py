@@ -820,6 +820,29 @@ def test_an_eps_of_any_placement_and_size_moves_the_lifted_output_less_than_its_
         assert lf.err is not None and lf.err < 0.1 * T.LIFT_RTOL, (eps, clamp, lf)
 
 
+def test_the_lift_judges_an_aol_normalized_iteration_in_its_own_basis():
+    """AOL's row scaling changes the singular vectors: the lifted run's basis is the normalized input's,
+    so an exact AOL iteration has no part off it and a 1e-3 slip of one coefficient still stands out."""
+    from anvil_fast.studies import adapters as A
+
+    m = H.DeclaredMath(tuple(A.DION_AOL_QUINTIC), normalization="aol", eps=1e-7)
+
+    def aol(G, coeffs=A.DION_AOL_QUINTIC):
+        X = G.bfloat16()
+        X = X.mT if X.size(-2) > X.size(-1) else X
+        X = X * (X @ X.mT).abs().sum(-1).clamp_min(1e-7).rsqrt()[..., :, None]
+        for a, b, c in coeffs:
+            A_ = X @ X.mT
+            X = a * X + (b * A_ + c * A_ @ A_) @ X
+        return X.mT if G.size(-2) > G.size(-1) else X
+
+    slip = [list(t) for t in A.DION_AOL_QUINTIC]
+    slip[1][1] -= 1e-3
+    exact, slipped = _lifted(aol, m, (2, 48, 32)), _lifted(lambda G: aol(G, slip), m, (2, 48, 32))
+    assert exact.err < 1e-4 * T.LIFT_RTOL and exact.off < 1e-3 * T.LIFT_OFF
+    assert slipped.err > 100 * T.LIFT_RTOL and slipped.off < 1e-3 * T.LIFT_OFF
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_lift_reaches_the_field_s_pure_pytorch_code_and_finds_it_exact():
     """torch.compile on CUDA runs the Python source under a dispatch mode, so the field's compiled code
