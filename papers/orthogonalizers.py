@@ -339,7 +339,7 @@ def values(data: dict | None = None) -> dict[str, str]:
     from anvil_fast.core import tolerances as T
 
     return {**few_matrices(), "peers_h200_rules": h200_rules(), "peers_command": f"`{COMMAND}`",
-            "lift_count": str(T.LIFT_COUNT), "lift_rtol": f"{T.LIFT_RTOL:g}",
+            "lift_count": str(T.LIFT_COUNT), "lift_rtol": f"{T.LIFT_RTOL:.0e}".replace("e-0", "e-"),
             "peers_runs": str(len(RUNS)), "peers_h200_progress": h200_progress(),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}
 
