@@ -778,6 +778,26 @@ def test_a_rounding_the_lift_cannot_reach_takes_it_out_of_the_verdict():
         assert [r.verdict() for r in rows] == ["ok"] and rows[0].lift_err is None, rows[0].failures()
 
 
+def test_an_iteration_whose_gram_torch_never_sees_is_not_lifted():
+    """A Gram formed outside torch's dispatcher (NumPy here, a Triton kernel in the field) is out of the
+    lift's reach as well: the row says so instead of lifting it, and the probe judges."""
+    def numpy_gram(G):
+        X = G.float()
+        X = X.mT if X.size(-2) > X.size(-1) else X
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        a, b, c = AT.MUON_MATH["coeffs"][0]
+        for _ in range(AT.MUON_MATH["steps"]):
+            A = X.numpy() @ np.swapaxes(X.numpy(), -1, -2)
+            X = a * X + torch.from_numpy(np.ascontiguousarray(b * A + c * A @ A)).bmm(X)
+        return X.mT if G.size(-2) > G.size(-1) else X
+
+    m = H.DeclaredMath.of(**AT.MUON_MATH)
+    rows = H.judge([H.Implementation("numpy-gram", numpy_gram, m)], shapes=[(2, 24, 16)], families=("spectrum",),
+                   progress=False, spectrum_count=1024)
+    assert rows[0].gram_seen is None and rows[0].lift_err is None and "not lifted" in rows[0].lift_note
+    assert rows[0].verdict() == "ok", rows[0].failures()
+
+
 def test_coefficients_held_in_bf16_are_named_as_such():
     """Coefficients kept in a bf16 tensor are run rounded (3.4445 as 3.4375): the lift names the dtype
     that explains the output, a finding; the probe sees the rounded map and FAILs it, as it should a

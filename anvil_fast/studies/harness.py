@@ -24,7 +24,8 @@ and the math it declares -- a
                tensor torch dispatches promoted to float64 (:func:`lifted_run`), where that run
                reaches its arithmetic (pure PyTorch, eager or compiled: torch.compile runs the
                Python source under a dispatch mode); ``-`` where it does not (a Triton kernel that
-               rounds inside, a fast path that refuses float64): the probe alone judges its math
+               rounds inside, a fast path that refuses float64; an implementation whose Gram torch
+               never sees is not lifted at all): the probe alone judges its math
 ``sv``         min / mean / max of its output's singular values divided by their RMS
 ``exploded``   outputs whose top singular value passes the math's explosion threshold
                (:func:`anvil_fast.core.tolerances.exploded_sigma`), next to the eager runs'
@@ -1439,10 +1440,15 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                                 margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
             row.math_form, row.math_points, row.math_matrices = st.form, st.points, st.matrices
-            with cache.timed("lift"):
-                lf = lifted_run(impl, lift_input(x), m, seed=cache.seed)
-            row.lift_err, row.lift_note, row.lift_coeffs = lf.err, lf.why_not, lf.coeffs
-            row.lift_off = lf.off if lf.off == lf.off else None
+            if impl.observe and row.gram_seen is None:
+                # its Gram is formed where torch does not dispatch (a Triton kernel), which the lift cannot
+                # reach either; lifting it would only compile and autotune that kernel for float64
+                row.lift_note = "its Gram is formed outside torch's dispatcher (a kernel): not lifted"
+            else:
+                with cache.timed("lift"):
+                    lf = lifted_run(impl, lift_input(x), m, seed=cache.seed)
+                row.lift_err, row.lift_note, row.lift_coeffs = lf.err, lf.why_not, lf.coeffs
+                row.lift_off = lf.off if lf.off == lf.off else None
     else:
         row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:
