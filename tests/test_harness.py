@@ -825,18 +825,11 @@ def test_an_eps_of_any_placement_and_size_moves_the_lifted_output_less_than_its_
     """The lifted input's scale puts an eps (bf16's 2^-7, added or clamped) far below LIFT_RTOL, so the
     lift never FAILs an eps the declared math places another way; the eps itself is judged by the
     probe's matrices near eps and the ``tiny`` family."""
+    from anvil_fast.studies.field_examples import _orthogonalize
+
+    muon = [AT.MUON_MATH["coeffs"][0]] * AT.MUON_MATH["steps"]
     for eps, clamp in ((2.0 ** -7, False), (2.0 ** -7, True), (0.0, True)):
-        def f(G, eps=eps, clamp=clamp):
-            X = G.bfloat16()
-            X = X.mT if X.size(-2) > X.size(-1) else X
-            n = X.norm(dim=(-2, -1), keepdim=True)
-            X = X / (n.clamp_min(max(eps, 1e-30)) if clamp else n + eps)
-            for _ in range(5):
-                A = X @ X.mT
-                a, b, c = AT.MUON_MATH["coeffs"][0]
-                X = a * X + (b * A + c * A @ A) @ X
-            return X.mT if G.size(-2) > G.size(-1) else X
-        lf = _lifted(f)
+        lf = _lifted(lambda G, eps=eps, clamp=clamp: _orthogonalize(G, muon, eps=eps, clamp=clamp))
         assert lf.err is not None and lf.err < 0.1 * T.LIFT_RTOL, (eps, clamp, lf)
 
 
