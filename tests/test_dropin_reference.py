@@ -21,6 +21,7 @@ from torch import nn
 from anvil_fast.studies.difftest import rel_err
 from anvil_fast.optim.dropin import DropInAnvil
 from anvil_fast.optim.entry import ANVIL
+from anvil_fast.parallel.distributed import leave_rank
 from tests import optimizer_cases as C
 from anvil_fast.core import tolerances as TOL
 from anvil_ref.dropin import SPEC_HEAD_NAMES, DropinReference, route_parameters
@@ -608,6 +609,7 @@ def _rank_main(rank: int, world: int, folder: str, mode: str) -> None:
     torch.save(out, os.path.join(folder, f"result{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 def spawn_with_timeout(fn, world: int, timeout_s: float, *args) -> list[dict]:

@@ -25,6 +25,7 @@ from anvil_fast.optim.entry import ANVIL
 from anvil_fast.models import gpt
 from anvil_fast.core import tolerances as TOL
 from anvil_fast.optim.fsdp import assign_owners, shard_rows
+from anvil_fast.parallel.distributed import leave_rank
 
 KW = dict(lr=0.031, adam_lr=0.02, momentum=0.9, fast_beta=0.7, fast_weight=0.6, beta2=0.8, weight_decay=1.5,
           adam_betas=(0.8, 0.9), adam_eps=1e-8, adam_weight_decay=0.3)
@@ -180,6 +181,7 @@ def _rank_train(rank: int, world: int, folder: str, rendezvous: str, backend: st
     torch.save(out, os.path.join(folder, f"train_w{world}_r{rank}_{load_from or 'scratch'}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 def spawn_in(folder: str, fn, world: int, *args) -> None:
@@ -236,6 +238,7 @@ def _rank_backward(rank: int, world: int, folder: str, rendezvous: str, backend:
     torch.save({"whole": _whole(model)}, os.path.join(folder, f"backward{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 BACKWARD_STEPS = 8
@@ -321,6 +324,7 @@ def _rank_refusals(rank: int, world: int, folder: str, rendezvous: str) -> None:
     torch.save(out, os.path.join(folder, f"refusals{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 # ------------------------------------------------------------------ tests
@@ -510,6 +514,7 @@ def _rank_contract(rank: int, world: int, folder: str, rendezvous: str) -> None:
     torch.save(out, os.path.join(folder, f"contract_r{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.slow

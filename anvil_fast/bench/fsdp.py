@@ -51,6 +51,7 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
     from anvil_fast.models import gpt
     from anvil_fast.optim.entry import ANVIL
     from anvil_fast.optim.fsdp import shard_rows
+    from anvil_fast.parallel.distributed import leave_rank
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -88,6 +89,7 @@ def _rank(rank: int, world: int, folder: str, size: str, dtype_name: str, steps:
                    os.path.join(folder, "result.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 def single_process_step(size: str, dtype: torch.dtype, steps: int, device: torch.device) -> float:

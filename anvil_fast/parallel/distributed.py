@@ -51,6 +51,26 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, folder: str,
     torch.save(result, os.path.join(folder, f"result{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
+
+
+def leave_rank() -> None:
+    """End a spawned rank's process once its result is on disk and its process group is destroyed,
+    without the interpreter's teardown: there, gloo's worker threads can still hold work whose
+    tensors are freed while the interpreter is being torn down, and the process then aborts
+    (SIGABRT, "terminate called without an active exception") after the rank's work is done, which
+    the launcher reports as a failed rank. Nothing of the rank is lost: its streams are flushed here
+    and its result was saved before the barrier."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or detached stream has nothing left to write
+            pass
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
