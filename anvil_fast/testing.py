@@ -18,8 +18,12 @@ per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
   (``Lift``), its output against the declared math in float64 within ``LIFT_RTOL``: any 1e-3 slip of
   any coefficient of any step, raised or lowered, stands far past it, where the lift reaches the
   arithmetic (pure PyTorch, eager or compiled; a Triton kernel that rounds inside, it does not, and
-  the row says so). The probe: the output's singular values against the declared composite map,
-  averaged over thousands of points (a 1e-3 slip raising any coefficient of any step of Muon's
+  the row says so). It runs twice: on matrices scaled far above eps (the coefficients, the margin,
+  the steps) and on the probe's matrices of norm near eps / margin at their own scale (the eps and
+  the normalization's kind); a cast to a half dtype other than the declared one is a FAIL too. Where
+  it reaches the arithmetic and finds the declared math, the probe's deviation is the function's
+  rounding (a finding); where it does not reach, the probe judges. The probe: the output's singular
+  values against the declared composite map, averaged over thousands of points (a 1e-3 slip raising any coefficient of any step of Muon's
   quintic is seen where the probe holds thousands of matrices; one lowering a coefficient of its
   first step shrinks the output as the eager forms' bf16 rounding does and stays inside their hull,
   unseen by the probe; its standard errors come from the spread over matrices and are read through
@@ -29,7 +33,8 @@ per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
   an explosion where the same math in eager bf16 does not explode;
 * **rounding** (a finding, not a FAIL): the error against the float64 math over the largest eager bf16
   run of it in the field's evaluation forms (:data:`FORMS`: fused ``baddbmm``, unfused
-  ``B = b*A + c*A@A; X = a*X + B@X``, Horner, ...; on CUDA also :data:`INDUCTOR_FORMS`).
+  ``B = b*A + c*A@A; X = a*X + B@X``, Horner, ...; on CUDA also :data:`INDUCTOR_FORMS`), and a
+  probe deviation of a function the lifted run found exact (``X = a*X + b*A@X + c*A@A@X`` has one).
 
 The command line shares these defaults (:data:`DEFAULT_FAMILIES`, :data:`DEFAULT_SHAPES`):
 ``python -m anvil_fast.studies.difftest --impl package.module:function --coeffs ...``.
@@ -38,7 +43,8 @@ The command line shares these defaults (:data:`DEFAULT_FAMILIES`, :data:`DEFAULT
 """
 
 from anvil_fast.studies.field_examples import (DECLARED as FIELD_EXAMPLES, MUON_MATH, MUTANTS, POLAR_EXPRESS_MATH,
-                                               muon_newton_schulz, muon_newton_schulz_compiled, muon_newton_schulz_fused,
+                                               muon_newton_schulz, muon_newton_schulz_compiled,
+                                               muon_newton_schulz_expanded, muon_newton_schulz_fused,
                                                muon_newton_schulz_horner, polar_express)
 from anvil_fast.studies.harness import (DEFAULT_FAMILIES, DEFAULT_SHAPES, FORMS, HARNESS_FAMILIES, INDUCTOR_FORMS,
                                         SPECTRUM,
@@ -50,4 +56,5 @@ __all__ = ["assert_orthogonalizer", "judge", "OrthogonalizerMismatch", "Declared
            "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "SPECTRUM", "FORMS", "INDUCTOR_FORMS", "reference",
            "eager_declared", "format_table", "summary", "callable_name", "Lift", "Lifted", "lifted_run", "MUTANTS", "MUON_MATH",
            "POLAR_EXPRESS_MATH", "FIELD_EXAMPLES", "muon_newton_schulz", "muon_newton_schulz_fused",
-           "muon_newton_schulz_compiled", "muon_newton_schulz_horner", "polar_express"]
+           "muon_newton_schulz_compiled", "muon_newton_schulz_horner", "muon_newton_schulz_expanded",
+           "polar_express"]

@@ -12,6 +12,7 @@ loosening the check that catches a bug lets it through (so that check, and no ot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -134,7 +135,8 @@ def test_the_slip_is_seen_by_each_of_the_math_verdict_s_two_measurements(monkeyp
                                                        r"off the declared math by 0\.0\d+ > 1e-06"):
         judge(slipped)
     monkeypatch.setattr(T, "MATH_Z", 6.0)
-    monkeypatch.setattr(T, "LIFT_RTOL", 1.0)
+    # the probe alone, as it judges code the lift does not reach (a kernel that rounds inside)
+    monkeypatch.setattr(H, "lifted_run", lambda *a, **k: H.Lifted(None, math.nan, "not reached (this test)"))
     with pytest.raises(H.OrthogonalizerMismatch, match=r"math: singular values off the declared map"):
         judge(slipped)
 
@@ -465,6 +467,52 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys, args, expected):
     assert len(lines) == 1 and expected in lines[0], err
 
 
+FILE_IMPL = """
+import torch
+
+def newton_schulz(G, steps=5, eps=1e-7):
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16()
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if G.size(-2) > G.size(-1) else X
+"""
+
+
+def test_cli_judges_a_function_from_a_file_off_the_import_path(tmp_path, capsys):
+    """A script the user wrote, not a package: ``--impl path/to/file.py:function``; a slip in it FAILs."""
+    good = tmp_path / "my_ns.py"
+    good.write_text(FILE_IMPL)
+    slip = tmp_path / "sub" / "my_ns.py"  # the same stem: its own module, not the first file's
+    slip.parent.mkdir()
+    slip.write_text(FILE_IMPL.replace("b * A + c * A @ A", "b * A + (c + 0.1) * A @ A"))
+    common = ["--coeffs", ",".join(map(str, KJ)), "--steps", str(STEPS), "--eps", str(EPS),
+              "--shapes", "2x32x24", "--no-progress"]
+    rc, text, err = _cli(capsys, "--impl", f"{good}:newton_schulz", *common, "--families", "gaussian")
+    assert rc == 0 and "1 rows: 1 ok" in text, text + err
+    rc, text, err = _cli(capsys, "--impl", f"{slip}:newton_schulz", *common, "--families", "spectrum")
+    assert rc == 1 and "FAIL" in text and "math" in text, text + err
+    assert H.resolve(f"{good}:newton_schulz") is H.resolve(f"{good}:newton_schulz")
+    assert H.resolve(f"{good}:newton_schulz") is not H.resolve(f"{slip}:newton_schulz")
+
+
+@pytest.mark.parametrize("body, spec, expected", [
+    (None, "nosuch.py:f", "no file"),
+    ("raise RuntimeError('boom')", "bad.py:f", "raised RuntimeError: boom"),
+    ("def g(x): return x", "bad.py:f", "has no attribute 'f'"),
+])
+def test_a_file_impl_that_cannot_be_used_is_refused_in_one_line(tmp_path, capsys, body, spec, expected):
+    if body is not None:
+        (tmp_path / spec.split(":")[0]).write_text(body)
+    rc, _, err = _cli(capsys, "--impl", str(tmp_path / spec), "--coeffs", ",".join(map(str, KJ)))
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert rc == 2 and len(lines) == 1 and expected in lines[0], err
+
+
 def test_the_readme_example_runs():
     text = (ROOT / "README.md").read_text()
     section = text.split("### Testing another library's orthogonalization", 1)[1].split("\n#", 1)[0]
@@ -704,6 +752,44 @@ def test_polar_express_as_torch_compile_fuses_it_passes_at_a_bank_shape():
 
 
 # ------------------------------------------------------------------------------ the lifted run
+
+@pytest.mark.parametrize("name, clause", [
+    ("eps_1e-5", r"^math: run in float64 at norms near eps / margin, .* off the declared math by 0\.\d+ > 1e-06$"),
+    ("normalization_clamped", r"^math: run in float64 at norms near eps / margin, .* off the declared math by 0\.\d+ > 1e-06$"),
+    ("float16_input", r"^math: casts to float16 in its lifted run \(limit: no half dtype but the declared "
+                      r"iteration's, bfloat16\)$"),
+])
+def test_the_normalization_and_dtype_slips_fail_the_lifted_run_alone(monkeypatch, name, clause):
+    """The slips the lift's scaled run cannot see (it leaves the eps out by design, and float16 is lifted
+    like bf16): its run at norms near eps and the casts it records see them, with the probe out of the
+    verdict."""
+    monkeypatch.setattr(T, "MATH_Z", 1e3)
+    m = H.DeclaredMath.of(**AT.MUON_MATH)
+    (row,) = H.judge(H.Implementation(name, AT.MUTANTS[name], m), shapes=[(2, 24, 16)], families=("spectrum",),
+                     progress=False, spectrum_count=128)
+    assert row.lift_err < 1e-3 * T.LIFT_RTOL  # far above eps, its coefficients and margin are the declared ones
+    math_ = row.verdicts()["math"]
+    assert row.verdict() == "FAIL" and len(math_) == 1 and re.search(clause, math_[0]), row.failures()
+
+
+def test_the_expanded_form_s_probe_deviation_is_its_rounding_where_the_lift_finds_its_math():
+    """``X = a*X + b*A@X + c*A@A@X`` (correct code) rounds small singular values down beyond every eager
+    form's: the probe sees a deviation past its limit. The lift finds its math the declared one at both
+    scales, so the deviation is reported as its rounding; without the lift (code it cannot reach), the
+    same row is a math FAIL: the probe's limit, stated."""
+    rows = H.assert_orthogonalizer(AT.muon_newton_schulz_expanded, **AT.MUON_MATH, shapes=[(2, 32, 32)],
+                                   families=("spectrum",), spectrum_count=2048)
+    (row,) = rows
+    assert row.math_z > T.MATH_Z and row.math_shift < 0
+    assert row.lift_err < 1e-3 * T.LIFT_RTOL and row.lift_eps_err < 1e-3 * T.LIFT_RTOL
+    assert row.lift_casts == "bfloat16" and row.declared_dtype == "bfloat16"
+    assert row.verdict() == "finding"
+    assert [c for c in row.verdicts()["rounding"] if c.startswith("rounding: its bf16 rounding moves the singular "
+                                                                  "values off the declared map")]
+    unreached = dataclasses.replace(row, lift_err=None, lift_eps_err=None, lift_casts="", declared_dtype="")
+    assert unreached.verdict() == "FAIL" and unreached.failures()[0].startswith("math: singular values off")
+
+
 
 def _muon_by_hand(G, coeffs=None, *, rounding=None, buffers=None):
     """Muon's quintic as the field writes it, with hooks for what the lift must tell apart: ``coeffs``

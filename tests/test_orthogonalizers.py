@@ -3,6 +3,7 @@ the harness writes (here a small CPU run; the paper's comes from results/h200_or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from anvil_fast.studies import adapters as A
@@ -40,6 +41,23 @@ def test_the_statements_follow_the_numbers(tmp_path):
     assert "its math limits it" in said["torch-muon"] and "as accurate as its math allows" in said["torch-muon"]
     assert "its rounding limits it" in said["anvil-safe"]
     assert "FAIL" not in " ".join(said.values())
+
+
+def test_a_probe_deviation_of_code_the_lift_found_exact_is_a_rounding_finding_in_the_paper(tmp_path):
+    data, rows = _data(tmp_path)
+    (row,) = [r for r in rows if r.impl == "field-muon-newton-schulz" and r.family == "spectrum"]
+    assert row.lift_err is not None and row.declared_dtype == "bfloat16"
+    moved = dataclasses.replace(row, math_z=9.5, math_shift=-0.003)  # a form whose rounding leans its own way
+    assert moved.verdict() == "finding"
+    i = next(i for i, d in enumerate(data["rows"]) if d["impl"] == row.impl and d["family"] == "spectrum")
+    data["rows"][i] = moved.to_json()
+    said = {e["impl"]: peers.classify(e) for e in peers.summarize(data)}
+    assert "finding: its rounding moves the probe's singular values 9.5 standard errors" in said[row.impl]
+    assert "math within" not in said[row.impl]
+    assert [f for f in peers.findings(data) if f.startswith(f"Finding: the bf16 rounding of {row.impl} moves")
+            and "9.5 standard errors" in f and "run in float64 its output is the declared math" in f]
+    # where the lift did not reach, the same deviation is the probe's math FAIL
+    assert dataclasses.replace(moved, lift_err=None).verdict() == "FAIL"
 
 
 def test_siblings_with_the_same_math_that_round_differently_are_a_finding(tmp_path):

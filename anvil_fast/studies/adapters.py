@@ -345,6 +345,9 @@ def _registry() -> dict[str, Adapter]:
             Adapter("field-muon-newton-schulz-horner", "anvil",
                     "the same quintic in Horner form, normalized in fp32 (as heavyball writes it)",
                     _field("muon_newton_schulz_horner")),
+            Adapter("field-muon-newton-schulz-expanded", "anvil",
+                    "the same quintic as the polynomial reads, X = a*X + b*A@X + c*A@A@X",
+                    _field("muon_newton_schulz_expanded")),
             Adapter("field-polar-express", "anvil", "Polar Express as its reference code writes it",
                     _field("polar_express"))]
     for kind in EMERGING_TYPES:

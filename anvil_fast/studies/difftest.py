@@ -328,10 +328,12 @@ declares; each row is judged against that math in float64 and against a plain ea
   --coeffs takes triples a,b,c;a,b,c;... (one per step), a map-set name of anvil_ref (muon_jordan5,
   polar_express_nanogpt5, ...) or a JSON file; --steps repeats the last triple (--cycle: the whole
   list). Without --coeffs the math is undeclared: safety only. --impl-kwargs '{"steps": 5}' passes
-  keyword arguments on every call; --impl takes several functions, comma-separated (one math).
+  keyword arguments on every call; --impl takes several functions, comma-separated (one math), each
+  from a module on the import path or from a file: --impl path/to/my_ns.py:newton_schulz.
 
-Three verdicts per row (anvil_fast/core/tolerances.py): math (the spectrum family's singular values
-against the declared map; the Gram side) and safety (finite, not vacuous, no explosion its eager bf16
+Three verdicts per row (anvil_fast/core/tolerances.py): math (the function run with every tensor
+lifted to float64 against the declared math; the spectrum family's singular values against the
+declared map; the Gram side) and safety (finite, not vacuous, no explosion its eager bf16
 math does not have) FAIL; rounding (error against float64 over the fused and unfused eager bf16
 runs of the same math) is a finding. The field's own code, and the slips a harness must catch:
 
@@ -394,7 +396,8 @@ def _harness_args(ap: argparse.ArgumentParser) -> None:
     from anvil_ref.polar import NORMALIZATIONS, ORIENTATIONS
 
     g = ap.add_argument_group("anyone's orthogonalization (anvil_fast.studies.harness)")
-    g.add_argument("--impl", metavar="package.module:function", help="the function to judge")
+    g.add_argument("--impl", metavar="package.module:function",
+                   help="the function to judge (or path/to/file.py:function)")
     g.add_argument("--impl-kwargs", type=_json_object, default={}, metavar="JSON",
                    help="keyword arguments passed to it on every call")
     per = g.add_mutually_exclusive_group()

@@ -25,7 +25,11 @@ and the math it declares -- a
                reaches its arithmetic (pure PyTorch, eager or compiled: torch.compile runs the
                Python source under a dispatch mode); ``-`` where it does not (a Triton kernel that
                rounds inside, a fast path that refuses float64; an implementation whose Gram torch
-               never sees is not lifted at all): the probe alone judges its math
+               never sees is not lifted at all): the probe alone judges its math. It runs again on
+               the probe's matrices of norm near eps / margin, unscaled (the eps and the
+               normalization's kind), and records the dtypes the run casts to; where it finds the
+               declared math at both scales, a ``math z`` past its limit is the implementation's
+               rounding (a finding), not its math
 ``sv``         min / mean / max of its output's singular values divided by their RMS
 ``exploded``   outputs whose top singular value passes the math's explosion threshold
                (:func:`anvil_fast.core.tolerances.exploded_sigma`), next to the eager runs'
@@ -100,10 +104,11 @@ DEFAULT_SHAPES = ((2, 48, 32), (2, 32, 48), (2, 32, 32))
 PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul"})
 
 VERDICT_RULE = (
-    "verdicts (anvil_fast/core/tolerances.py, orthogonalizer_clauses): math = the spectrum probe's singular values "
-    f"within {T.MATH_Z:g} standard errors of the declared map beyond every eager form's (and the float64 math's), "
-    f"and, where the implementation runs with every tensor lifted to float64, its output within {T.LIFT_RTOL:g} of "
-    "the float64 math; the Gram on the declared side; safety = finite, not vacuous (zero, the identity, the input), no explosion "
+    "verdicts (anvil_fast/core/tolerances.py, orthogonalizer_clauses): math = where the implementation runs with "
+    f"every tensor lifted to float64, its output within {T.LIFT_RTOL:g} of the float64 math (far above eps and at "
+    "norms near it) and no cast to another half dtype than the declared one; where it does not, the spectrum probe's "
+    f"singular values within {T.MATH_Z:g} standard errors of the declared map beyond every eager form's (and the "
+    "float64 math's; past it with the lift clean: a rounding finding); the Gram on the declared side; safety = finite, not vacuous (zero, the identity, the input), no explosion "
     "where the same math in eager bf16 does not explode; rounding = err <= "
     f"{T.FACTOR:g} x the larger eager form's + 2**{math.log2(T.ATOL):g}, else a finding (k = err / eager). "
     "FAIL = a math or safety clause fails; finding = a rounding clause or the math's own bf16 behaviour; "
@@ -296,12 +301,15 @@ class Lift(TorchDispatchMode):
     float64 are promoted and a floating ``dtype`` argument below float64 becomes float64, so a casting
     ``G.bfloat16()``, a buffer ``torch.empty(..., dtype=torch.bfloat16)`` and every product become
     float64 ones. ``low``: ops that still returned a tensor below float64 (in place into a tensor made
-    before the lift, say): the run did not stay in float64. Arithmetic torch does not dispatch (a
-    Triton kernel, NumPy) is not reached; :func:`lifted_run` tells such a run by its output."""
+    before the lift, say): the run did not stay in float64. ``casts``: the dtypes below float64 the run
+    asked for (a cast's or a factory's ``dtype``), the precision it would have run in. Arithmetic torch
+    does not dispatch (a Triton kernel, NumPy) is not reached; :func:`lifted_run` tells such a run by
+    its output."""
 
     def __init__(self):
         super().__init__()
         self.low: list[str] = []
+        self.casts: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         def up(t):
@@ -309,6 +317,7 @@ class Lift(TorchDispatchMode):
 
         kwargs = dict(kwargs or {})
         if kwargs.get("dtype") in _LOW:
+            self.casts.add(str(kwargs["dtype"]).replace("torch.", ""))
             kwargs["dtype"] = torch.float64
         # a tensor the op writes (in place, out=) is left as it is: a promoted copy would take the write
         # and the tensor itself keep its old values
@@ -340,6 +349,12 @@ class Lifted:
     off: float
     why_not: str = ""
     coeffs: str = ""
+    #: the same on the probe's matrices of norm near eps / margin, at their own scale (None: not run,
+    #: the math declares no eps or the probe holds none of them): there the eps and the normalization's
+    #: kind set the scale, which the scaled run above leaves out
+    eps_err: float | None = None
+    #: the dtypes below float64 the run asked for (:attr:`Lift.casts`), sorted
+    casts: tuple[str, ...] = ()
 
 
 def lift_input(x: Tensor) -> Tensor:
@@ -348,6 +363,38 @@ def lift_input(x: Tensor) -> Tensor:
     scaled by 2^LIFT_SCALE_EXP (exact), where an eps in the normalization, whichever its placement or
     value up to bf16's 2^-7, moves the output by less than LIFT_RTOL / 10."""
     return x[:T.LIFT_COUNT] * 2.0 ** T.LIFT_SCALE_EXP
+
+
+def lift_eps_input(x: Tensor, math_: DeclaredMath) -> Tensor | None:
+    """The lifted run's second input from the spectrum probe's batch ``x`` (:func:`spectrum_input`):
+    up to LIFT_COUNT of its last matrices, those of norm near eps / margin, unscaled; None where the
+    math declares no eps (the probe then holds none)."""
+    n = min(T.LIFT_COUNT, int(round(int(x.shape[0]) * SPECTRUM_EPS_SHARE))) if math_.eps > 0 else 0
+    return x[-n:] if n else None
+
+
+def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | None, Lift, str]:
+    """``impl`` on ``x`` under :class:`Lift`: its output (None where the lift did not reach its
+    arithmetic), the lift, and why not."""
+    xin = impl.prepare(x)
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    lift = Lift()
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), lift:
+            torch.manual_seed(seed)
+            y = impl.run(xin)
+    except Exception as exc:  # noqa: BLE001 -- a refusal of float64 is a fact about the run, not a verdict
+        return None, lift, f"raised {type(exc).__name__} in float64"
+    if not isinstance(y, Tensor) or tuple(y.shape) != tuple(x.shape):
+        return None, lift, "returned another shape in float64"
+    if lift.low:
+        return None, lift, (f"wrote into a tensor of a lower dtype made before the call "
+                            f"({', '.join(sorted(set(lift.low)))})")
+    if y.dtype != torch.float64:
+        return None, lift, f"returned {str(y.dtype).replace('torch.', '')}: computed outside torch's dispatcher"
+    if not torch.isfinite(y).all():
+        return None, lift, "not finite in float64"
+    return y, lift, ""
 
 
 def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath) -> float:
@@ -365,30 +412,18 @@ def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath) -> float:
     return float((rest.flatten(1).norm(dim=1) / yo.flatten(1).norm(dim=1).clamp_min(1e-300)).max())
 
 
-def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: int = 0) -> Lifted:
+def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: int = 0,
+               eps_x: Tensor | None = None) -> Lifted:
     """``impl`` on ``x`` (:func:`lift_input`) under :class:`Lift`, compared with the declared math in
     float64: a coefficient slip far below bf16's noise stands out against float64's. The lift reaches
     the run where its output is float64, no op returned a lower dtype, and the output has no part off
-    the input's singular basis beyond LIFT_OFF (an exact run of the declared kind of math has none)."""
-    xin = impl.prepare(x)
-    devices = [x.device.index or 0] if x.device.type == "cuda" else []
-    lift = Lift()
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), lift:
-            torch.manual_seed(seed)
-            y = impl.run(xin)
-    except Exception as exc:  # noqa: BLE001 -- a refusal of float64 is a fact about the run, not a verdict
-        return Lifted(None, math.nan, f"raised {type(exc).__name__} in float64")
-    if not isinstance(y, Tensor) or tuple(y.shape) != tuple(x.shape):
-        return Lifted(None, math.nan, "returned another shape in float64")
-    if lift.low:
-        return Lifted(None, math.nan, f"wrote into a tensor of a lower dtype made before the call "
-                                      f"({', '.join(sorted(set(lift.low)))})")
-    if y.dtype != torch.float64:
-        return Lifted(None, math.nan, f"returned {str(y.dtype).replace('torch.', '')}: computed outside torch's dispatcher")
-    if not torch.isfinite(y).all():
-        return Lifted(None, math.nan, "not finite in float64")
-    x64 = xin.double()
+    the input's singular basis beyond LIFT_OFF (an exact run of the declared kind of math has none).
+    ``eps_x`` (:func:`lift_eps_input`): where given, ``impl`` is lifted on it too and compared at its
+    own scale, where the eps and the normalization's kind set the scale (``eps_err``)."""
+    y, lift, why = _lift_call(impl, x, seed)
+    if y is None:
+        return Lifted(None, math.nan, why)
+    x64 = impl.prepare(x).double()
     off = _off_spectral(y, x64, math_)
     if not off <= T.LIFT_OFF:
         return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g}: a rounding the "
@@ -402,7 +437,15 @@ def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: in
             if float(rel_errs(y, reference(x64, held)).max()) <= T.LIFT_RTOL:
                 coeffs = str(dt).replace("torch.", "")
                 break
-    return Lifted(err, off, "", coeffs)
+    casts = set(lift.casts)
+    eps_err = None
+    if eps_x is not None:
+        ye, lift_e, why = _lift_call(impl, eps_x, seed)
+        if ye is None:
+            return Lifted(None, off, f"at norms near eps: {why}", coeffs)
+        casts |= lift_e.casts
+        eps_err = float(rel_errs(ye, reference(impl.prepare(eps_x).double(), math_)).max())
+    return Lifted(err, off, "", coeffs, eps_err, tuple(sorted(casts)))
 
 
 # ------------------------------------------------------------------------------ the same math, float64
@@ -1143,6 +1186,11 @@ class Row:
     lift_off: float | None = None
     lift_note: str = ""
     lift_coeffs: str = ""
+    #: the lifted run at norms near eps (:attr:`Lifted.eps_err`), the dtypes below float64 it asked for
+    #: (comma-separated) and the iteration dtype the math declares
+    lift_eps_err: float | None = None
+    lift_casts: str = ""
+    declared_dtype: str = ""
     note: str = ""
     ms: float | None = None
     declared: bool = True
@@ -1446,9 +1494,10 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                 row.lift_note = "its Gram is formed outside torch's dispatcher (a kernel): not lifted"
             else:
                 with cache.timed("lift"):
-                    lf = lifted_run(impl, lift_input(x), m, seed=cache.seed)
+                    lf = lifted_run(impl, lift_input(x), m, seed=cache.seed, eps_x=lift_eps_input(x, m))
                 row.lift_err, row.lift_note, row.lift_coeffs = lf.err, lf.why_not, lf.coeffs
                 row.lift_off = lf.off if lf.off == lf.off else None
+                row.lift_eps_err, row.lift_casts, row.declared_dtype = lf.eps_err, ",".join(lf.casts), m.dtype
     else:
         row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:
@@ -1609,14 +1658,19 @@ def to_json(rows: list[Row], *, command: str, impls: Sequence[Implementation] = 
 
 
 def resolve(spec: str) -> Callable:
-    """``package.module:function`` (or ``package.module:Class.method``) -> the callable."""
+    """``package.module:function`` (or ``package.module:Class.method``), or ``path/to/file.py:function``
+    (a script that is not on the import path, imported from its file) -> the callable."""
     if ":" not in spec:
-        raise ValueError(f"--impl: expected package.module:function, got {spec!r}")
-    mod_name, attr = spec.split(":", 1)
-    try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ValueError(f"--impl: cannot import {mod_name!r} ({exc})") from None
+        raise ValueError(f"--impl: expected package.module:function or path/to/file.py:function, got {spec!r}")
+    # rsplit: a Windows path keeps its drive's colon
+    mod_name, attr = spec.rsplit(":", 1)
+    if mod_name.endswith(".py"):
+        obj = _import_file(mod_name)
+    else:
+        try:
+            obj = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise ValueError(f"--impl: cannot import {mod_name!r} ({exc})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"--impl: {mod_name!r} has no attribute {attr!r}")
@@ -1624,6 +1678,32 @@ def resolve(spec: str) -> Callable:
     if not callable(obj):
         raise ValueError(f"--impl: {spec!r} is not callable")
     return obj
+
+
+def _import_file(path: str):
+    """The module of a Python file, imported under a name of its own (its stem and a hash of its full
+    path, so two files of one name do not replace each other), registered in ``sys.modules`` so that
+    a function in it pickles and torch.compile finds its globals."""
+    import hashlib
+    import importlib.util
+    import os
+    import sys
+
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise ValueError(f"--impl: no file {path!r}")
+    name = f"{os.path.splitext(os.path.basename(full))[0]}_{hashlib.sha256(full.encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"--impl: importing {path!r} raised {type(exc).__name__}: {exc}") from None
+    return module
 
 
 def callable_name(fn: Callable) -> str:
