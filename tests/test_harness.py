@@ -467,29 +467,25 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys, args, expected):
     assert len(lines) == 1 and expected in lines[0], err
 
 
-FILE_IMPL = """
-import torch
+def _file_impl() -> str:
+    """A user's script: the field's Newton-Schulz as a file of its own (its source, its constants)."""
+    import inspect
 
-def newton_schulz(G, steps=5, eps=1e-7):
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16()
-    if G.size(-2) > G.size(-1):
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.mT if G.size(-2) > G.size(-1) else X
-"""
+    from anvil_fast.studies import field_examples as F
+
+    return (f"import torch\nfrom torch import Tensor\nMUON_ABC = {tuple(F.MUON_ABC)!r}\nMUON_STEPS = {F.MUON_STEPS}\n\n"
+            + inspect.getsource(F.muon_newton_schulz).replace("def muon_newton_schulz(", "def newton_schulz("))
 
 
 def test_cli_judges_a_function_from_a_file_off_the_import_path(tmp_path, capsys):
     """A script the user wrote, not a package: ``--impl path/to/file.py:function``; a slip in it FAILs."""
     good = tmp_path / "my_ns.py"
-    good.write_text(FILE_IMPL)
+    text = _file_impl()
+    good.write_text(text)
     slip = tmp_path / "sub" / "my_ns.py"  # the same stem: its own module, not the first file's
     slip.parent.mkdir()
-    slip.write_text(FILE_IMPL.replace("b * A + c * A @ A", "b * A + (c + 0.1) * A @ A"))
+    assert "B = b * A + c * A @ A" in text
+    slip.write_text(text.replace("B = b * A + c * A @ A", "B = b * A + (c + 0.1) * A @ A"))
     common = ["--coeffs", ",".join(map(str, KJ)), "--steps", str(STEPS), "--eps", str(EPS),
               "--shapes", "2x32x24", "--no-progress"]
     rc, text, err = _cli(capsys, "--impl", f"{good}:newton_schulz", *common, "--families", "gaussian")
