@@ -594,8 +594,9 @@ def test_phase_seconds_count_each_second_once():
     wall = time.monotonic() - t0
     assert [r.verdict() for r in rows] == ["ok", "ok"]
     forms = H.DeclaredMath.of(**TORCH_MATH).forms("cpu")
-    assert {"implementation", "warm-up", "spectrum", "ref", *forms} <= set(seconds)
-    assert seconds["implementation"] + seconds["warm-up"] >= 0.005 * len(slow)
+    assert {"implementation", "warm-up", "lift", "spectrum", "ref", *forms} <= set(seconds)
+    # every call of it: the rows', the warm-ups' and the lifted runs' (far above eps and near it)
+    assert seconds["implementation"] + seconds["warm-up"] + seconds["lift"] >= 0.005 * len(slow)
     assert seconds["implementation"] >= 0.005 * (64 + 2)  # the rows' calls: the probe's and the batch's matrices
     assert sum(seconds.values()) <= wall + 1e-3
     # nested: the outer phase keeps only its own time
@@ -691,6 +692,14 @@ def test_a_resumed_run_measures_only_what_is_missing(tmp_path, capsys):
     rc, _, err = _cli(capsys, *base)
     data = json.loads(out.read_text())
     assert rc == 0 and data["complete"] is True and len(data["rows"]) == 4 and "resumed: 2 rows" in err
+    # a row judged by an older rule (before the lift's second scale: no declared_dtype) is measured again
+    assert all(r["declared_dtype"] == "bfloat16" for r in data["rows"])
+    data["rows"][0]["declared_dtype"] = ""
+    out.write_text(json.dumps(data))
+    rc, _, err = _cli(capsys, *base)
+    again = json.loads(out.read_text())
+    assert rc == 0 and len(again["rows"]) == 4 and "resumed: 3 rows" in err and "1 of an older rule" in err
+    assert all(r["declared_dtype"] == "bfloat16" for r in again["rows"])
     assert set(data["warmups"]) == {"anvil_fast.studies.field_examples:muon_newton_schulz_fused 2x24x16",
                                     "anvil_fast.studies.field_examples:muon_newton_schulz_fused 2x16x24"}
 

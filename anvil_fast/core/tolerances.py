@@ -648,7 +648,8 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     # the lift reached its arithmetic and found its math the declared one, to float64's rounding: the
     # probe's deviation is then its rounding's (an evaluation form whose bf16 roundings lean another
     # way than every eager form's), reported, not a FAIL; where the lift did not reach, the probe judges
-    # (declared_dtype: a row lifted at both scales and for its casts; a stored row of an older rule is not)
+    # (declared_dtype: a row judged with the lift at both scales and its casts; a stored row of an older
+    # rule has none)
     lifted_clean = lift is not None and lift <= LIFT_RTOL and not lifted_math and bool(declared_dtype)
     if row.math_z is not None and not row.math_z <= MATH_Z:
         what = (f"singular values off the declared map along {row.math_clause}: {row.math_z:.1f} standard errors "

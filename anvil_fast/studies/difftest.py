@@ -512,10 +512,15 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
     if a.resume and Path(a.json).is_file():
         old = json.loads(Path(a.json).read_text())
         names_now = {i.name for i in impls}
-        done = [H.row_from_json(r) for r in old.get("rows", []) if r["impl"] in names_now
+        here = [r for r in old.get("rows", []) if r["impl"] in names_now
                 and tuple(r["shape"]) in set(shapes) and r["family"] in families]
+        # a declared row without declared_dtype was judged before the lifted run's second scale and casts:
+        # measured again, not kept under a rule it was not judged by
+        done = [H.row_from_json(r) for r in here if not r.get("declared", True) or r.get("declared_dtype")]
         warmups = dict(old.get("warmups", {}))
-        print(f"resumed: {len(done)} rows of {a.json} kept", file=sys.stderr)
+        print(f"resumed: {len(done)} rows of {a.json} kept"
+              + (f", {len(here) - len(done)} of an older rule measured again" if len(here) > len(done) else ""),
+              file=sys.stderr)
 
     total = sum(len([f for f in families if not (f == H.SPECTRUM and i.math is None)]) for i in impls) * len(shapes)
     clock = [time.monotonic(), len(done)]

@@ -1187,7 +1187,8 @@ class Row:
     lift_note: str = ""
     lift_coeffs: str = ""
     #: the lifted run at norms near eps (:attr:`Lifted.eps_err`), the dtypes below float64 it asked for
-    #: (comma-separated) and the iteration dtype the math declares
+    #: (comma-separated) and the iteration dtype the math declares (every declared row has it; a stored
+    #: row without it was judged before the lift ran at two scales: ``--resume`` measures it again)
     lift_eps_err: float | None = None
     lift_casts: str = ""
     declared_dtype: str = ""
@@ -1408,6 +1409,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     if m is not None:
         row.gram_declared = P.gram_side(shape, transpose_when=m.transpose_when)
         row.sigma_x = m.exploded_sigma()
+        row.declared_dtype = m.dtype
     row.note = impl.called
     try:
         try:
@@ -1497,7 +1499,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                     lf = lifted_run(impl, lift_input(x), m, seed=cache.seed, eps_x=lift_eps_input(x, m))
                 row.lift_err, row.lift_note, row.lift_coeffs = lf.err, lf.why_not, lf.coeffs
                 row.lift_off = lf.off if lf.off == lf.off else None
-                row.lift_eps_err, row.lift_casts, row.declared_dtype = lf.eps_err, ",".join(lf.casts), m.dtype
+                row.lift_eps_err, row.lift_casts = lf.eps_err, ",".join(lf.casts)
     else:
         row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:
