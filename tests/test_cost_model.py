@@ -252,3 +252,16 @@ def test_study_records_round_trip_and_refuse_a_short_row(tmp_path):
     path.write_text(json.dumps({"format": R.SCALING, "rows": {"2": dict(step_ms=1.0)}}))
     with pytest.raises(ValueError, match="row '2' lacks"):
         C.read_scaling_run(path)
+
+
+def test_training_problems_name_the_world_sizes_the_training_model_cannot_run_at():
+    from anvil_fast.models.banked_gpt import CPU_DEFAULTS, CUDA_DEFAULTS
+    from anvil_fast.studies.cost_measure import training_problems
+
+    # the CPU smoke's tiny model: banks of 2 and 4 matrices, a global batch of 4
+    cpu = training_problems([1, 2, 4, 8], **CPU_DEFAULTS)
+    assert sorted(cpu) == [4, 8]
+    assert "divisible by world_size=4" in cpu[4] and "global batch 4" in cpu[8]
+    # GPT-2 small in banks of four layers divides over 8 ranks, not 16
+    gpu = training_problems([1, 2, 4, 8, 16], **CUDA_DEFAULTS)
+    assert sorted(gpu) == [16] and "world_size=16" in gpu[16]

@@ -56,6 +56,29 @@ def time_pieces(opt, grads: dict, n: int, device) -> dict[str, float]:
     return upd
 
 
+def training_problems(worlds: list[int], *, size: str, group_layers: int, global_batch: int, **_) -> dict[int, str]:
+    """World size -> why the training step cannot run at it (none where it can): the global batch must
+    divide into equal per-rank batches, and every sharded bank's first dimension into the ranks. The model
+    and its optimizer are built on the meta device, so nothing is allocated."""
+    import torch
+
+    from anvil_fast.models.banked_gpt import BankedGPT, check_batch
+    from anvil_fast.models.gpt import SIZES
+    from anvil_fast.optim.overlap import make_optimizer
+    from anvil_fast.parallel.comms import LocalComms, NullComms
+
+    with torch.device("meta"):
+        model = BankedGPT(SIZES[size], group_layers=group_layers)
+    problems = {}
+    for w in worlds:
+        try:
+            check_batch(global_batch, w)
+            make_optimizer(model, comms=LocalComms() if w == 1 else NullComms(w, 0), compile_banks=False)
+        except ValueError as e:  # ConfigError is one
+            problems[w] = str(e)
+    return problems
+
+
 def measure_training(worlds: list[int], *, n: int, device, size: str, group_layers: int, global_batch: int,
                      seq: int | None = None) -> dict:
     """The training step's pieces for rank 0 of each world size, on one device: forward and
