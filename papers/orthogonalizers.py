@@ -94,14 +94,27 @@ def load(path: Path | None = None, *, where: str | None = None) -> dict | None:
                    "generated_by": [p.get("generated_by", "") for p in parts],
                    "complete": all(p.get("complete", True) for p in parts), "implementations": {},
                    "unavailable": {}, "rows": []}
+            devices: dict[str, int] = {}
             for p in parts:
                 out["implementations"].update(p.get("implementations", {}))
                 out["unavailable"].update(p.get("unavailable", {}))
                 out["rows"] += p.get("rows", [])
+                for r in p.get("rows", []):  # a row names the machine that judged it, else its run's
+                    name = r.get("device_name") or p.get("device", "?")
+                    devices[name] = devices.get(name, 0) + 1
+            out["devices"] = devices
+            out["device"] = machines(devices) if devices else out["device"]
             for n in out["implementations"]:
                 out["unavailable"].pop(n, None)
             return out
     return None
+
+
+def machines(devices: dict[str, int]) -> str:
+    """The machines that judged a table's rows: one name, or each with its rows' count."""
+    if len(devices) == 1:
+        return next(iter(devices))
+    return ", ".join(f"{name} ({n} rows)" for name, n in devices.items())
 
 
 def _f(v, fmt=".3g") -> str:
@@ -247,6 +260,14 @@ def table(data: dict | None = None) -> str:
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes)
 
 
+def gpu_machines() -> str:
+    """The GPUs that judged the stored runs' rows ("the H200" while none is stored). The runs are
+    verdicts, not timings, so a run resumed on another Hopper GPU of the same software continues it;
+    each row names its machine."""
+    data = load(where=H200_DIR)
+    return "the H200" if not data else machines(data["devices"])
+
+
 def h200_progress() -> str:
     """How much of the H200 table exists: the runs of :data:`RUNS` with a JSON, and those complete."""
     have = [json.loads(p.read_text()) for name, _, _ in RUNS if (p := ROOT / H200_DIR / name).is_file()]
@@ -358,6 +379,7 @@ def values(data: dict | None = None) -> dict[str, str]:
     return {**few_matrices(), "peers_h200_rules": h200_rules(), "peers_command": f"`{COMMAND}`",
             "lift_count": str(T.LIFT_COUNT), "lift_rtol": f"{T.LIFT_RTOL:.0e}".replace("e-0", "e-"),
             "peers_runs": str(len(RUNS)), "peers_h200_progress": h200_progress(),
+            "peers_gpu_machines": gpu_machines(),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}
 
 

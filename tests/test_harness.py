@@ -702,6 +702,18 @@ def test_a_resumed_run_measures_only_what_is_missing(tmp_path, capsys):
     assert all(r["declared_dtype"] == "bfloat16" for r in again["rows"])
     assert set(data["warmups"]) == {"anvil_fast.studies.field_examples:muon_newton_schulz_fused 2x24x16",
                                     "anvil_fast.studies.field_examples:muon_newton_schulz_fused 2x16x24"}
+    # every row names the machine that judged it; a stored row without a name takes its run's, so that a
+    # run resumed on another machine keeps each part's
+    here = H.device_name("cpu")
+    assert {r["device_name"] for r in again["rows"]} == {here} and again["devices"] == {here: 4}
+    for r in again["rows"][:2]:
+        del r["device_name"]
+    again["device"] = "an earlier GPU"
+    out.write_text(json.dumps(again))
+    rc, _, err = _cli(capsys, *base)
+    mixed = json.loads(out.read_text())
+    assert rc == 0 and "resumed: 4 rows" in err and mixed["devices"] == {"an earlier GPU": 2, here: 2}
+    assert mixed["device"] == here
 
 
 def test_the_math_of_a_more_precise_implementation_passes():

@@ -119,6 +119,23 @@ def test_the_h200_progress_counts_stored_and_complete_runs(tmp_path, monkeypatch
     assert peers.h200_progress().startswith(f"2 of the {len(peers.RUNS)} runs stored so far, 1 of them complete")
 
 
+def test_a_table_judged_on_two_machines_names_each_with_its_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "ROOT", tmp_path)
+    d = tmp_path / peers.H200_DIR
+    d.mkdir(parents=True)
+    assert peers.gpu_machines() == "the H200"
+    # one run's rows name their machines (a run resumed elsewhere), another's only its run's device
+    (d / peers.RUNS[0][0]).write_text(json.dumps({"device": "GPU B", "rows": [
+        {"device_name": "GPU A"}, {"device_name": "GPU B"}, {"device_name": "GPU B"}]}))
+    (d / peers.RUNS[1][0]).write_text(json.dumps({"device": "GPU A", "rows": [{}]}))
+    data = peers.load(where=peers.H200_DIR)
+    assert data["devices"] == {"GPU A": 2, "GPU B": 2}
+    assert peers.gpu_machines() == data["device"] == "GPU A (2 rows), GPU B (2 rows)"
+    (d / peers.RUNS[1][0]).unlink()
+    (d / peers.RUNS[0][0]).write_text(json.dumps({"device": "GPU B", "rows": [{"device_name": "GPU B"}]}))
+    assert peers.gpu_machines() == "GPU B"
+
+
 def test_the_stored_cpu_table_has_no_fail_and_names_its_commit():
     """The paper's CPU table (section 6.1) is judged by the current rule with no FAIL: the field's
     code and every library's, each below the math verdict's limit; a re-run that FAILs shows here."""

@@ -152,7 +152,11 @@ for stage in ${STAGES:-suite bench}; do
              json=$(grep -o -- '--json [^ ;]*' <<< "$cmd" | cut -d' ' -f2)
              [ -f "$json" ] && cp "$json" "$OUT/"
              cmd=$(sed "s|--json $json|--json $OUT/$(basename "$json")|; s|; *cp [^;]*\$OUT/ *\$||" <<< "$cmd")
-             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" timeout "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
+             # the lines share the machine's cores, each its share of the threads (the host's float64 SVDs and
+             # QRs): three lines with a full thread pool each wrote no row in 430 s, one alone 40 rows in 150 s;
+             # SIGINT first, so that a line cut at its limit prints where it was
+             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" OMP_NUM_THREADS=$(( $(nproc) / ${ORTHO_JOBS:-1} > 0 ? $(nproc) / ${ORTHO_JOBS:-1} : 1 )) \
+               timeout -s INT -k 20 "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
              echo "rc=$?" >> "$OUT/orthogonalizers_$i.log"
            }
            running=0

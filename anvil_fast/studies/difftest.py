@@ -517,6 +517,8 @@ def harness_main(ap: argparse.ArgumentParser, a: argparse.Namespace, argv) -> in
         # a declared row without declared_dtype was judged before the lifted run's second scale and casts:
         # measured again, not kept under a rule it was not judged by
         done = [H.row_from_json(r) for r in here if not r.get("declared", True) or r.get("declared_dtype")]
+        for r in done:  # rows stored before rows named their machine: the stored run's
+            r.device_name = r.device_name or old.get("device", "")
         warmups = dict(old.get("warmups", {}))
         print(f"resumed: {len(done)} rows of {a.json} kept"
               + (f", {len(here) - len(done)} of an older rule measured again" if len(here) > len(done) else ""),

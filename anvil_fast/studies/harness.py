@@ -1197,6 +1197,9 @@ class Row:
     declared: bool = True
     well_conditioned: bool = False
     device: str = "cpu"
+    #: the machine that judged the row (the GPU's name, or the CPU's): a table resumed on another
+    #: machine names each part's (:func:`device_names`)
+    device_name: str = ""
 
     @property
     def config(self) -> str:
@@ -1405,7 +1408,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     dev = cache.device.type
     chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
     row = Row(impl.name, shape, family, count=int(x.shape[0]), declared=m is not None,
-              well_conditioned=family in WELL_CONDITIONED, device=dev)
+              well_conditioned=family in WELL_CONDITIONED, device=dev, device_name=device_name(cache.device))
     if m is not None:
         row.gram_declared = P.gram_side(shape, transpose_when=m.transpose_when)
         row.sigma_x = m.exploded_sigma()
@@ -1643,13 +1646,31 @@ def source_commit() -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
+def device_name(device) -> str:
+    """The name of the machine a row is judged on: the GPU's (``torch.cuda.get_device_name``), else
+    the CPU's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_names(rows: Sequence[Row]) -> dict[str, int]:
+    """Rows per machine that judged them, in first-seen order (a stored row without a name: "")."""
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r.device_name] = out.get(r.device_name, 0) + 1
+    return out
+
+
 def to_json(rows: list[Row], *, command: str, impls: Sequence[Implementation] = (), unavailable: dict | None = None,
             meta: dict | None = None) -> dict:
-    """The rows and what produced them (the command, the commit, the versions), as the paper's
-    generator (papers/orthogonalizers.py) reads them."""
+    """The rows and what produced them (the command, the commit of the last run, the versions, the
+    machines with their rows' counts), as the paper's generator (papers/orthogonalizers.py) reads them."""
     dev = rows[0].device if rows else "cpu"
     out = {"generated_by": command, "commit": source_commit(),
-           "device": torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor() or "cpu",
+           "device": device_name(torch.device("cuda", 0) if dev == "cuda" else "cpu"),
+           "devices": device_names(rows),
            "torch": torch.__version__, "python": platform.python_version(), "verdict_rule": VERDICT_RULE,
            "implementations": {i.name: {"math": None if i.math is None else i.math.to_json(),
                                         "describe": "undeclared" if i.math is None else i.math.describe(),
