@@ -840,6 +840,19 @@ def _lifted(fn, math_=None, shape=(2, 24, 16)):
     return H.lifted_run(impl, H.lift_input(x), m)
 
 
+def test_the_lift_measures_the_part_off_the_basis_only_where_its_error_does_not_bound_it(monkeypatch):
+    """An output within LIFT_OFF of the declared math has at most that much off the input's singular
+    basis (the math's output has none): the SVD that measures it is skipped there, and run where the
+    output is further off, as for a slip, whose part off the basis it still finds nil."""
+    calls = []
+    real = H._off_spectral
+    monkeypatch.setattr(H, "_off_spectral", lambda *a: calls.append(1) or real(*a))
+    exact = _lifted(AT.muon_newton_schulz)
+    assert exact.err < 1e-4 * T.LIFT_RTOL and exact.off == pytest.approx(exact.err / (1 - exact.err)) and not calls
+    slipped = _lifted(AT.MUTANTS[next(iter(AT.MUTANTS))])
+    assert calls and (slipped.err is None or slipped.err > T.LIFT_OFF) and slipped.off == slipped.off
+
+
 def test_the_lift_reaches_the_field_s_code_and_finds_its_math_exact():
     from anvil_fast.studies import adapters as A
 
