@@ -679,6 +679,24 @@ def test_a_lambda_gets_a_useful_name():
     f = lambda x: x  # noqa: E731
     assert re.fullmatch(r"<lambda> at .*test_harness\.py:\d+", H.callable_name(f))
     assert H.callable_name(torch_muon) == "torch_muon"
+    # a decorator's wrapper goes by the function it wraps (functools.wraps), or by the name it gave itself
+    import functools
+
+    def oriented(fn):
+        @functools.wraps(fn)
+        def run(G):
+            return fn(G)
+        return run
+
+    assert H.callable_name(oriented(torch_muon)) == "torch_muon"
+
+    def renamed(fn):
+        def run(G):
+            return fn(G)
+        run.__name__ = fn.__name__
+        return run
+
+    assert re.fullmatch(r"torch_muon at .*test_harness\.py:\d+", H.callable_name(renamed(torch_muon)))
 
 
 def test_a_resumed_run_measures_only_what_is_missing(tmp_path, capsys):

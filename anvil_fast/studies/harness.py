@@ -1742,6 +1742,9 @@ def callable_name(fn: Callable) -> str:
 
     if isinstance(fn, functools.partial):
         return f"partial({callable_name(fn.func)})"
+    inner = getattr(fn, "__wrapped__", None)
+    if callable(inner) and inner is not fn:  # a decorator's wrapper (functools.wraps): the function it wraps
+        return callable_name(inner)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
     if "<lambda>" in name or "<locals>" in name:
         code = getattr(fn, "__code__", None)
@@ -1751,7 +1754,8 @@ def callable_name(fn: Callable) -> str:
                 where = os.path.relpath(where)
             except ValueError:
                 pass
-            base = name.rsplit(".", 1)[-1]
+            # a wrapper that renamed itself (``run.__name__ = f.__name__``) goes by that name
+            base = getattr(fn, "__name__", None) or name.rsplit(".", 1)[-1]
             return f"{base} at {where}:{code.co_firstlineno}"
     return name
 
