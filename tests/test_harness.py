@@ -697,6 +697,10 @@ def test_a_lambda_gets_a_useful_name():
         return run
 
     assert re.fullmatch(r"torch_muon at .*test_harness\.py:\d+", H.callable_name(renamed(torch_muon)))
+    # wrappers that name each other: no endless chase, each named by where it was written
+    a, b = renamed(torch_muon), renamed(torch_muon)
+    a.__wrapped__, b.__wrapped__ = b, a
+    assert re.fullmatch(r"torch_muon at .*test_harness\.py:\d+", H.callable_name(a))
 
 
 def test_a_resumed_run_measures_only_what_is_missing(tmp_path, capsys):

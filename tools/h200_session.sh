@@ -155,10 +155,11 @@ for stage in ${STAGES:-suite bench}; do
              # the lines share the machine's cores, each its share of the threads (the host's float64 SVDs and
              # QRs): three lines with a full thread pool each wrote no row in 430 s, one alone 40 rows in 150 s;
              # SIGINT first, so that a line cut at its limit prints where it was
-             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" OMP_NUM_THREADS=$(( $(nproc) / ${ORTHO_JOBS:-1} > 0 ? $(nproc) / ${ORTHO_JOBS:-1} : 1 )) \
+             PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" OMP_NUM_THREADS=$ortho_threads \
                timeout -s INT -k 20 "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
              echo "rc=$?" >> "$OUT/orthogonalizers_$i.log"
            }
+           ortho_threads=$(( $(nproc) / ${ORTHO_JOBS:-1} )); [ "$ortho_threads" -ge 1 ] || ortho_threads=1
            running=0
            for i in ${ORTHO_LINES:-1}; do
              ortho_line "$i" &

@@ -1738,12 +1738,16 @@ def callable_name(fn: Callable) -> str:
     """A name for ``fn`` in a table: its qualified name; a lambda, a partial or a callable object by
     where it was written (``<lambda> at tests/test_x.py:12``), the function a partial wraps."""
     import functools
+    import inspect
     import os
 
     if isinstance(fn, functools.partial):
         return f"partial({callable_name(fn.func)})"
-    inner = getattr(fn, "__wrapped__", None)
-    if callable(inner) and inner is not fn:  # a decorator's wrapper (functools.wraps): the function it wraps
+    try:  # a decorator's wrapper (functools.wraps): the function it wraps (inspect refuses a cycle)
+        inner = inspect.unwrap(fn)
+    except ValueError:
+        inner = fn
+    if inner is not fn and callable(inner):
         return callable_name(inner)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
     if "<lambda>" in name or "<locals>" in name:
