@@ -87,7 +87,9 @@ def load(path: Path | None = None, *, where: str | None = None) -> dict | None:
     if path is not None:
         return json.loads(Path(path).read_text()) if Path(path).is_file() else None
     for d in ((where,) if where else (H200_DIR, CPU_DIR)):
-        files = sorted((ROOT / d).glob("*.json"))
+        # the runs' own order (adapter group, then the layout's bank shapes), others after it by name
+        order = {name: i for i, (name, _, _) in enumerate(RUNS)}
+        files = sorted((ROOT / d).glob("*.json"), key=lambda f: (order.get(f.name, len(order)), f.name))
         if files:
             parts = [json.loads(f.read_text()) for f in files]
             out = {"source": d, "device": parts[0].get("device", "?"), "torch": parts[0].get("torch", "?"),
@@ -284,7 +286,7 @@ def cross_device(h200: dict | None = None, cpu: dict | None = None) -> str:
     h200 = load(where=H200_DIR) if h200 is None else h200
     cpu = load(where=CPU_DIR) if cpu is None else cpu
     if not h200 or not cpu:
-        return "*(no H200 FAIL to set beside the CPU run)*"
+        return "*(no GPU FAIL to set beside the CPU run)*"
     cpu_v: dict[str, list[str]] = {}
     for r in cpu["rows"]:
         cpu_v.setdefault(r["impl"], []).append(r["verdict"])
@@ -304,7 +306,7 @@ def cross_device(h200: dict | None = None, cpu: dict | None = None) -> str:
                        + ", ".join(f"{v} {mine.count(v)}" for v in dict.fromkeys(mine)) + ".")
         else:
             out.append(f"* {r['impl']} ({shape}, {r['family']}): not in the CPU run.")
-    return "\n".join(out) or "*(no FAIL in the H200 table)*"
+    return "\n".join(out) or "*(no FAIL in the GPU table)*"
 
 
 def h200_rules() -> str:
