@@ -136,6 +136,21 @@ def test_a_table_judged_on_two_machines_names_each_with_its_rows(tmp_path, monke
     assert peers.gpu_machines() == "GPU B"
 
 
+def test_the_gpu_table_follows_the_runs_order_not_the_files_names(tmp_path, monkeypatch):
+    """The runs' order is the layout's bank shapes (4x256x768 first); the files' names sort
+    1x4096x4096 first: the merged rows follow the runs, a file of no run comes last."""
+    monkeypatch.setattr(peers, "ROOT", tmp_path)
+    d = tmp_path / peers.H200_DIR
+    d.mkdir(parents=True)
+    picked = [peers.RUNS[4], peers.RUNS[0], peers.RUNS[2]]
+    assert sorted(name for name, _, _ in picked) != [name for name, _, _ in sorted(picked, key=peers.RUNS.index)]
+    (d / "aaa_not_a_run.json").write_text(json.dumps({"rows": [{"impl": "other"}]}))
+    for name, _, shape in picked:
+        (d / name).write_text(json.dumps({"rows": [{"impl": name}]}))
+    rows = peers.load(where=peers.H200_DIR)["rows"]
+    assert [r["impl"] for r in rows] == [peers.RUNS[0][0], peers.RUNS[2][0], peers.RUNS[4][0], "other"]
+
+
 def test_the_stored_cpu_table_has_no_fail_and_names_its_commit():
     """The paper's CPU table (section 6.1) is judged by the current rule with no FAIL: the field's
     code and every library's, each below the math verdict's limit; a re-run that FAILs shows here."""
