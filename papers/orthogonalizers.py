@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,3 +392,44 @@ def tables() -> dict:
         return table(data) if data else f"*(no run in `{where}/` yet)*"
     return {"peers": table, "peers_cpu": lambda: at(CPU_DIR), "peers_h200": lambda: at(H200_DIR),
             "peers_cross_device": cross_device}
+
+
+def remaining() -> list[tuple[int, str, str]]:
+    """The runs of :data:`RUNS` not complete yet, as ``(line, JSON name, state)``: ``line`` is the
+    run's 1-based line among the commands of :data:`COMMANDS_FILE` (``ORTHO_LINES`` of
+    tools/h200_session.sh), ``state`` "not run" or "k of n rows" (n: adapters x families)."""
+    from anvil_fast.studies.families import FAMILIES
+
+    out = []
+    for i, (name, adapters, _) in enumerate(RUNS, 1):
+        p = ROOT / H200_DIR / name
+        d = json.loads(p.read_text()) if p.is_file() else None
+        if d is not None and d.get("complete"):
+            continue
+        n = len(adapters.split(",")) * len(FAMILIES)
+        out.append((i, name, "not run" if d is None else f"{len(d.get('rows', []))} of {n} rows"))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m papers.orthogonalizers",
+                                 description="The GPU table's runs not complete yet (the lines of "
+                                             f"{COMMANDS_FILE} for tools/h200_session.sh's ORTHO_LINES).")
+    ap.add_argument("--lines", action="store_true",
+                    help="print only the lines, space-separated (ORTHO_LINES=remaining in tools/h200_session.sh)")
+    a = ap.parse_args(argv)
+    rest = remaining()
+    if a.lines:
+        print(" ".join(str(line) for line, _, _ in rest))
+        return 0
+    for line, name, state in rest:
+        print(f"line {line:2d}  {name:34s} {state}")
+    print(f"{len(RUNS) - len(rest)} of {len(RUNS)} runs complete"
+          + (f"; ORTHO_LINES=\"{' '.join(str(line) for line, _, _ in rest)}\"" if rest else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

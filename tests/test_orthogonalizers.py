@@ -151,6 +151,23 @@ def test_the_gpu_table_follows_the_runs_order_not_the_files_names(tmp_path, monk
     assert [r["impl"] for r in rows] == [peers.RUNS[0][0], peers.RUNS[2][0], peers.RUNS[4][0], "other"]
 
 
+def test_the_remaining_runs_are_the_lines_whose_json_is_missing_or_incomplete(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(peers, "ROOT", tmp_path)
+    d = tmp_path / peers.H200_DIR
+    d.mkdir(parents=True)
+    (d / peers.RUNS[0][0]).write_text(json.dumps({"complete": True, "rows": [{}]}))
+    (d / peers.RUNS[2][0]).write_text(json.dumps({"complete": False, "rows": [{}, {}, {}]}))
+    rest = peers.remaining()
+    assert [line for line, _, _ in rest] == [2] + list(range(3, len(peers.RUNS) + 1))
+    n = len(peers.RUNS[2][1].split(",")) * 8  # the adapters x the eight input families
+    assert rest[0][2] == "not run" and rest[1] == (3, peers.RUNS[2][0], f"3 of {n} rows")
+    # the line numbers are those of the generated commands file, as the device stage counts them
+    cmds = [ln for ln in peers.commands_file().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert peers.RUNS[2][0] in cmds[3 - 1]
+    assert peers.main(["--lines"]) == 0
+    assert capsys.readouterr().out.split() == [str(line) for line, _, _ in rest]
+
+
 def test_the_stored_cpu_table_has_no_fail_and_names_its_commit():
     """The paper's CPU table (section 6.1) is judged by the current rule with no FAIL: the field's
     code and every library's, each below the math verdict's limit; a re-run that FAILs shows here."""

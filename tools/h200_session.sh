@@ -19,7 +19,8 @@
 #           with, carried as a folder) and here, and their diff
 #   orthogonalizers  the lines ORTHO_LINES of results/h200_orthogonalizers/commands.txt (the paper's table of
 #           other libraries' orthogonalizations, one resumable run per adapter group and shape), ORTHO_JOBS at
-#           once: wheels from .whl and .gns, dion from .peers/dion; each JSON into $OUT (copy it to
+#           once (ORTHO_LINES=remaining: those not complete; a 4096x4096 line alone on a card under 120 GB):
+#           wheels from .whl and .gns, dion from .peers/dion; each JSON into $OUT (copy it to
 #           results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
@@ -147,6 +148,8 @@ for stage in ${STAGES:-suite bench}; do
            # resumable: its JSON comes back in $OUT (copy it to results/h200_orthogonalizers/ and run again)
            # ORTHO_JOBS lines at once (the runs time nothing), each with its own log, orthogonalizers_<line>.log
            grep -v '^#' results/h200_orthogonalizers/commands.txt | grep . > /tmp/ortho_cmds.txt
+           # ORTHO_LINES=remaining: every line whose JSON is not complete (python -m papers.orthogonalizers)
+           [ "${ORTHO_LINES:-}" = remaining ] && ORTHO_LINES=$(python3 -m papers.orthogonalizers --lines)
            ortho_line() {
              local i=$1 cmd json
              cmd=$(sed -n "${i}p" /tmp/ortho_cmds.txt | sed 's/^PYTHONPATH=\.peers\/dion python /python3 /')
