@@ -327,6 +327,47 @@ def test_columns_against_hand_computations():
     assert row.fast < 1e-6  # fp32 in, fp32 out: the same math
 
 
+H_Cache = H._Cache
+
+
+def test_the_cache_drops_its_least_recently_used_entries_past_its_budget():
+    made = []
+
+    def entry(k):
+        made.append(k)
+        return torch.zeros(100)  # 400 bytes
+
+    c = H._Cache(seed=0, device="cpu", count=1, budget=3 * 400)
+    for k in "abc":
+        c.get(("x", k), lambda k=k: entry(k))
+    assert c.get(("x", "a"), lambda: entry("a")) is c.store[("x", "a")]  # used again, not made again
+    c.get(("x", "d"), lambda: entry("d"))  # past the budget: b, the least recently used, goes
+    assert list(c.store) == [("x", "c"), ("x", "a"), ("x", "d")] and c.dropped == 1
+    c.get(("x", "b"), lambda: entry("b"))  # made again when asked for
+    assert made == ["a", "b", "c", "d", "b"] and ("x", "c") not in c.store
+    # an entry past the whole budget stays while it is the newest; a view counts its storage once
+    c = H._Cache(seed=0, device="cpu", count=1, budget=10)
+    big = torch.zeros(100)
+    c.get(("x", "big"), lambda: (big, big[:10], {"again": big}))
+    assert list(c.store) == [("x", "big")] and H._device_bytes(c.store[("x", "big")], torch.device("cpu")) == 400
+    assert H._Cache(seed=0, device="cpu", count=1).budget is None  # the host's entries: no bound by default
+
+
+def test_the_rows_do_not_depend_on_the_cache_budget(monkeypatch):
+    """Entries dropped for the budget are made again with the same bits: every row, every number."""
+    caches = []
+    monkeypatch.setattr(H, "_Cache", lambda **kw: caches.append(H_Cache(**kw)) or caches[-1])
+    impls = [H.Implementation("torch-muon", torch_muon, H.DeclaredMath.of(**TORCH_MATH)),
+             H.Implementation("torch-muon-again", lambda x: torch_muon(x.clone()), H.DeclaredMath.of(**TORCH_MATH))]
+    kw = dict(shapes=[(2, 24, 16)], families=("gaussian", H.SPECTRUM, "near_rank1"), progress=False,
+              spectrum_count=64)
+    free = H.judge(impls, cache_bytes=None, **kw)
+    tight = H.judge(impls, cache_bytes=1, **kw)
+    assert caches[0].dropped == 0 and caches[1].dropped > 0
+    strip = lambda rows: [{k: v for k, v in dataclasses.asdict(r).items() if k != "ms"} for r in rows]  # noqa: E731
+    assert strip(free) == strip(tight) and len(free) == 6
+
+
 def test_declared_math_refuses_bad_values():
     with pytest.raises(ValueError, match="normalization"):
         H.DeclaredMath(((1, 0, 0),), normalization="spectral")

@@ -1270,24 +1270,82 @@ def _input(family: str, shape: tuple[int, int, int], *, seed: int, count: int, d
     return make_matrix(family, shape, seed=seed, device=device)
 
 
+#: The share of a GPU's memory the shared entries of one judging call may hold there (:class:`_Cache`).
+#: At 4096x4096 each declared math's spectrum probe holds about 2.8 GB (its float64 singular bases,
+#: the float64 result, the eager forms), and a table line judges ten or more maths: unbounded, one line
+#: held 54 GB of an 80 GB card. Beyond the share the least recently used entries are dropped and made
+#: again when asked for (the same bits: each is a deterministic function of its key).
+CACHE_DEVICE_SHARE = 0.125
+
+
+def _device_bytes(v, device: torch.device, seen: set | None = None) -> int:
+    """Bytes of the tensors in ``v`` (tensors, sequences, dicts, dataclasses) on ``device``'s kind of
+    memory, each storage once."""
+    seen = set() if seen is None else seen
+    if isinstance(v, Tensor):
+        if v.device.type != device.type:
+            return 0
+        st = v.untyped_storage()
+        if st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+    if isinstance(v, dict):
+        return sum(_device_bytes(x, device, seen) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return sum(_device_bytes(x, device, seen) for x in v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return sum(_device_bytes(getattr(v, f.name), device, seen) for f in dataclasses.fields(v))
+    return 0
+
+
 class _Cache:
     """Per (shape, family): the input, its polar factor and singular values; per declared math: the
     float64 result, the eager bf16 results and the bound; the spectrum probe. Shared by every
-    implementation judged in one call."""
+    implementation judged in one call. ``budget``: the bytes its entries may hold on its device
+    (default: :data:`CACHE_DEVICE_SHARE` of a GPU's memory, no bound on the host; None: no bound);
+    past it the least recently used entries go."""
 
     def __init__(self, *, seed: int, device, count: int, spectrum_count: int | None = None,
-                 seconds: dict | None = None):
+                 seconds: dict | None = None, budget: int | None = -1):
         self.seed, self.device, self.count, self.spectrum_count = seed, torch.device(device), count, spectrum_count
-        self.store: dict = {}
+        self.store: dict = {}  # least recently used first
         #: wall seconds spent making each kind of entry (an eager form by its name), synchronized on CUDA
         self.seconds = {} if seconds is None else seconds
         self._inner: list[float] = []
+        if budget == -1:
+            budget = (int(torch.cuda.get_device_properties(self.device).total_memory * CACHE_DEVICE_SHARE)
+                      if self.device.type == "cuda" else None)
+        self.budget = budget
+        #: entries dropped for the budget, and made again after that
+        self.dropped = 0
 
     def get(self, key, make):
-        if key not in self.store:
-            with self.timed(key[4] if key[0] == "eager" else key[0]):
-                self.store[key] = make()
-        return self.store[key]
+        if key in self.store:
+            self.store[key] = self.store.pop(key)  # the most recent last
+            return self.store[key]
+        with self.timed(key[4] if key[0] == "eager" else key[0]):
+            value = make()
+        self.store[key] = value
+        self._bound(keep=key)
+        return value
+
+    def _bound(self, *, keep) -> None:
+        """Drop the least recently used entries until those left hold at most ``budget`` bytes on the
+        device (``keep``, the entry just made, stays whatever its size). Their holders keep what
+        they already have: an entry dropped is only made again on its next ``get``."""
+        if self.budget is None:
+            return
+        sizes = {k: _device_bytes(v, self.device) for k, v in self.store.items()}
+        total = sum(sizes.values())
+        for k in list(self.store):
+            if total <= self.budget:
+                break
+            if k == keep or not sizes[k]:
+                continue
+            total -= sizes[k]
+            del self.store[k]
+            self.dropped += 1
 
     @contextlib.contextmanager
     def timed(self, what: str):
@@ -1544,7 +1602,7 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
           seed: int = 0, device="cpu", near_rank1_count: int = 8, time_reps: int = 0, progress: bool | None = None,
           time_limit: float | None = None, checkpoint: Callable[[list[Row]], None] | None = None,
           done: Sequence[Row] = (), warmups: dict | None = None, spectrum_count: int | None = None,
-          seconds: dict | None = None) -> list[Row]:
+          seconds: dict | None = None, cache_bytes: int | None = -1) -> list[Row]:
     """Every row for every implementation, shape and family (same inputs for all implementations),
     shape by shape, implementation by implementation (each one's first call at a shape, the warm-up,
     outside its rows: :func:`warm_up`). ``near_rank1_count``: inputs of the near-rank-1 family per
@@ -1554,7 +1612,9 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     measured again; ``warmups``: filled with the warm-up seconds per "impl shape"; ``spectrum_count``:
     matrices of the spectrum probe per shape (default :func:`spectrum_count`: fewer see less); ``seconds``:
     filled with the wall seconds per phase (the implementation's calls, its warm-ups, and each kind of
-    shared entry: the probe, the float64 results, each eager form), where a run's time goes."""
+    shared entry: the probe, the float64 results, each eager form), where a run's time goes;
+    ``cache_bytes``: the bound on those shared entries' bytes on the device (:class:`_Cache`'s
+    ``budget``; the default bounds them on a GPU alone); the rows do not depend on it."""
     from anvil_ref.progress import Progress
 
     impls = [impls] if isinstance(impls, Implementation) else list(impls)
@@ -1566,7 +1626,8 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
             raise ValueError(f"shapes: expected (chunk, rows, cols) of positive integers, got {s!r}")
-    cache = _Cache(seed=seed, device=device, count=near_rank1_count, spectrum_count=spectrum_count, seconds=seconds)
+    cache = _Cache(seed=seed, device=device, count=near_rank1_count, spectrum_count=spectrum_count, seconds=seconds,
+                   budget=cache_bytes)
     have = {(r.impl, tuple(r.shape), r.family): r for r in done}
     rows = list(done)
     warmups = {} if warmups is None else warmups
