@@ -262,6 +262,7 @@ PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "deri
 QUICK_COMMANDS = {
     "anvil_ref": "the demo applies the reference cascade to a few small matrices",
     "papers.build": "renders stored results into the paper's files",
+    "papers.orthogonalizers": "lists the GPU table's runs not complete yet from the stored JSONs",
     "papers.train": "prints a line per finished run itself",
 }
 
