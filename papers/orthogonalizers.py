@@ -421,13 +421,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="print only the lines, space-separated (ORTHO_LINES=remaining in tools/h200_session.sh)")
     a = ap.parse_args(argv)
     rest = remaining()
+    lines = " ".join(str(line) for line, _, _ in rest)
     if a.lines:
-        print(" ".join(str(line) for line, _, _ in rest))
+        print(lines)
         return 0
     for line, name, state in rest:
         print(f"line {line:2d}  {name:34s} {state}")
-    print(f"{len(RUNS) - len(rest)} of {len(RUNS)} runs complete"
-          + (f"; ORTHO_LINES=\"{' '.join(str(line) for line, _, _ in rest)}\"" if rest else ""))
+    print(f"{len(RUNS) - len(rest)} of {len(RUNS)} runs complete" + (f'; ORTHO_LINES="{lines}"' if rest else ""))
     return 0
 
 
