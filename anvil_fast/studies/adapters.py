@@ -106,14 +106,12 @@ def _dion(module: str, func: str, *, coeffs, normalization, margin, eps, compile
         _import("dion", "dion", hint=_DION_HINT)
         mod = _import(module, "dion", hint=_DION_HINT)
         fn = _attr(mod, func, "dion")
-        observe = True
         if compiled:
             fn = _uncompiled(fn, device, compile, compiled_on_cuda=True)
-            observe = not hasattr(fn, "_torchdynamo_orig_callable")  # dynamo does not trace under a dispatch mode
         cs = getattr(mod, coeffs) if isinstance(coeffs, str) else coeffs
         m = DeclaredMath(tuple(tuple(t) for t in cs), normalization=normalization, margin=margin, eps=eps,
                          transpose_when="tall")
-        return Implementation(name, lambda x: fn(x, eps), m, observe=observe, note=f"dion {module}.{func}"
+        return Implementation(name, lambda x: fn(x, eps), m, note=f"dion {module}.{func}"
                               + (f" ({coeffs})" if isinstance(coeffs, str) else " (its quintic as listed in it)"))
     return build
 
@@ -232,7 +230,6 @@ def _dion_normuon(triton: bool):
                          eps=eps, transpose_when="tall")
         name = "dion-normuon" + ("-triton" if triton else "")
         return Implementation(name, lambda x: fn(x, epsilon=torch.tensor(eps)), m,
-                              observe=not triton and not hasattr(fn, "_torchdynamo_orig_callable"),
                               note=f"dion.normuon.NorMuon(use_triton={triton})'s orthogonalization "
                                    f"({fn.__name__ if hasattr(fn, '__name__') else fn}, epsilon={eps:g})")
     return build
@@ -259,7 +256,7 @@ def _gns(kind: str, kernels: bool):
         m = DeclaredMath(coeffs, normalization="frobenius", margin=1.0, eps=obj.ns_epsilon, transpose_when="tall",
                          restarts=restarts, dtype="float16")
         name = "gram-newton-schulz" + ("" if kind == "gram" else "-standard") + ("-quack" if kernels else "")
-        return Implementation(name, obj, m, observe=not run_compiled,
+        return Implementation(name, obj, m,
                               note=f"gram_newton_schulz.{cls.__name__}(ns_use_kernels={kernels}"
                                    + ("" if run_compiled else ", compile_kwargs=None") + "): fp16 iteration"
                                    + (", reset before step 3" if kind == "gram" else ""))

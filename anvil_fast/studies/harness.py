@@ -22,8 +22,8 @@ and the math it declares -- a
                every eager form's, in standard errors (:func:`math_statistic`)
 ``lifted``     on the ``spectrum`` family: its error against the declared math when it runs with every
                tensor torch dispatches promoted to float64 (:func:`lifted_run`), where that run
-               reaches its arithmetic (pure PyTorch, eager or compiled: torch.compile runs the
-               Python source under a dispatch mode); ``-`` where it does not (a Triton kernel that
+               reaches its arithmetic (pure PyTorch, eager or compiled: the lift stands
+               torch.compile down, :func:`compiler_eager`, and runs the Python source); ``-`` where it does not (a Triton kernel that
                rounds inside, a fast path that refuses float64; an implementation whose Gram torch
                never sees is not lifted at all): the probe alone judges its math. It runs again on
                the probe's matrices of norm near eps / margin, unscaled (the eps and the
@@ -66,7 +66,9 @@ import json
 import linecache
 import math
 import platform
+import re
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -208,8 +210,8 @@ class Implementation:
     per_matrix: bool | None = False
     input_dtype: torch.dtype = torch.float32
     note: str = ""
-    #: run under :class:`GramRecorder` (off for compiled functions: dynamo does not trace under a
-    #: dispatch mode)
+    #: its Gram side recorded (:class:`GramRecorder`, in a call of its own with torch.compile stood
+    #: down, :func:`compiler_eager`); off where its source cannot run under a dispatch mode
     observe: bool = True
     #: how :meth:`settle` decided to call it, when it decided one matrix at a time (each row says it)
     called: str = ""
@@ -273,21 +275,91 @@ class GramRecorder(TorchDispatchMode):
         return max(sides) if sides else None
 
 
+def compiler_eager():
+    """A context in which every ``torch.compile``'d function runs its Python source eagerly
+    (``torch.compiler.set_stance("force_eager")``). The harness's dispatch modes (:class:`GramRecorder`,
+    :class:`Lift`) run under it: dynamo does not trace under a dispatch mode, and a function compiled
+    with ``fullgraph=True`` that is called under one is left unable to run at all (every later call
+    raises "found no compiled frames"), so a compiled implementation would FAIL for the harness's
+    looking, not for its own arithmetic."""
+    stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def run_impl(impl: Implementation, x: Tensor, *, seed: int = 0, record: bool = True,
              chunk: int | None = None) -> tuple[Tensor, int | None]:
     """``impl(x)`` with torch's global generators seeded with ``seed`` (a stochastic rounding inside
     draws the same numbers on every call) and, with ``record``, the Gram side it formed; ``chunk``:
-    call it on batches of that many matrices (a compiled function then sees one shape)."""
+    call it on batches of that many matrices (a compiled function then sees one shape). The Gram side
+    is recorded in a call of its own on one matrix, under :func:`compiler_eager` (the products of the
+    source show it); the output is the unobserved calls' (compiled where the implementation compiles)."""
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     parts = [x] if chunk is None or chunk >= x.shape[0] else list(x.split(chunk))
     with torch.random.fork_rng(devices=devices), torch.no_grad():
+        side = None
+        if record:
+            torch.manual_seed(seed)
+            rec = GramRecorder()
+            with compiler_eager(), rec:
+                impl(parts[0][:1])
+            side = rec.gram_side()
         torch.manual_seed(seed)
-        rec = GramRecorder() if record else None
-        with rec if rec is not None else contextlib.nullcontext():
-            ys = [impl(parts[0])]  # the products of one batch show the Gram side
-        ys += [impl(part) for part in parts[1:]]
+        ys = [impl(part) for part in parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        return y, None if rec is None else rec.gram_side()
+        return y, side
+
+
+#: Where an exception comes from the compiler stack (dynamo, inductor, Triton's compiler) rather than
+#: from the implementation's own code: a file of its traceback or its class's module under one of these.
+_COMPILER_PATHS = ("/torch/_dynamo/", "/torch/_inductor/", "/triton/")
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "triton")
+
+
+def compiler_error(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by the compiler stack (:data:`_COMPILER_PATHS`, :data:`_COMPILER_MODULES`)."""
+    if any(c.__module__.startswith(_COMPILER_MODULES) for c in type(exc).__mro__):
+        return True
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and any(p in last.tb_frame.f_code.co_filename.replace("\\", "/") for p in _COMPILER_PATHS)
+
+
+def raised(exc: BaseException, limit: int = 160) -> str:
+    """``raised Type: first line`` of ``exc``, with the innermost frame of the code it ran: dynamo's
+    "from user code" frames where it names them, else the traceback's innermost frame outside torch."""
+    head = f"raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:limit]}"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', str(exc).split("from user code:")[-1]) \
+        if "from user code:" in str(exc) else []
+    if not frames:
+        frames = [(f.filename, str(f.lineno), f.name) for f in traceback.extract_tb(exc.__traceback__)
+                  if "/torch/" not in f.filename.replace("\\", "/")]
+    if frames:
+        path, line, name = frames[-1]
+        base = path.replace("\\", "/").rsplit("/", 1)[-1]
+        head += f" (at {base}:{line} in {name})"
+    return head
+
+
+#: torch.compile's recompile limit while the harness judges: it calls an implementation at more distinct
+#: inputs than a training step does (each family's batch, the spectrum probe's, one matrix for the Gram
+#: side, the lift's float64), and a compiled function of the field stopped at torch's default (8 per
+#: function) would FAIL for the harness's variety of inputs, not for its own.
+JUDGE_RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def _recompile_room():
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    if not hasattr(cfg, name) or getattr(cfg, name) >= JUDGE_RECOMPILE_LIMIT:
+        yield
+        return
+    with cfg.patch(**{name: JUDGE_RECOMPILE_LIMIT}):
+        yield
 
 
 # ------------------------------------------------------------------------------ the implementation lifted to float64
@@ -381,7 +453,7 @@ def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | Non
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     lift = Lift()
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), lift:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), compiler_eager(), lift:
             torch.manual_seed(seed)
             y = impl.run(xin)
     except Exception as exc:  # noqa: BLE001 -- a refusal of float64 is a fact about the run, not a verdict
@@ -1477,17 +1549,32 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.sigma_x = m.exploded_sigma()
         row.declared_dtype = m.dtype
     row.note = impl.called
-    try:
+    def call():
         try:
-            with cache.timed("implementation"):
-                y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=chunk)
+            return run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=chunk), ""
         except Exception:
             if not impl.observe:
                 raise
-            y, row.gram_seen = run_impl(impl, x, seed=cache.seed, record=False, chunk=chunk)  # not observable
-            row.note = "products not observable (it fails under a dispatch mode)"
+            out = run_impl(impl, x, seed=cache.seed, record=False, chunk=chunk)  # not observable
+            return out, "products not observable (it fails under a dispatch mode)"
+
+    try:
+        with cache.timed("implementation"):
+            try:
+                (y, row.gram_seen), why = call()
+            except Exception as exc:
+                if not compiler_error(exc):
+                    raise
+                # the compiler's state of this process, after the other inputs the harness gave it, not the
+                # implementation: compiled afresh, the row judges what it computes (and says so); a second
+                # raise is its own and FAILs
+                importlib.import_module("torch._dynamo").reset()
+                (y, row.gram_seen), why = call()
+                why = "; ".join(w for w in (why, f"compiled afresh: torch.compile {raised(exc, 80)} on this "
+                                                  "input after the harness's other inputs") if w)
+        row.note = "; ".join(w for w in (row.note, why) if w)
     except Exception as exc:  # a crash is a failure of the row, reported, not of the whole table
-        row.conforms, row.note = False, f"raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+        row.conforms, row.note = False, raised(exc)
         row.fast = math.inf
         return row
     if not isinstance(y, Tensor) or tuple(y.shape) != tuple(x.shape):
@@ -1638,7 +1725,7 @@ def judge(impls: Implementation | Sequence[Implementation], *, shapes=DEFAULT_SH
     todo = [(s, i) for s in shapes for i in impls if any((i.name, s, f) not in have for f in fams(i))]
     total = sum(len(fams(i)) for s, i in todo)
     t0, n = time.monotonic(), 0
-    with Progress(max(total, 1), "harness", enabled=progress) as bar:
+    with Progress(max(total, 1), "harness", enabled=progress) as bar, _recompile_room():
         for j, (s, impl) in enumerate(todo):
             if j and time_limit is not None and time.monotonic() - t0 > time_limit:
                 break  # (the first always runs: every run makes progress)
