@@ -19,7 +19,8 @@
 #           with, carried as a folder) and here, and their diff
 #   orthogonalizers  the lines ORTHO_LINES of results/h200_orthogonalizers/commands.txt (the paper's table of
 #           other libraries' orthogonalizations, one resumable run per adapter group and shape), ORTHO_JOBS at
-#           once (ORTHO_LINES=remaining: those not complete; a 4096x4096 line alone on a card under 120 GB):
+#           once (ORTHO_LINES=remaining: those not complete; a 4096x4096 line alone on a card under 120 GB;
+#           T_ORTHO seconds per line, ORTHO_DEADLINE seconds for them all from the stage's start):
 #           wheels from .whl and .gns, dion from .peers/dion; each JSON into $OUT (copy it to
 #           results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
@@ -163,11 +164,21 @@ for stage in ${STAGES:-suite bench}; do
              # the lines share the machine's cores, each its share of the threads (the host's float64 SVDs and
              # QRs): three lines with a full thread pool each wrote no row in 430 s, one alone 40 rows in 150 s;
              # SIGINT first, so that a line cut at its limit prints where it was
+             # ORTHO_DEADLINE: seconds from the stage's start by which every line has stopped (T_ORTHO is
+             # per line, and lines queue behind ORTHO_JOBS): a line gets what is left, none under 30 s,
+             # so that the call ends inside the device's limit with its logs packed
+             local limit=${T_ORTHO:-300}
+             if [ -n "${ORTHO_DEADLINE:-}" ]; then
+               local left=$(( ORTHO_DEADLINE - ($(date +%s) - ortho_t0) ))
+               [ "$left" -lt "$limit" ] && limit=$left
+               if [ "$limit" -lt 30 ]; then echo "not started: ${limit} s left before ORTHO_DEADLINE" >> "$OUT/orthogonalizers_$i.log"; return 0; fi
+             fi
              PYTHONPATH="$PYTHONPATH:$PWD/.peers/dion" OMP_NUM_THREADS=$ortho_threads \
-               timeout -s INT -k 20 "${T_ORTHO:-300}" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
+               timeout -s INT -k 20 "$limit" bash -c "$cmd" >> "$OUT/orthogonalizers_$i.log" 2>&1
              echo "rc=$?" >> "$OUT/orthogonalizers_$i.log"
            }
            ortho_threads=$(( $(nproc) / ${ORTHO_JOBS:-1} )); [ "$ortho_threads" -ge 1 ] || ortho_threads=1
+           ortho_t0=$(date +%s)
            # a line at 4096x4096 runs alone on a card under 120 GB: its float64 spectrum probe held 36-54 GB of
            # an H100's 79, and one beside two other lines ran out of memory
            gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -183,7 +194,7 @@ for stage in ${STAGES:-suite bench}; do
              if [ "$running" -ge "${ORTHO_JOBS:-1}" ]; then wait -n; running=$((running - 1)); fi
            done
            wait
-           for i in ${ORTHO_LINES:-1}; do grep -h -E "rows:|^rc=" "$OUT/orthogonalizers_$i.log" | sed "s/^/line $i: /"; done ;;
+           for i in ${ORTHO_LINES:-1}; do grep -h -E "rows:|^rc=|^not started" "$OUT/orthogonalizers_$i.log" | sed "s/^/line $i: /"; done ;;
     nothinglost) timeout "${T_CHUNK:-90}" python3 tools/chunk_independence.py --no-progress > "$OUT/chunk_safe.txt" 2>&1
              tail -3 "$OUT/chunk_safe.txt"
              timeout "${T_NR1:-150}" python3 -m anvil_fast.studies.near_rank1 --no-progress --device cuda --count 500 \
