@@ -126,3 +126,20 @@ def test_cuda_adapters_build_where_their_library_is():
     impls, missing = A.load([n for n, a in A.ADAPTERS.items() if a.cuda_only], device="cuda")
     for n, why in missing.items():
         assert "needs CUDA" not in why, (n, why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dion-polar-express-triton", "dion-normuon-triton", "gram-newton-schulz-quack",
+                                  "dion-polar-express", "gram-newton-schulz"])
+def test_a_compiled_library_function_runs_every_row_after_its_spectrum_row(name):
+    """dion's and gram-newton-schulz's functions are compiled whole (torch.compile(fullgraph=True)) on
+    CUDA: each row after the spectrum row (where the lift runs) still calls them compiled, none raises."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    impls, missing = A.load([name], device="cuda")
+    if not impls:
+        pytest.skip(f"{name}: {missing.get(name)}")
+    rows = H.judge(impls, shapes=[(4, 256, 768)], families=("spectrum", "gaussian", "near_rank1"), device="cuda",
+                   spectrum_count=256, progress=False)
+    assert all(r.verdict() != "FAIL" and "raised" not in r.note for r in rows), \
+        [(r.family, r.verdict(), r.failures(), r.note) for r in rows]
