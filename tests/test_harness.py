@@ -1256,3 +1256,17 @@ def test_the_judging_call_gives_compiled_functions_room_for_its_inputs():
     H.judge(H.Implementation("limit", ns, H.DeclaredMath.of(**TORCH_MATH)), shapes=[(2, 48, 32)],
             families=("gaussian",), progress=False)
     assert inside and min(inside) >= max(before, H.JUDGE_RECOMPILE_LIMIT) and getattr(cfg, name) == before
+
+
+@pytest.mark.parametrize("slip", ["step1_a_minus_1e-3", "eps_1e-5"])
+def test_a_slip_inside_a_function_compiled_with_fullgraph_fails_the_lifted_math(slip):
+    """The lift reaches a fullgraph-compiled function's arithmetic: a slip the probe alone cannot see
+    (step 1's a lowered by 1e-3) and an eps slip FAIL on the lifted run's math clause, not on a raise."""
+    from anvil_fast.studies import field_examples as F
+
+    f = torch.compile(F.MUTANTS[slip], backend=_counting_backend([]), fullgraph=True, dynamic=False)
+    row, = H.judge(H.Implementation(slip, f, H.DeclaredMath.of(**F.MUON_MATH)), shapes=[(2, 48, 32)],
+                   families=("spectrum",), spectrum_count=128, progress=False)
+    fails = row.failures()
+    assert row.verdict() == "FAIL" and any(c.startswith("math: run in float64") for c in fails), fails
+    assert not any("raised" in c for c in fails), fails
