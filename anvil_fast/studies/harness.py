@@ -319,19 +319,17 @@ def compiler_error(exc: BaseException) -> bool:
     """Whether ``exc`` was raised by the compiler stack (:data:`_COMPILER_PATHS`, :data:`_COMPILER_MODULES`)."""
     if any(c.__module__.startswith(_COMPILER_MODULES) for c in type(exc).__mro__):
         return True
-    tb = exc.__traceback__
-    last = None
-    while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and any(p in last.tb_frame.f_code.co_filename.replace("\\", "/") for p in _COMPILER_PATHS)
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and any(p in frames[-1].filename.replace("\\", "/") for p in _COMPILER_PATHS)
 
 
 def raised(exc: BaseException, limit: int = 160) -> str:
     """``raised Type: first line`` of ``exc``, with the innermost frame of the code it ran: dynamo's
     "from user code" frames where it names them, else the traceback's innermost frame outside torch."""
-    head = f"raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:limit]}"
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', str(exc).split("from user code:")[-1]) \
-        if "from user code:" in str(exc) else []
+    text = str(exc)
+    head = f"raised {type(exc).__name__}: {(text.splitlines() or [''])[0][:limit]}"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text.split("from user code:")[-1]) \
+        if "from user code:" in text else []
     if not frames:
         frames = [(f.filename, str(f.lineno), f.name) for f in traceback.extract_tb(exc.__traceback__)
                   if "/torch/" not in f.filename.replace("\\", "/")]
@@ -349,17 +347,16 @@ def raised(exc: BaseException, limit: int = 160) -> str:
 JUDGE_RECOMPILE_LIMIT = 64
 
 
-@contextlib.contextmanager
-def _recompile_room():
-    import torch._dynamo
+def _dynamo_config(**values):
+    """``torch._dynamo.config`` patched with those of ``values`` this torch has (a context)."""
+    cfg = importlib.import_module("torch._dynamo").config
+    return cfg.patch(**{k: v for k, v in values.items() if hasattr(cfg, k)})
 
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    if not hasattr(cfg, name) or getattr(cfg, name) >= JUDGE_RECOMPILE_LIMIT:
-        yield
-        return
-    with cfg.patch(**{name: JUDGE_RECOMPILE_LIMIT}):
-        yield
+
+def _recompile_room():
+    """The recompile limit at least :data:`JUDGE_RECOMPILE_LIMIT` (a context)."""
+    cfg = importlib.import_module("torch._dynamo").config
+    return _dynamo_config(recompile_limit=max(getattr(cfg, "recompile_limit", 0), JUDGE_RECOMPILE_LIMIT))
 
 
 # ------------------------------------------------------------------------------ the implementation lifted to float64
@@ -770,7 +767,7 @@ def _inductor(Z: Tensor, math_: DeclaredMath, chunk: int | None = None, *, presc
     fn = _field_function(math_, prescaled=prescaled)
     parts = [Z] if chunk is None or chunk >= Z.shape[0] else list(Z.split(chunk))
     # a recompile limit hit would run the code eagerly, silently, and the hull would lose the form
-    with torch.no_grad(), _fail_on_recompile_limit():
+    with torch.no_grad(), _dynamo_config(fail_on_recompile_limit_hit=True):
         return torch.cat([fn(p) for p in parts])
 
 
@@ -787,18 +784,6 @@ def _field_function(math_: DeclaredMath, *, prescaled: bool = False) -> Callable
         exec(compile(src, name, "exec"), scope)
         _COMPILED[src] = torch.compile(scope["field"])
     return _COMPILED[src]
-
-
-@contextlib.contextmanager
-def _fail_on_recompile_limit():
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    if not hasattr(cfg, "fail_on_recompile_limit_hit"):
-        yield
-        return
-    with cfg.patch(fail_on_recompile_limit_hit=True):
-        yield
 
 
 def _gram_form(X: Tensor, coeffs, restarts: set, eye: Tensor, round_a: bool = True) -> Tensor:
