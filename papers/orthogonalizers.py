@@ -275,6 +275,8 @@ def h200_progress() -> str:
     """How much of the H200 table exists: the runs of :data:`RUNS` with a JSON, and those complete."""
     have = [json.loads(p.read_text()) for name, _, _ in RUNS if (p := ROOT / H200_DIR / name).is_file()]
     done = sum(1 for d in have if d.get("complete"))
+    if len(have) == done == len(RUNS):
+        return f"all {len(RUNS)} runs, each complete, that is with every (adapter, shape) of the run judged"
     return (f"{len(have)} of the {len(RUNS)} runs stored so far, {done} of them complete, that is with every "
             "(adapter, shape) of the run judged")
 

@@ -117,6 +117,12 @@ def test_the_h200_progress_counts_stored_and_complete_runs(tmp_path, monkeypatch
     (d / peers.RUNS[1][0]).write_text(json.dumps({"complete": True, "rows": []}))
     (d / "not_a_run.json").write_text(json.dumps({"complete": True, "rows": []}))
     assert peers.h200_progress().startswith(f"2 of the {len(peers.RUNS)} runs stored so far, 1 of them complete")
+    for name, _, _ in peers.RUNS:
+        (d / name).write_text(json.dumps({"complete": True, "rows": []}))
+    assert peers.h200_progress().startswith(f"all {len(peers.RUNS)} runs, each complete")
+    (d / peers.RUNS[-1][0]).write_text(json.dumps({"complete": False, "rows": []}))
+    assert peers.h200_progress().startswith(f"{len(peers.RUNS)} of the {len(peers.RUNS)} runs stored so far, "
+                                            f"{len(peers.RUNS) - 1} of them complete")
 
 
 def test_a_table_judged_on_two_machines_names_each_with_its_rows(tmp_path, monkeypatch):
