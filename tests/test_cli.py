@@ -251,6 +251,28 @@ def test_chunk_independence_runs_on_cpu(capsys):
     assert len(rows) == 14 and all("yes" in r for r in rows), rows
 
 
+
+# --- tools/kernel_profile.py: CUDA only; its timeline reads a Chrome trace ----------------------
+
+def test_kernel_profile_refuses_without_cuda_and_reads_one_step_of_a_trace(monkeypatch, capsys):
+    kp = _tool("kernel_profile")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kp.main(["--size", "tiny"]) == 2 and "needs CUDA" in capsys.readouterr().out
+
+    def k(ts, dur, stream, name):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"stream": stream, "grid": [1, 1, 1]}}
+
+    # two steps of three kernels; the second step's rails run on two streams at once
+    trace = {"traceEvents": [k(0, 2, 7, "check"), k(3, 10, 20, "rails"), k(4, 8, 21, "rails"),
+                             k(100, 2, 7, "check"), k(103, 10, 20, "rails"), k(105, 9, 21, "rails"),
+                             {"ph": "X", "cat": "cpu_op", "ts": 1, "dur": 50, "name": "aten::mm", "args": {}}]}
+    lines = kp.timeline(trace, per_step=3, show=1)
+    assert lines[0] == "step 1: 3 device events, span 14.0 us", lines
+    assert [ln.strip() for ln in lines[1:4]] == ["stream 7: 1 kernels, busy 2.0 us, from 0.0 to 2.0 us",
+                                              "stream 20: 1 kernels, busy 10.0 us, from 3.0 to 13.0 us",
+                                              "stream 21: 1 kernels, busy 9.0 us, from 5.0 to 14.0 us"], lines
+    assert kp.timeline(trace, per_step=3, show=2)[0].startswith("no step 2 in the trace (6 device events")
+
 #: Every command line of the package, as (module, arguments before --help): each takes
 #: --progress / --no-progress (README). Quick ones are listed apart with the reason.
 PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "derive", "compare", "regenerate")] + [
