@@ -1270,3 +1270,94 @@ def test_a_slip_inside_a_function_compiled_with_fullgraph_fails_the_lifted_math(
     fails = row.failures()
     assert row.verdict() == "FAIL" and any(c.startswith("math: run in float64") for c in fails), fails
     assert not any("raised" in c for c in fails), fails
+
+
+# ------------------------------------------------------------------------------ what no verdict can see
+
+#: The Polar Express paper's eight-step list as its code publishes it (each step but the last divided by
+#: the safety factor 1.01 as (a / 1.01, b / 1.01**3, c / 1.01**5), margin 1.01): written out here, not
+#: taken from the package.
+_PE8 = [(8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248)]
+_PE8 = [(a / 1.01, b / 1.01 ** 3, c / 1.01 ** 5) for a, b, c in _PE8] + [(1.875, -1.25, 0.375)]
+
+
+def _composite_mp(coeffs, sigma):
+    import mpmath as mp
+
+    with mp.workdps(40):
+        x = mp.mpf(sigma)
+        for a, b, c in coeffs:
+            x = a * x + b * x ** 3 + c * x ** 5
+        return x
+
+
+def test_a_slip_the_declared_map_is_flat_in_is_named_with_its_largest_effect():
+    """Polar Express's eight steps converge their early steps' cubic and quintic terms away: a 1e-3 slip
+    of step 1's b or c computes the declared function to float64's rounding, so no output separates it.
+    The harness names such coefficients (checked here in 40-digit arithmetic at every point of a grid),
+    a row of the slipped code says so, and the field's five-step lists have none."""
+    m = H.DeclaredMath(tuple(_PE8), margin=1.01)
+    flat = {(s, c): e for s, c, e in m.flat_slips()}
+    assert {(1, "b"), (1, "c"), (2, "c"), (4, "c")} <= set(flat) and not {(1, "a"), (8, "a"), (8, "b")} & set(flat)
+    grid = np.geomspace(1e-9, 1 / 1.01, 60)
+    for (step, coef), effect in flat.items():
+        for sign in (1, -1):
+            slipped = [list(t) for t in _PE8]
+            slipped[step - 1]["abc".index(coef)] += sign * 1e-3
+            moved = max(abs(float(_composite_mp(slipped, s) - _composite_mp(_PE8, s))) for s in grid)
+            assert moved <= max(effect, 1e-14) * 1.01 + 1e-15 and moved <= 10 * T.LIFT_RTOL, (step, coef, moved)
+    # a coefficient it does not name moves the map past the limit somewhere
+    slipped = [list(t) for t in _PE8]
+    slipped[0][0] += 1e-3
+    assert max(abs(float(_composite_mp(slipped, s) - _composite_mp(_PE8, s))) for s in grid) > 10 * T.LIFT_RTOL
+    for coeffs, steps, margin in (([(3.4445, -4.7750, 2.0315)], 5, 1.0), ("polar_express_nanogpt5", None, 1.01)):
+        assert H.DeclaredMath.of(coeffs, steps=steps, margin=margin).flat_slips() == []
+
+    def pe8_step1_b(G):
+        X = G.bfloat16()
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-7)
+        for i, (a, b, c) in enumerate(_PE8):
+            b = b + 1e-3 if i == 0 else b
+            A = X @ X.mT
+            X = a * X + (b * A + c * A @ A) @ X
+        return X
+
+    rows = H.judge([H.Implementation("pe8_step1_b", pe8_step1_b, m)], shapes=[(2, 16, 24)], families=("spectrum",),
+                   spectrum_count=512, progress=False)
+    assert [r.verdict() for r in rows] == ["finding"]  # the declared math's property, said; not a FAIL
+    said = [f for f in rows[0].verdicts()["findings"] if "flat" in f]
+    assert said and "step 1 b" in said[0] and "step 1 a" not in said[0], rows[0].verdicts()
+
+
+def test_float16_code_that_casts_before_it_normalizes_underflows_as_a_finding_and_zeros_still_fail():
+    """Inputs of norm near eps are zero in every entry once cast to float16: code that casts first
+    returns zero there (a finding naming the cast), where the declared math's eager run normalizes
+    first; code returning zeros FAILs on the other matrices."""
+    def fp16_cast_first(G):
+        X = G.half()
+        if G.size(-2) > G.size(-1):
+            X = X.mT
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        for _ in range(5):
+            A = X @ X.mT
+            X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+        return X.mT if G.size(-2) > G.size(-1) else X
+
+    m = H.DeclaredMath.of([(3.4445, -4.7750, 2.0315)], steps=5, dtype="float16")
+    x = torch.randn(3, 16, 24, dtype=torch.float64) * 1e-9  # every entry below float16's range
+    assert H.vacuous(fp16_cast_first(x), torch.as_tensor(P.quintic_iteration(x.numpy(), coeffs=m.coeffs)), x,
+                     dtype=torch.float16) == "underflow"
+    rows = H.judge([H.Implementation("cast_first", fp16_cast_first, m),
+                    H.Implementation("zeros", lambda G: torch.zeros_like(G, dtype=torch.float16), m)],
+                   shapes=[(2, 16, 24)], families=("tiny", "gaussian"), progress=False)
+    by = {(r.impl, r.family): r for r in rows}
+    assert all(by[("cast_first", f)].verdict() != "FAIL" for f in ("tiny", "gaussian")), \
+        [(k, r.failures()) for k, r in by.items()]
+    assert any(by[("zeros", f)].verdict() == "FAIL" for f in ("tiny", "gaussian"))
+    assert by[("zeros", "gaussian")].vacuous == "zero"

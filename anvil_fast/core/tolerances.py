@@ -619,6 +619,11 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     if row.vacuous == "zero":
         out["safety"].append("safety: vacuous output: zero on a matrix where the math's output, in the output's "
                              "dtype, is not (limit: nonzero)")
+    elif row.vacuous == "underflow":
+        out["findings"].append(f"its output is zero on inputs that are zero in every entry once cast to "
+                               f"{getattr(row, 'declared_dtype', '') or 'its iteration dtype'} (below its range): "
+                               "it casts before it normalizes, where the declared math's eager run normalizes "
+                               "first")
     elif row.vacuous:
         out["safety"].append(f"safety: vacuous output: {row.vacuous} (cosine > 1 - {VACUOUS_GAP:g} where the "
                              f"math's is < 1 - {10 * VACUOUS_GAP:g})")
@@ -656,10 +661,15 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
                 f"> {MATH_Z:g} (shift {row.math_shift:.3g} beyond the {row.math_form} run, {row.math_points} points, "
                 f"{row.math_matrices} matrices)")
         if lifted_clean:
-            out["rounding"].append(f"rounding: its bf16 rounding moves the {what}; run in float64 its math is the "
+            half = {"float16": "fp16"}.get(declared_dtype, "bf16")
+            out["rounding"].append(f"rounding: its {half} rounding moves the {what}; run in float64 its math is the "
                                    f"declared one (within {LIFT_RTOL:g})")
         else:
             out["math"].append(f"math: {what}")
+    if getattr(row, "flat_slips", ""):
+        out["findings"].append(f"the declared map is flat in some coefficients: a 1e-3 slip of {row.flat_slips} moves it "
+                               f"by at most that at any singular value, within 10 x the lifted run's limit "
+                               f"({LIFT_RTOL:g}), so no verdict here can tell such a slip from the declared math")
     if row.exploded and not row.nonfinite:
         what = (f"top singular value {row.top_sv:.3g} > {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices")
         if row.eager_exploded:

@@ -180,6 +180,37 @@ class DeclaredMath:
     def exploded_sigma(self) -> float:
         return T.exploded_sigma(self.composite_max())
 
+    def flat_slips(self, *, delta: float = 1e-3, limit: float | None = None) -> list[tuple[int, str, float]]:
+        """The coefficient slips no output can show: (step, coefficient, effect) for every coefficient a
+        change of ``delta`` (raised or lowered) moves the declared composite map by at most ``limit``
+        (default ``10 * LIFT_RTOL``) at every singular value in ``(0, top]``: a contracting cascade
+        (Polar Express's eight steps) converges the early steps' cubic and quintic terms away, so such
+        a slip computes the declared function to float64's rounding and no test can separate the two.
+        ``effect``: the largest change, on a log grid of 4001 singular values from 1e-12 to the top
+        (float64: below ~1e-14 it is rounding)."""
+        limit = 10 * T.LIFT_RTOL if limit is None else limit
+        top = P.spectrum_top(normalization=self.normalization, margin=self.margin)
+        sigma = np.concatenate([np.geomspace(1e-12, top, 4001), [top]])
+        with np.errstate(over="ignore", invalid="ignore"):
+            base = P.composite(sigma, maps=self.coeffs)
+            flat = []
+            for step in range(len(self.coeffs)):
+                for k, name in enumerate("abc"):
+                    effect = 0.0
+                    for sign in (1.0, -1.0):
+                        maps_ = [list(t) for t in self.coeffs]
+                        maps_[step][k] += sign * delta
+                        moved = P.composite(sigma, maps=maps_)
+                        # a map that overflows at a singular value either way says nothing there; one
+                        # that overflows on one side only moved without bound
+                        both = ~np.isfinite(moved) & ~np.isfinite(base)
+                        diff = np.where(both, 0.0, np.abs(np.where(np.isfinite(moved), moved, np.inf) -
+                                                          np.where(np.isfinite(base), base, np.inf)))
+                        effect = max(effect, float(np.nan_to_num(diff, nan=np.inf).max()))
+                    if effect <= limit:
+                        flat.append((step + 1, name, effect))
+        return flat
+
     def forms(self, device: str | torch.device = "cpu") -> tuple[str, ...]:
         """The eager forms it is compared with on ``device``: the Gram form where it declares restarts,
         else FORMS and, on CUDA with a Frobenius normalization, INDUCTOR_FORMS."""
@@ -1254,6 +1285,9 @@ class Row:
     lift_eps_err: float | None = None
     lift_casts: str = ""
     declared_dtype: str = ""
+    #: the coefficients a 1e-3 slip of moves the declared map by at most 10 x LIFT_RTOL at every
+    #: singular value (:meth:`DeclaredMath.flat_slips`), each with that largest change: no verdict sees them
+    flat_slips: str = ""
     note: str = ""
     ms: float | None = None
     declared: bool = True
@@ -1494,7 +1528,9 @@ def _cosines(y: Tensor, t: Tensor) -> Tensor:
 
 def vacuous(y: Tensor, ref: Tensor, x: Tensor, *, top: Tensor | None = None, sigma: float = math.inf,
             dtype: torch.dtype | None = None) -> str:
-    """What a vacuous output is (all zero where the math's, rounded to the output's dtype, is not; the
+    """What a vacuous output is (all zero where the math's, rounded to the output's dtype, is not;
+    "underflow" where such zeros come only on inputs that are zero in every entry once cast to the
+    declared iteration ``dtype``; the
     identity or the input returned, up to scale: cosine above 1 - VACUOUS_GAP on a matrix that has not
     exploded (``top`` <= ``sigma``: an explosion is its own clause) where the math's own output's is
     below 1 - 10 VACUOUS_GAP), else ""."""
@@ -1508,7 +1544,15 @@ def vacuous(y: Tensor, ref: Tensor, x: Tensor, *, top: Tensor | None = None, sig
     for dt in (y.dtype, dtype):  # the math's output as the output's dtype and the declared iteration's hold it
         if dt is not None and dt.is_floating_point:
             rn_out = torch.minimum(rn_out, ref.detach().to(dt).double().reshape(rd.shape).flatten(1).norm(dim=1).cpu())
-    if bool(((yn == 0) & (rn_out > 0)).any()):
+    zero = (yn == 0) & (rn_out > 0)
+    if dtype is not None and dtype.is_floating_point and bool(zero.any()):
+        # an input whose every entry rounds to zero in the declared iteration dtype (float16's range
+        # ends near 6e-8): code that casts before it normalizes gets a zero matrix there, a property
+        # of that evaluation form and the dtype, not a vacuous output
+        gone = (x.detach().reshape(yd.shape).to(dtype) == 0).flatten(1).all(dim=1).cpu()
+        if not bool((zero & ~gone).any()):
+            return "underflow"
+    if bool(zero.any()):
         return "zero"
     calm = torch.ones_like(yn, dtype=torch.bool) if top is None else (top.cpu() <= sigma)
     eye = torch.eye(*yd.shape[-2:], dtype=torch.float64, device=yd.device).expand_as(yd)
@@ -1628,6 +1672,8 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                                 margin=m.margin, eps=m.eps)
             row.math_z, row.math_clause, row.math_shift = float(st.z), st.clause, float(st.shift)
             row.math_form, row.math_points, row.math_matrices = st.form, st.points, st.matrices
+            row.flat_slips = cache.get(("flat", m), lambda: ", ".join(
+                f"step {step} {name} ({effect:.1g})" for step, name, effect in m.flat_slips()))
             if impl.observe and row.gram_seen is None:
                 # its Gram is formed where torch does not dispatch (a Triton kernel), which the lift cannot
                 # reach either; lifting it would only compile and autotune that kernel for float64
