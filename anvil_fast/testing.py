@@ -18,7 +18,10 @@ per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
   (``Lift``), its output against the declared math in float64 within ``LIFT_RTOL``: any 1e-3 slip of
   any coefficient of any step, raised or lowered, stands far past it, where the lift reaches the
   arithmetic (pure PyTorch, eager or compiled; a Triton kernel that rounds inside, it does not, and
-  the row says so). It runs twice: on matrices scaled far above eps (the coefficients, the margin,
+  the row says so), unless the declared map is flat in that coefficient (a slip that moves it by at
+  most 10 x ``LIFT_RTOL`` at every singular value, as in the early steps of Polar Express's eight:
+  the row names each such coefficient in a finding, :meth:`DeclaredMath.flat_slips`, since no output
+  can show it). It runs twice: on matrices scaled far above eps (the coefficients, the margin,
   the steps) and on the probe's matrices of norm near eps / margin at their own scale (the eps and
   the normalization's kind); a cast to a half dtype other than the declared one is a FAIL too. Where
   it reaches the arithmetic and finds the declared math, the probe's deviation is the function's
@@ -47,13 +50,13 @@ from anvil_fast.studies.field_examples import (DECLARED as FIELD_EXAMPLES, MUON_
                                                muon_newton_schulz_expanded, muon_newton_schulz_fused,
                                                muon_newton_schulz_horner, polar_express)
 from anvil_fast.studies.harness import (DEFAULT_FAMILIES, DEFAULT_SHAPES, FORMS, HARNESS_FAMILIES, INDUCTOR_FORMS,
-                                        SPECTRUM,
+                                        ITERATION_DTYPES, SPECTRUM,
                                         DeclaredMath, Implementation, Lift, Lifted, OrthogonalizerMismatch, Row,
                                         assert_orthogonalizer, callable_name, eager_declared, format_table, judge,
                                         lifted_run, reference, summary)
 
 __all__ = ["assert_orthogonalizer", "judge", "OrthogonalizerMismatch", "DeclaredMath", "Implementation", "Row",
-           "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "SPECTRUM", "FORMS", "INDUCTOR_FORMS", "reference",
+           "DEFAULT_FAMILIES", "DEFAULT_SHAPES", "HARNESS_FAMILIES", "ITERATION_DTYPES", "SPECTRUM", "FORMS", "INDUCTOR_FORMS", "reference",
            "eager_declared", "format_table", "summary", "callable_name", "Lift", "Lifted", "lifted_run", "MUTANTS", "MUON_MATH",
            "POLAR_EXPRESS_MATH", "FIELD_EXAMPLES", "muon_newton_schulz", "muon_newton_schulz_fused",
            "muon_newton_schulz_compiled", "muon_newton_schulz_horner", "muon_newton_schulz_expanded",

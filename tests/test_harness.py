@@ -1361,3 +1361,34 @@ def test_float16_code_that_casts_before_it_normalizes_underflows_as_a_finding_an
         [(k, r.failures()) for k, r in by.items()]
     assert any(by[("zeros", f)].verdict() == "FAIL" for f in ("tiny", "gaussian"))
     assert by[("zeros", "gaussian")].vacuous == "zero"
+
+
+def test_float32_code_is_declared_float32_and_judged_against_float32_baselines(capsys):
+    """A Newton-Schulz written in float32 declares ``dtype="float32"``: its eager baselines iterate in
+    float32 too, so it passes; the same code rounding its products to bf16 FAILs the casts clause, and
+    a 1e-3 slip of step 1's b FAILs the math. The command line offers the same dtypes."""
+    def ns32(G, bump=0.0, cast=None):
+        X = G.float()
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        X = X if cast is None else X.to(cast)
+        for i in range(5):
+            A = X @ X.mT
+            X = 3.4445 * X + ((-4.7750 + (bump if i == 0 else 0.0)) * A + 2.0315 * A @ A) @ X
+        return X
+
+    m = H.DeclaredMath.of([(3.4445, -4.7750, 2.0315)], steps=5, dtype="float32")
+    impls = [H.Implementation("fp32", ns32, m), H.Implementation("bf16_inside", lambda G: ns32(G, cast=torch.bfloat16), m),
+             H.Implementation("slip", lambda G: ns32(G, bump=1e-3), m)]
+    rows = H.judge(impls, shapes=[(2, 16, 24)], families=("spectrum", "gaussian"), spectrum_count=512, progress=False)
+    by = {(r.impl, r.family): r for r in rows}
+    assert by[("fp32", "spectrum")].verdict() == "ok" and by[("fp32", "gaussian")].verdict() == "ok", \
+        [(k, r.failures()) for k, r in by.items()]
+    assert any("casts to bfloat16" in c for c in by[("bf16_inside", "spectrum")].verdicts()["math"])
+    assert by[("slip", "spectrum")].verdict() == "FAIL"
+    with pytest.raises(ValueError, match="float64"):
+        H.DeclaredMath.of([(3.4445, -4.7750, 2.0315)], dtype="float64")
+    from anvil_fast.studies import difftest as D
+
+    with pytest.raises(SystemExit):
+        D.main(["--help"])
+    assert re.search(r"--dtype \{bfloat16,float16,float32\}", capsys.readouterr().out)

@@ -661,7 +661,7 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
                 f"> {MATH_Z:g} (shift {row.math_shift:.3g} beyond the {row.math_form} run, {row.math_points} points, "
                 f"{row.math_matrices} matrices)")
         if lifted_clean:
-            half = {"float16": "fp16"}.get(declared_dtype, "bf16")
+            half = {"float16": "fp16", "float32": "fp32"}.get(declared_dtype, "bf16")
             out["rounding"].append(f"rounding: its {half} rounding moves the {what}; run in float64 its math is the "
                                    f"declared one (within {LIFT_RTOL:g})")
         else:

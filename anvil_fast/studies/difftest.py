@@ -422,8 +422,8 @@ def _harness_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--restarts", type=_restarts, default=None, metavar="I[,I...]",
                    help="it iterates in the Gram form, X re-formed before these steps (0-based; e.g. 2 for "
                         "gram-newton-schulz's reset): its eager baseline is then the Gram form's")
-    g.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                   help="the dtype it iterates in (default: %(default)s)")
+    g.add_argument("--dtype", choices=H.ITERATION_DTYPES, default="bfloat16",
+                   help="the dtype it iterates in; its eager baselines iterate in it too (default: %(default)s)")
     g.add_argument("--adapter", default=None, metavar="NAME[,NAME...]",
                    help="adapters of other libraries' implementations (and the package's), or 'all'")
     g.add_argument("--list-adapters", action="store_true", help="list the adapters and whether each runs here")

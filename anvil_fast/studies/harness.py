@@ -121,6 +121,10 @@ class OrthogonalizerMismatch(AssertionError):
     """An implementation failed the harness's rule; the message holds the table of every row."""
 
 
+#: The dtypes an orthogonalization can declare it iterates in (:attr:`DeclaredMath.dtype`).
+ITERATION_DTYPES = ("bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class DeclaredMath:
     """What an orthogonalization declares it computes (:mod:`anvil_ref.polar`): the per-step
@@ -135,15 +139,16 @@ class DeclaredMath:
     eps: float = 1e-7
     transpose_when: str = "tall"
     restarts: tuple[int, ...] | None = None
-    #: the dtype it iterates in ("bfloat16", "float16"): its eager runs iterate in it too
+    #: the dtype it iterates in (:data:`ITERATION_DTYPES`): its eager runs iterate in it too, and a cast
+    #: to a half dtype other than it is a FAIL (float32 code that rounds a product to bf16 included)
     dtype: str = "bfloat16"
 
     def __post_init__(self):
         object.__setattr__(self, "coeffs", load_maps(self.coeffs))
         if self.normalization not in P.NORMALIZATIONS:
             raise ValueError(f"normalization: expected one of {P.NORMALIZATIONS}, got {self.normalization!r}")
-        if self.dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"dtype: expected 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.dtype not in ITERATION_DTYPES:
+            raise ValueError(f"dtype: expected one of {ITERATION_DTYPES}, got {self.dtype!r}")
         if self.restarts is not None:
             object.__setattr__(self, "restarts", tuple(int(v) for v in self.restarts))
         if self.transpose_when not in P.ORIENTATIONS:
