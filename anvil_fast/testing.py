@@ -19,8 +19,8 @@ per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
   any coefficient of any step, raised or lowered, stands far past it, where the lift reaches the
   arithmetic (pure PyTorch, eager or compiled; a Triton kernel that rounds inside, it does not, and
   the row says so), unless the declared map is flat in that coefficient (a slip that moves it by at
-  most 10 x ``LIFT_RTOL`` at every singular value, as in the early steps of Polar Express's eight:
-  the row names each such coefficient in a finding, :meth:`DeclaredMath.flat_slips`, since no output
+  most ``LIFT_RTOL`` at every singular value, as in the early steps of Polar Express's eight:
+  the row's ``limits`` name each such coefficient, :meth:`DeclaredMath.flat_slips`, since no output
   can show it). It runs twice: on matrices scaled far above eps (the coefficients, the margin,
   the steps) and on the probe's matrices of norm near eps / margin at their own scale (the eps and
   the normalization's kind); a cast to a half dtype other than the declared one is a FAIL too. Where

@@ -1304,18 +1304,18 @@ def test_a_slip_the_declared_map_is_flat_in_is_named_with_its_largest_effect():
     a row of the slipped code says so, and the field's five-step lists have none."""
     m = H.DeclaredMath(tuple(_PE8), margin=1.01)
     flat = {(s, c): e for s, c, e in m.flat_slips()}
-    assert {(1, "b"), (1, "c"), (2, "c"), (4, "c")} <= set(flat) and not {(1, "a"), (8, "a"), (8, "b")} & set(flat)
+    assert {(1, "b"), (1, "c"), (2, "c"), (4, "c")} <= set(flat) and not {(1, "a"), (6, "b"), (8, "a"), (8, "b")} & set(flat)
     grid = np.geomspace(1e-9, 1 / 1.01, 60)
     for (step, coef), effect in flat.items():
         for sign in (1, -1):
             slipped = [list(t) for t in _PE8]
             slipped[step - 1]["abc".index(coef)] += sign * 1e-3
             moved = max(abs(float(_composite_mp(slipped, s) - _composite_mp(_PE8, s))) for s in grid)
-            assert moved <= max(effect, 1e-14) * 1.01 + 1e-15 and moved <= 10 * T.LIFT_RTOL, (step, coef, moved)
+            assert moved <= max(effect, 1e-14) * 1.01 + 1e-15 and moved <= T.LIFT_RTOL, (step, coef, moved)
     # a coefficient it does not name moves the map past the limit somewhere
     slipped = [list(t) for t in _PE8]
     slipped[0][0] += 1e-3
-    assert max(abs(float(_composite_mp(slipped, s) - _composite_mp(_PE8, s))) for s in grid) > 10 * T.LIFT_RTOL
+    assert max(abs(float(_composite_mp(slipped, s) - _composite_mp(_PE8, s))) for s in grid) > T.LIFT_RTOL
     for coeffs, steps, margin in (([(3.4445, -4.7750, 2.0315)], 5, 1.0), ("polar_express_nanogpt5", None, 1.01)):
         assert H.DeclaredMath.of(coeffs, steps=steps, margin=margin).flat_slips() == []
 
@@ -1330,8 +1330,8 @@ def test_a_slip_the_declared_map_is_flat_in_is_named_with_its_largest_effect():
 
     rows = H.judge([H.Implementation("pe8_step1_b", pe8_step1_b, m)], shapes=[(2, 16, 24)], families=("spectrum",),
                    spectrum_count=512, progress=False)
-    assert [r.verdict() for r in rows] == ["finding"]  # the declared math's property, said; not a FAIL
-    said = [f for f in rows[0].verdicts()["findings"] if "flat" in f]
+    assert [r.verdict() for r in rows] == ["ok"]  # the declared math's property: said, no verdict changes
+    said = [f for f in rows[0].verdicts()["limits"] if "flat" in f]
     assert said and "step 1 b" in said[0] and "step 1 a" not in said[0], rows[0].verdicts()
 
 

@@ -605,8 +605,9 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     """The three verdicts on anyone's orthogonalizer (module docstring, "Anyone's orthogonalizer") for
     one row of :mod:`anvil_fast.studies.harness`: the failed clauses of ``math`` and ``safety`` (each a
     FAIL), of ``rounding`` and the other ``findings`` (reported, never a FAIL), every clause naming its
-    value and its limit."""
-    out: dict[str, list[str]] = {"math": [], "rounding": [], "safety": [], "findings": []}
+    value and its limit; ``limits``: what the declared math keeps the verdicts from seeing (reported,
+    no verdict changes)."""
+    out: dict[str, list[str]] = {"math": [], "rounding": [], "safety": [], "findings": [], "limits": []}
     note = getattr(row, "note", "")
     if not row.conforms:
         if note.startswith("formed a"):
@@ -667,9 +668,12 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
         else:
             out["math"].append(f"math: {what}")
     if getattr(row, "flat_slips", ""):
-        out["findings"].append(f"the declared map is flat in some coefficients: a 1e-3 slip of {row.flat_slips} moves it "
-                               f"by at most that at any singular value, within 10 x the lifted run's limit "
-                               f"({LIFT_RTOL:g}), so no verdict here can tell such a slip from the declared math")
+        # a property of the declared math that bounds what the verdicts can see, not of the code: said
+        # on every such row, and it changes no verdict
+        out["limits"].append(f"the declared map is flat in some coefficients: a 1e-3 slip of {row.flat_slips} moves it "
+                             f"by at most that at any singular value, within the lifted run's limit ({LIFT_RTOL:g}), "
+                             "so the verdicts may not tell such a slip from the declared math (and none can where "
+                             "the change is float64's rounding)")
     if row.exploded and not row.nonfinite:
         what = (f"top singular value {row.top_sv:.3g} > {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices")
         if row.eager_exploded:

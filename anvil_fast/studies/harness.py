@@ -188,12 +188,13 @@ class DeclaredMath:
     def flat_slips(self, *, delta: float = 1e-3, limit: float | None = None) -> list[tuple[int, str, float]]:
         """The coefficient slips no output can show: (step, coefficient, effect) for every coefficient a
         change of ``delta`` (raised or lowered) moves the declared composite map by at most ``limit``
-        (default ``10 * LIFT_RTOL``) at every singular value in ``(0, top]``: a contracting cascade
+        (default ``LIFT_RTOL``) at every singular value in ``(0, top]``: a contracting cascade
         (Polar Express's eight steps) converges the early steps' cubic and quintic terms away, so such
-        a slip computes the declared function to float64's rounding and no test can separate the two.
+        a slip computes the declared function within the lifted run's limit, and where the change is
+        float64's rounding no test can separate the two.
         ``effect``: the largest change, on a log grid of 4001 singular values from 1e-12 to the top
         (float64: below ~1e-14 it is rounding)."""
-        limit = 10 * T.LIFT_RTOL if limit is None else limit
+        limit = T.LIFT_RTOL if limit is None else limit
         top = P.spectrum_top(normalization=self.normalization, margin=self.margin)
         sigma = np.concatenate([np.geomspace(1e-12, top, 4001), [top]])
         with np.errstate(over="ignore", invalid="ignore"):
@@ -1290,8 +1291,8 @@ class Row:
     lift_eps_err: float | None = None
     lift_casts: str = ""
     declared_dtype: str = ""
-    #: the coefficients a 1e-3 slip of moves the declared map by at most 10 x LIFT_RTOL at every
-    #: singular value (:meth:`DeclaredMath.flat_slips`), each with that largest change: no verdict sees them
+    #: the coefficients a 1e-3 slip of moves the declared map by at most LIFT_RTOL at every singular
+    #: value (:meth:`DeclaredMath.flat_slips`), each with that largest change: the verdicts may not see them
     flat_slips: str = ""
     note: str = ""
     ms: float | None = None
@@ -1313,10 +1314,10 @@ class Row:
         return self.fast / e if e and e == e and e > 0 else math.nan
 
     def verdicts(self) -> dict[str, list[str]]:
-        """``{"math": [...], "rounding": [...], "safety": [...], "findings": [...]}``: the failed
-        clauses of each verdict, every one naming its value and its limit
-        (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`), and the findings (reported,
-        never a FAIL)."""
+        """``{"math": [...], "rounding": [...], "safety": [...], "findings": [...], "limits": [...]}``: the
+        failed clauses of each verdict, every one naming its value and its limit
+        (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`), the findings (reported, never a
+        FAIL) and what the declared math keeps the verdicts from seeing (reported, no verdict changes)."""
         return T.orthogonalizer_clauses(self)
 
     def verdict(self) -> str:
@@ -1796,7 +1797,8 @@ def format_table(rows: list[Row]) -> str:
         sv = "-" if math.isnan(r.sv_mean) else f"{r.sv_min:.2f}/{r.sv_mean:.2f}/{r.sv_max:.2f}"
         gram = "-" if r.gram_declared is None and r.gram_seen is None else f"{_g(r.gram_seen, 'd')}/{_g(r.gram_declared, 'd')}"
         v = r.verdicts()
-        clauses = "; ".join(v["math"] + v["safety"] + v["rounding"] + v["findings"] + ([r.note] if r.note else []))
+        clauses = "; ".join(v["math"] + v["safety"] + v["rounding"] + v["findings"] + v["limits"] +
+                            ([r.note] if r.note else []))
         lines.append(f"{r.impl:<26} {'x'.join(map(str, r.shape)):<10} {r.family:<16} {_g(r.fast):>8} {_g(r.eager):>8} "
                      f"{_g(r.eager_unfused):>8} {_g(r.rounding_ratio(), '.2f'):>5} {_g(r.floor):>8} {_g(r.polar):>7} "
                      f"{_g(r.math_polar):>7} {_g(r.math_z, '.2f'):>7} {_g(r.lift_err, '.2g'):>8} {sv:>17} {r.exploded:>4}/{r.count:<4} {gram:>7} "
