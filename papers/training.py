@@ -736,10 +736,17 @@ def values() -> dict[str, str]:
         ep = [r["epochs"] for rs in gg.values() for r in rs if r.get("epochs") is not None]
         return f"{ep[0]:.2f}" if ep else "?"
 
+    def val_windows(gg: dict[str, list[dict]]) -> tuple[str, str]:
+        """The final runs' validation windows: their count and their bytes (each ctx + 1 long)."""
+        w = [(r["val_windows"], r["ctx"]) for rs in gg.values() for r in rs if r.get("val_windows")]
+        return (str(w[0][0]), f"{w[0][0] * (w[0][1] + 1) / 1e3:.1f} kB") if w else ("?", "?")
+
     def train_mb(gg: dict[str, list[dict]]) -> str:
         tb = [r["train_tokens"] for rs in gg.values() for r in rs if r.get("train_tokens")]
         return f"{tb[0] / 1e6:.2f}" if tb else "?"
+    vw, vb = val_windows(g or gs)
     return {"train_epochs_final": epochs(g), "train_epochs_tune": epochs(gs), "train_corpus_mb": train_mb(g or gs),
+            "train_val_windows": vw, "train_val_bytes": vb,
             "anchor_target": f"{ANCHOR_TARGET_LOSS:g}", "anchor_muon_steps": f"{ANCHOR_MUON_STEPS:,}",
             "anchor_adam_steps": f"{ANCHOR_ADAM_STEPS:,}",
             "anchor_muon_runs": str(_ANCHOR["muon_runs"]), "anchor_adam_runs": str(_ANCHOR["adam_runs"]),
