@@ -40,6 +40,8 @@
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
 #           makes it N runs in a row, into $OUT/run1 .. runN
+#   kprofile  tools/kernel_profile.py for NODES_SIZES (default small medium): one graphed step's kernels by time
+#           and its timeline by stream (gzipped Chrome traces under $OUT/kprofile/)
 #   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
 #           beyond the model, its gradients and a first forward by where they were made, then the same without that forward
 # PYCACHE=DIR: Python's bytecode cache in DIR for every process of the call (env.txt says whether the
@@ -231,6 +233,11 @@ for stage in ${STAGES:-suite bench}; do
              timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
                | tee "$OUT/graph_nodes_$size.log" | head -50
            done ;;
+    kprofile) for size in ${NODES_SIZES:-small medium}; do
+             timeout "${T_KPROFILE:-150}" python3 tools/kernel_profile.py --size "$size" --out "$OUT/kprofile" 2>&1 \
+               | tee "$OUT/kernel_profile_$size.log" | head -25
+           done
+           gzip -f "$OUT"/kprofile/trace_*.json 2>/dev/null ;;
     resident) for ff in "" --no-forward; do
              for who in anvil torch_muon adamw; do
                timeout "${T_RESIDENT:-60}" python3 tools/resident_diff.py --size small --contender $who $ff 2>&1 \
