@@ -1392,3 +1392,50 @@ def test_float32_code_is_declared_float32_and_judged_against_float32_baselines(c
     with pytest.raises(SystemExit):
         D.main(["--help"])
     assert re.search(r"--dtype \{bfloat16,float16,float32\}", capsys.readouterr().out)
+
+
+def test_an_explosion_just_past_the_threshold_of_code_whose_math_is_exact_is_its_rounding():
+    """A Gram form rounded in another order than the eager Gram forms (its math exact in float64) reaches
+    1.26 on a near-rank-1 matrix where they reach 1.19 and the threshold is 1.255: a rounding finding. The
+    same excess from code whose lifted run did not find the declared math, or an excess past twice the
+    threshold's (a wrong restart schedule reaches 3 and more), FAILs."""
+    def row(top, exact):
+        return H.Row("gram", (2, 16, 24), "near_rank1", fast=0.1, eager=0.05, floor=0.002, exploded=1, count=8,
+                     top_sv=top, eager_top_sv=1.19, sigma_x=1.2552, conforms=True, declared=True,
+                     declared_dtype="bfloat16", math_exact=exact)
+
+    near = row(1.2619, True)
+    assert near.verdict() == "finding" and any("takes the top singular value to 1.26" in c
+                                                  for c in near.verdicts()["rounding"]), near.verdicts()
+    assert row(1.2619, None).verdict() == "FAIL" and row(1.2619, False).verdict() == "FAIL"
+    assert row(3.09, True).verdict() == "FAIL"
+    assert "exploded" in row(3.09, True).verdicts()["safety"][0]
+
+
+def test_two_matrices_of_a_batch_swapped_fail_the_math_and_code_that_indexes_the_batch_is_still_lifted():
+    """Every operation of the swapped code runs in torch in float64 and no kernel runs outside it, so an
+    output off its input's singular basis is no rounding: not a matrix polynomial of the input, a math
+    FAIL (the probe alone reads it at a few standard errors). Code that needs two matrices (it indexes
+    the batch) has its Gram side recorded on the first batch instead of one matrix, and is lifted."""
+    def ns(G):
+        X = G.bfloat16()
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        for _ in range(5):
+            A = X @ X.mT
+            X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+        return X
+
+    def swapped(G):
+        y = ns(G)
+        return torch.cat([y[1:2], y[0:1], y[2:]])  # G[1] needs two matrices: a batch of one raises
+
+    def genuine_indexing(G):
+        return torch.cat([ns(G[1:2]), ns(G[0:1]), ns(G[2:])])[[1, 0] + list(range(2, G.shape[0]))]
+
+    m = H.DeclaredMath.of([(3.4445, -4.7750, 2.0315)], steps=5)
+    rows = H.judge([H.Implementation("swapped", swapped, m), H.Implementation("genuine", genuine_indexing, m)],
+                   shapes=[(2, 16, 24)], families=("spectrum",), spectrum_count=512, progress=False)
+    by = {r.impl: r for r in rows}
+    assert by["swapped"].verdict() == "FAIL"
+    assert any("not a matrix polynomial of its input" in c for c in by["swapped"].verdicts()["math"]), by["swapped"].verdicts()
+    assert by["genuine"].verdict() == "ok" and by["genuine"].gram_seen == 16 and by["genuine"].lift_err < T.LIFT_RTOL

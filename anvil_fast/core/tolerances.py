@@ -601,6 +601,24 @@ def check(component: str, *, fast: float, eager: float, floor: float, ulps: floa
     return fast <= bf16_bound(eager)
 
 
+#: An explosion of code whose lifted run found the declared math, with the top singular value past the
+#: threshold by at most this many times the larger of the threshold's own excess over 1 and its eager
+#: bf16 runs' top's, is its evaluation form's rounding near the threshold (a finding, as the rounding
+#: clause's 2x): a Gram form rounded in another order than the eager Gram forms reaches 1.26 where they
+#: reach 1.19 and the threshold is 1.255 (tests/test_harness.py); a wrong restart schedule reaches 3.
+EXPLODED_ROUNDING = 2.0
+
+
+def lifted_exact(row) -> bool:
+    """Whether ``row``'s lifted run reached its arithmetic and found the declared math: within
+    LIFT_RTOL at both scales, a matrix polynomial of its input, casting to no half dtype but the declared one."""
+    lift, lift_eps = getattr(row, "lift_err", None), getattr(row, "lift_eps_err", None)
+    declared = getattr(row, "declared_dtype", "")
+    halves = set(filter(None, getattr(row, "lift_casts", "").split(","))) & set(HALF_DTYPES)
+    return (lift is not None and lift <= LIFT_RTOL and (lift_eps is None or lift_eps <= LIFT_RTOL)
+            and getattr(row, "lift_not_polynomial", None) is None and bool(declared) and not halves - {declared})
+
+
 def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     """The three verdicts on anyone's orthogonalizer (module docstring, "Anyone's orthogonalizer") for
     one row of :mod:`anvil_fast.studies.harness`: the failed clauses of ``math`` and ``safety`` (each a
@@ -632,6 +650,10 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
         return out
     lift = getattr(row, "lift_err", None)
     lifted_math = []  # the lifted run's math clauses
+    if getattr(row, "lift_not_polynomial", None) is not None:
+        lifted_math.append(f"math: run in float64 by torch alone (no kernel outside it), its output is off its input's "
+                           f"singular basis by {row.lift_off:.3g} > {row.lift_not_polynomial:g}: not a matrix polynomial "
+                           "of its input")
     if lift is not None and not lift <= LIFT_RTOL:
         if getattr(row, "lift_coeffs", ""):
             out["findings"].append(f"its coefficients are held in {row.lift_coeffs}: run in float64, its output is "
@@ -676,8 +698,16 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
                              "the change is float64's rounding)")
     if row.exploded and not row.nonfinite:
         what = (f"top singular value {row.top_sv:.3g} > {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices")
+        exact = lifted_clean or bool(getattr(row, "math_exact", None))
+        near = EXPLODED_ROUNDING * max(row.sigma_x - 1, (row.eager_top_sv - 1) if row.eager_top_sv == row.eager_top_sv
+                                       else 0.0)
         if row.eager_exploded:
             out["findings"].append(f"the math explodes in bf16: {what} (its eager bf16 runs: {row.eager_top_sv:.3g})")
+        elif exact and row.top_sv - 1 <= near:
+            out["rounding"].append(f"rounding: its bf16 rounding takes the top singular value to {row.top_sv:.3g}, past "
+                                   f"the explosion threshold {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices "
+                                   f"where its eager bf16 runs reach {row.eager_top_sv:.3g}; run in float64 its math is "
+                                   f"the declared one (an explosion FAILs past {1 + near:.3g})")
         else:
             out["safety"].append(f"safety: exploded: {what}, where its eager bf16 runs stay at "
                                  f"{row.eager_top_sv:.3g} (limit {row.sigma_x:.3g})")

@@ -131,7 +131,9 @@ class DeclaredMath:
     coefficients, the normalization (:data:`anvil_ref.polar.NORMALIZATIONS`) with its margin and
     eps, and the orientation rule (:data:`anvil_ref.polar.ORIENTATIONS`); ``restarts``: it evaluates
     the steps in the Gram form (the polynomial accumulated on the short side's Gram, ``X`` re-formed
-    before each step of ``restarts``, 0-based), whose eager run is then its baseline (:data:`GRAM_FORM`)."""
+    before each step of ``restarts``, 0-based), whose eager run is then its baseline (:data:`GRAM_FORM`):
+    every restart schedule is the same math, so the declared one names the evaluation form only, and
+    a different schedule shows in the rounding and safety verdicts, never the math's."""
 
     coeffs: tuple[tuple[float, float, float], ...]
     normalization: str = "frobenius"
@@ -323,23 +325,31 @@ def compiler_eager():
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
+def _gram_side_of(impl: Implementation, x: Tensor):
+    rec = GramRecorder()
+    with compiler_eager(), rec:
+        impl(x)
+    return rec.gram_side()
+
+
 def run_impl(impl: Implementation, x: Tensor, *, seed: int = 0, record: bool = True,
              chunk: int | None = None) -> tuple[Tensor, int | None]:
     """``impl(x)`` with torch's global generators seeded with ``seed`` (a stochastic rounding inside
     draws the same numbers on every call) and, with ``record``, the Gram side it formed; ``chunk``:
     call it on batches of that many matrices (a compiled function then sees one shape). The Gram side
-    is recorded in a call of its own on one matrix, under :func:`compiler_eager` (the products of the
-    source show it); the output is the unobserved calls' (compiled where the implementation compiles)."""
+    is recorded in a call of its own on one matrix (on the first batch where that call raises: code
+    that indexes the batch), under :func:`compiler_eager` (the products of the source show it); the output is the unobserved calls' (compiled where the implementation compiles)."""
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     parts = [x] if chunk is None or chunk >= x.shape[0] else list(x.split(chunk))
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         side = None
         if record:
             torch.manual_seed(seed)
-            rec = GramRecorder()
-            with compiler_eager(), rec:
-                impl(parts[0][:1])
-            side = rec.gram_side()
+            try:
+                side = _gram_side_of(impl, parts[0][:1])
+            except Exception:  # noqa: BLE001 -- code that needs more than one matrix (it indexes the batch)
+                torch.manual_seed(seed)
+                side = _gram_side_of(impl, parts[0])
         torch.manual_seed(seed)
         ys = [impl(part) for part in parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
@@ -416,6 +426,8 @@ class Lift(TorchDispatchMode):
         super().__init__()
         self.low: list[str] = []
         self.casts: set[str] = set()
+        #: Triton kernels launched inside the lifted call (:func:`_counting_triton_launches`)
+        self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         def up(t):
@@ -462,6 +474,10 @@ class Lifted:
     eps_err: float | None = None
     #: the dtypes below float64 the run asked for (:attr:`Lift.casts`), sorted
     casts: tuple[str, ...] = ()
+    #: where ``off`` is past LIFT_OFF with every operation run by torch in float64 and no Triton kernel
+    #: launched (no rounding left to put it there: not a matrix polynomial of its input, a math FAIL):
+    #: that limit, else None
+    not_polynomial: float | None = None
 
 
 def lift_input(x: Tensor) -> Tensor:
@@ -480,6 +496,28 @@ def lift_eps_input(x: Tensor, math_: DeclaredMath) -> Tensor | None:
     return x[-n:] if n else None
 
 
+@contextlib.contextmanager
+def _counting_triton_launches(lift: "Lift"):
+    """Count the Triton kernels launched inside the block into ``lift.kernels``: a launch is not a
+    torch dispatch, so the lift does not reach the arithmetic inside it."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except Exception:  # noqa: BLE001 -- no Triton: nothing to count
+        yield
+        return
+    run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        lift.kernels += 1
+        return run(self, *args, **kwargs)
+
+    JITFunction.run = counted
+    try:
+        yield
+    finally:
+        JITFunction.run = run
+
+
 def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | None, Lift, str]:
     """``impl`` on ``x`` under :class:`Lift`: its output (None where the lift did not reach its
     arithmetic), the lift, and why not."""
@@ -487,7 +525,8 @@ def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | Non
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     lift = Lift()
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), compiler_eager(), lift:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), compiler_eager(), lift, \
+                _counting_triton_launches(lift):
             torch.manual_seed(seed)
             y = impl.run(xin)
     except Exception as exc:  # noqa: BLE001 -- a refusal of float64 is a fact about the run, not a verdict
@@ -504,9 +543,9 @@ def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | Non
     return y, lift, ""
 
 
-def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath) -> float:
-    """||y - u diag(u^T y v) v^T|| / ||y||, largest over the batch, with u, v the singular vectors of
-    the declared normalization of x (float64, oriented as declared)."""
+def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath, *, each: bool = False):
+    """||y - u diag(u^T y v) v^T|| / ||y||, largest over the batch (``each``: per matrix, a tensor),
+    with u, v the singular vectors of the declared normalization of x (float64, oriented as declared)."""
     flip = P.transposes(tuple(x.shape), transpose_when=math_.transpose_when)
     z = x.double().cpu()
     yo = y.double().cpu()
@@ -516,7 +555,8 @@ def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath) -> float:
     u, _, vh = torch.linalg.svd(z0, full_matrices=False)
     d = (u.mT @ yo @ vh.mT).diagonal(dim1=-2, dim2=-1)
     rest = yo - (u * d[..., None, :]) @ vh
-    return float((rest.flatten(1).norm(dim=1) / yo.flatten(1).norm(dim=1).clamp_min(1e-300)).max())
+    per = rest.flatten(1).norm(dim=1) / yo.flatten(1).norm(dim=1).clamp_min(1e-300)
+    return per if each else float(per.max())
 
 
 def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: int = 0,
@@ -538,8 +578,14 @@ def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: in
     bound = err / (1 - err) if err < 1 else math.inf
     off = bound if bound <= T.LIFT_OFF else _off_spectral(y, x64, math_)
     if not off <= T.LIFT_OFF:
+        if not lift.kernels:
+            # every operation ran in torch, in float64, and nothing ran outside it: no rounding to
+            # leave a part off the basis, so the output is not a matrix polynomial of its input
+            return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g} with every "
+                                     "operation run by torch in float64 and no kernel outside it: not a matrix "
+                                     "polynomial of its input", not_polynomial=T.LIFT_OFF)
         return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g}: a rounding the "
-                                 "lift does not reach (a kernel's), or not a matrix polynomial")
+                                 f"lift does not reach (it launched {lift.kernels} Triton kernel(s))")
     coeffs = ""
     if not err <= T.LIFT_RTOL:
         for dt in (torch.bfloat16, torch.float16, torch.float32):
@@ -649,7 +695,8 @@ GRAM_FORM = "gram"
 #: ``gram-a32`` in fp32 (a fused epilogue), at the first step and after a restart; later steps take a as
 #: ``addmm``'s beta, unrounded, as dion's and gram-newton-schulz's code does. A Gram form that builds
 #: ``P = a*I + b*R + c*R@R`` with ``I`` in bf16 at every step runs each step's a rounded to bf16
-#: (Muon's 3.4445 becomes 3.4375, a slip of 7e-3): the math verdict reports that as the map it runs.
+#: (Muon's 3.4445 becomes 3.4375, a slip of 7e-3); its lifted run builds ``I`` in float64 and finds the
+#: declared math, so the probe's deviation is reported as that code's rounding.
 GRAM_FORMS = (GRAM_FORM, "gram-a32")
 
 
@@ -1290,6 +1337,11 @@ class Row:
     #: row without it was judged before the lift ran at two scales: ``--resume`` measures it again)
     lift_eps_err: float | None = None
     lift_casts: str = ""
+    #: the limit its lifted output's part off the input's singular basis passed (:attr:`Lifted.not_polynomial`)
+    lift_not_polynomial: float | None = None
+    #: whether the lifted run of the same implementation at this shape (its spectrum row, judged first)
+    #: found the declared math: then an explosion just past the threshold is its rounding's
+    math_exact: bool | None = None
     declared_dtype: str = ""
     #: the coefficients a 1e-3 slip of moves the declared map by at most LIFT_RTOL at every singular
     #: value (:meth:`DeclaredMath.flat_slips`), each with that largest change: the verdicts may not see them
@@ -1407,6 +1459,8 @@ class _Cache:
                  seconds: dict | None = None, budget: int | None = -1):
         self.seed, self.device, self.count, self.spectrum_count = seed, torch.device(device), count, spectrum_count
         self.store: dict = {}  # least recently used first
+        #: (implementation, shape) -> whether its spectrum row's lifted run found the declared math
+        self.exact: dict[tuple, bool] = {}
         #: wall seconds spent making each kind of entry (an eager form by its name), synchronized on CUDA
         self.seconds = {} if seconds is None else seconds
         self._inner: list[float] = []
@@ -1584,14 +1638,17 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
         row.sigma_x = m.exploded_sigma()
         row.declared_dtype = m.dtype
     row.note = impl.called
+    unobserved = []  # the recording raised: no Gram side seen, which says nothing of where it is formed
+
     def call():
         try:
             return run_impl(impl, x, seed=cache.seed, record=impl.observe, chunk=chunk), ""
-        except Exception:
+        except Exception as exc:
             if not impl.observe:
                 raise
             out = run_impl(impl, x, seed=cache.seed, record=False, chunk=chunk)  # not observable
-            return out, "products not observable (it fails under a dispatch mode)"
+            unobserved.append(exc)
+            return out, f"products not observable (under the harness's dispatch mode it {raised(exc, 80)})"
 
     try:
         with cache.timed("implementation"):
@@ -1680,7 +1737,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
             row.math_form, row.math_points, row.math_matrices = st.form, st.points, st.matrices
             row.flat_slips = cache.get(("flat", m), lambda: ", ".join(
                 f"step {step} {name} ({effect:.1g})" for step, name, effect in m.flat_slips()))
-            if impl.observe and row.gram_seen is None:
+            if impl.observe and row.gram_seen is None and not unobserved:
                 # its Gram is formed where torch does not dispatch (a Triton kernel), which the lift cannot
                 # reach either; lifting it would only compile and autotune that kernel for float64
                 row.lift_note = "its Gram is formed outside torch's dispatcher (a kernel): not lifted"
@@ -1689,7 +1746,10 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                     lf = lifted_run(impl, lift_input(x), m, seed=cache.seed, eps_x=lift_eps_input(x, m))
                 row.lift_err, row.lift_note, row.lift_coeffs = lf.err, lf.why_not, lf.coeffs
                 row.lift_off = lf.off if lf.off == lf.off else None
+                row.lift_not_polynomial = lf.not_polynomial
                 row.lift_eps_err, row.lift_casts = lf.eps_err, ",".join(lf.casts)
+            cache.exact[(impl.name, shape)] = T.lifted_exact(row)
+        row.math_exact = cache.exact.get((impl.name, shape))
     else:
         row.vacuous = vacuous(y, torch.ones_like(y, dtype=torch.float64), x) if family != "zero" else ""
     if time_reps and dev == "cuda" and family == TIMED_FAMILY:
