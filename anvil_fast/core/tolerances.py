@@ -651,7 +651,7 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     lift = getattr(row, "lift_err", None)
     lifted_math = []  # the lifted run's math clauses
     if getattr(row, "lift_not_polynomial", None) is not None:
-        lifted_math.append(f"math: run in float64 by torch alone (no kernel outside it), its output is off its input's "
+        lifted_math.append(f"math: run in float64 by torch alone (no Triton kernel, no NumPy), its output is off its input's "
                            f"singular basis by {row.lift_off:.3g} > {row.lift_not_polynomial:g}: not a matrix polynomial "
                            "of its input")
     if lift is not None and not lift <= LIFT_RTOL:

@@ -426,7 +426,7 @@ class Lift(TorchDispatchMode):
         super().__init__()
         self.low: list[str] = []
         self.casts: set[str] = set()
-        #: Triton kernels launched inside the lifted call (:func:`_counting_triton_launches`)
+        #: computations outside torch's dispatcher inside the lifted call (:func:`_counting_outside`)
         self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -497,25 +497,33 @@ def lift_eps_input(x: Tensor, math_: DeclaredMath) -> Tensor | None:
 
 
 @contextlib.contextmanager
-def _counting_triton_launches(lift: "Lift"):
-    """Count the Triton kernels launched inside the block into ``lift.kernels``: a launch is not a
-    torch dispatch, so the lift does not reach the arithmetic inside it."""
+def _counting_outside(lift: "Lift"):
+    """Count into ``lift.kernels`` what computes outside torch's dispatcher inside the block: Triton
+    kernel launches and tensors handed to NumPy (``Tensor.numpy``). The lift does not reach the
+    arithmetic there, so a rounding there is no slip of the code's math."""
+    patched = []
     try:
         from triton.runtime.jit import JITFunction
-    except Exception:  # noqa: BLE001 -- no Triton: nothing to count
-        yield
-        return
-    run = JITFunction.run
 
-    def counted(self, *args, **kwargs):
-        lift.kernels += 1
-        return run(self, *args, **kwargs)
+        patched.append((JITFunction, "run"))
+    except Exception:  # noqa: BLE001 -- no Triton: nothing to count there
+        pass
+    patched.append((Tensor, "numpy"))
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
 
-    JITFunction.run = counted
+    def counting(fn):
+        def counted(*args, **kwargs):
+            lift.kernels += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for owner, name, fn in originals:
+        setattr(owner, name, counting(fn))
     try:
         yield
     finally:
-        JITFunction.run = run
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
 
 
 def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | None, Lift, str]:
@@ -526,7 +534,7 @@ def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | Non
     lift = Lift()
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), compiler_eager(), lift, \
-                _counting_triton_launches(lift):
+                _counting_outside(lift):
             torch.manual_seed(seed)
             y = impl.run(xin)
     except Exception as exc:  # noqa: BLE001 -- a refusal of float64 is a fact about the run, not a verdict
@@ -579,13 +587,14 @@ def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: in
     off = bound if bound <= T.LIFT_OFF else _off_spectral(y, x64, math_)
     if not off <= T.LIFT_OFF:
         if not lift.kernels:
-            # every operation ran in torch, in float64, and nothing ran outside it: no rounding to
-            # leave a part off the basis, so the output is not a matrix polynomial of its input
+            # every operation ran in torch, in float64, and nothing ran outside it (no Triton kernel, no
+            # NumPy): no rounding left to put a part off the basis, so the output is not a matrix
+            # polynomial of its input
             return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g} with every "
-                                     "operation run by torch in float64 and no kernel outside it: not a matrix "
+                                     "operation run by torch in float64 and nothing outside it: not a matrix "
                                      "polynomial of its input", not_polynomial=T.LIFT_OFF)
         return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g}: a rounding the "
-                                 f"lift does not reach (it launched {lift.kernels} Triton kernel(s))")
+                                 f"lift does not reach ({lift.kernels} call(s) outside torch: Triton kernels, NumPy)")
     coeffs = ""
     if not err <= T.LIFT_RTOL:
         for dt in (torch.bfloat16, torch.float16, torch.float32):
