@@ -1439,3 +1439,26 @@ def test_two_matrices_of_a_batch_swapped_fail_the_math_and_code_that_indexes_the
     assert by["swapped"].verdict() == "FAIL"
     assert any("not a matrix polynomial of its input" in c for c in by["swapped"].verdicts()["math"]), by["swapped"].verdicts()
     assert by["genuine"].verdict() == "ok" and by["genuine"].gram_seen == 16 and by["genuine"].lift_err < T.LIFT_RTOL
+
+
+def test_a_library_operator_that_rounds_inside_is_a_rounding_the_lift_does_not_reach():
+    """An operator a library registers with torch.library runs its own kernel: lifted, it can still round
+    inside (here to bf16 after every step), so the part it leaves off the input's singular basis is that
+    rounding, not a sign that the code is no matrix polynomial; the probe judges, and passes it."""
+    lib = torch.library.Library("anvil_harness_test", "DEF")
+    lib.define("round_bf16(Tensor x) -> Tensor")
+    lib.impl("round_bf16", lambda x: x.to(torch.bfloat16).to(x.dtype), "CPU")
+
+    def with_operator(G):
+        X = G.bfloat16()
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        for _ in range(5):
+            A = X @ X.mT
+            X = torch.ops.anvil_harness_test.round_bf16(3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X)
+        return X
+
+    m = H.DeclaredMath.of([(3.4445, -4.7750, 2.0315)], steps=5)
+    rows = H.judge([H.Implementation("op", with_operator, m)], shapes=[(2, 16, 24)], families=("spectrum",),
+                   spectrum_count=512, progress=False)
+    assert rows[0].verdict() == "ok" and rows[0].lift_err is None, rows[0].failures()
+    assert "outside torch's own operators" in rows[0].lift_note and "a library's operators" in rows[0].lift_note

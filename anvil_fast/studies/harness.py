@@ -443,6 +443,8 @@ class Lift(TorchDispatchMode):
         args = tuple(v if a.name in written else tree_map(up, v) for a, v in zip(func._schema.arguments, args))
         kwargs = {k: v if k in written else tree_map(up, v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        if getattr(func, "namespace", "aten") not in ("aten", "prims"):
+            self.kernels += 1  # a library's own operator (torch.library): its arithmetic is its kernel's
 
         def low(out):
             return any(isinstance(o, Tensor) and o.dtype in _LOW for o in (out if isinstance(out, (tuple, list)) else (out,)))
@@ -499,8 +501,9 @@ def lift_eps_input(x: Tensor, math_: DeclaredMath) -> Tensor | None:
 @contextlib.contextmanager
 def _counting_outside(lift: "Lift"):
     """Count into ``lift.kernels`` what computes outside torch's dispatcher inside the block: Triton
-    kernel launches and tensors handed to NumPy (``Tensor.numpy``). The lift does not reach the
-    arithmetic there, so a rounding there is no slip of the code's math."""
+    kernel launches and tensors handed to NumPy (``Tensor.numpy``); :class:`Lift` counts a library's
+    own operators (not ``aten``). The lift does not reach the arithmetic there, so a rounding there is
+    no slip of the code's math."""
     patched = []
     try:
         from triton.runtime.jit import JITFunction
@@ -594,7 +597,8 @@ def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: in
                                      "operation run by torch in float64 and nothing outside it: not a matrix "
                                      "polynomial of its input", not_polynomial=T.LIFT_OFF)
         return Lifted(None, off, f"its float64 output is off its input's singular basis by {off:.2g}: a rounding the "
-                                 f"lift does not reach ({lift.kernels} call(s) outside torch: Triton kernels, NumPy)")
+                                 f"lift does not reach ({lift.kernels} call(s) outside torch's own operators: Triton kernels, "
+                                 "NumPy, a library's operators)")
     coeffs = ""
     if not err <= T.LIFT_RTOL:
         for dt in (torch.bfloat16, torch.float16, torch.float32):
