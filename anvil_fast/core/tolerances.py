@@ -678,13 +678,13 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
     # way than every eager form's), reported, not a FAIL; where the lift did not reach, the probe judges
     # (declared_dtype: a row judged with the lift at both scales and its casts; a stored row of an older
     # rule has none)
-    lifted_clean = lift is not None and lift <= LIFT_RTOL and not lifted_math and bool(declared_dtype)
+    lifted_clean = lifted_exact(row)
+    half = {"float16": "fp16", "float32": "fp32"}.get(declared_dtype, "bf16")  # how the clauses name its rounding
     if row.math_z is not None and not row.math_z <= MATH_Z:
         what = (f"singular values off the declared map along {row.math_clause}: {row.math_z:.1f} standard errors "
                 f"> {MATH_Z:g} (shift {row.math_shift:.3g} beyond the {row.math_form} run, {row.math_points} points, "
                 f"{row.math_matrices} matrices)")
         if lifted_clean:
-            half = {"float16": "fp16", "float32": "fp32"}.get(declared_dtype, "bf16")
             out["rounding"].append(f"rounding: its {half} rounding moves the {what}; run in float64 its math is the "
                                    f"declared one (within {LIFT_RTOL:g})")
         else:
@@ -704,7 +704,7 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
         if row.eager_exploded:
             out["findings"].append(f"the math explodes in bf16: {what} (its eager bf16 runs: {row.eager_top_sv:.3g})")
         elif exact and row.top_sv - 1 <= near:
-            out["rounding"].append(f"rounding: its bf16 rounding takes the top singular value to {row.top_sv:.3g}, past "
+            out["rounding"].append(f"rounding: its {half} rounding takes the top singular value to {row.top_sv:.3g}, past "
                                    f"the explosion threshold {row.sigma_x:.3g} on {row.exploded}/{row.count} matrices "
                                    f"where its eager bf16 runs reach {row.eager_top_sv:.3g}; run in float64 its math is "
                                    f"the declared one (an explosion FAILs past {1 + near:.3g})")

@@ -338,7 +338,8 @@ def run_impl(impl: Implementation, x: Tensor, *, seed: int = 0, record: bool = T
     draws the same numbers on every call) and, with ``record``, the Gram side it formed; ``chunk``:
     call it on batches of that many matrices (a compiled function then sees one shape). The Gram side
     is recorded in a call of its own on one matrix (on the first batch where that call raises: code
-    that indexes the batch), under :func:`compiler_eager` (the products of the source show it); the output is the unobserved calls' (compiled where the implementation compiles)."""
+    that indexes the batch), under :func:`compiler_eager` (the products of the source show it); the
+    output is the unobserved calls' (compiled where the implementation compiles)."""
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     parts = [x] if chunk is None or chunk >= x.shape[0] else list(x.split(chunk))
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -554,9 +555,9 @@ def _lift_call(impl: Implementation, x: Tensor, seed: int) -> tuple[Tensor | Non
     return y, lift, ""
 
 
-def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath, *, each: bool = False):
-    """||y - u diag(u^T y v) v^T|| / ||y||, largest over the batch (``each``: per matrix, a tensor),
-    with u, v the singular vectors of the declared normalization of x (float64, oriented as declared)."""
+def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath) -> float:
+    """||y - u diag(u^T y v) v^T|| / ||y||, largest over the batch, with u, v the singular vectors of
+    the declared normalization of x (float64, oriented as declared)."""
     flip = P.transposes(tuple(x.shape), transpose_when=math_.transpose_when)
     z = x.double().cpu()
     yo = y.double().cpu()
@@ -566,8 +567,7 @@ def _off_spectral(y: Tensor, x: Tensor, math_: DeclaredMath, *, each: bool = Fal
     u, _, vh = torch.linalg.svd(z0, full_matrices=False)
     d = (u.mT @ yo @ vh.mT).diagonal(dim1=-2, dim2=-1)
     rest = yo - (u * d[..., None, :]) @ vh
-    per = rest.flatten(1).norm(dim=1) / yo.flatten(1).norm(dim=1).clamp_min(1e-300)
-    return per if each else float(per.max())
+    return float((rest.flatten(1).norm(dim=1) / yo.flatten(1).norm(dim=1).clamp_min(1e-300)).max())
 
 
 def lifted_run(impl: Implementation, x: Tensor, math_: DeclaredMath, *, seed: int = 0,
