@@ -159,6 +159,28 @@ def test_fused_safe_bank_matches_the_plain_torch_bank(case, triton_dev):
     assert torch.isfinite(wa).all() and torch.isfinite(a.lane_energy).all()
 
 
+@pytest.mark.parametrize("config", [SAFE, FAITHFUL], ids=["safe", "faithful"])
+def test_workspace_needs_no_initial_values(config, triton_dev):
+    """The workspace is allocated empty (a captured step takes it per update, and a fill would be one
+    more kernel each time): every buffer the update reads is written by it first. A bank whose
+    workspace holds NaN everywhere updates to the same bits as one with a fresh workspace."""
+    grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
+    a, b = _bank(config, grad=grad, device=triton_dev), _bank(config, grad=grad, device=triton_dev)
+    for bank in (a, b):
+        bank.active = torch.tensor([1, 0, 1], dtype=torch.int32, device=triton_dev)  # an inactive matrix too
+    ws = a.workspace
+    poisoned = [ws.X, ws.C, ws.A, ws.B, ws.scale, ws.partials.amax, ws.partials.sumsq, ws.partials.d,
+                ws.equalizer.lane_power, ws.equalizer.gain]
+    for t in poisoned:
+        t.fill_(float("nan"))
+    ws.equalizer.ok.fill_(-1)
+    for bank in (a, b):
+        anvil_bank_update(bank, backend="triton", compile=False)
+    for k, v in a.mutated().items():
+        assert torch.equal(v.view(torch.uint8), b.mutated()[k].view(torch.uint8)), k
+    assert torch.isfinite(a.p_slice).all() and int(a.guard_trips.sum()) == 0
+
+
 def test_compiled_cpu_smoke_and_scalars_do_not_recompile():
     # One torch.compile'd step on CPU equals the eager step; new scalar values reuse the graphs.
     torch._dynamo.reset()

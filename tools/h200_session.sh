@@ -17,6 +17,9 @@
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
+#   ab      python -m anvil_fast.bench dropin (AB_ARGS, default: small and medium GPT, ANVIL and AdamW, no phase
+#           table) in BASE (as fingerprint_base) and here, alternating, AB_ROUNDS rounds (default 2): the step's time
+#           before and after a change, side by side on one device (ab_base_<i>.log, ab_head_<i>.log)
 #   orthogonalizers  the lines ORTHO_LINES of results/h200_orthogonalizers/commands.txt (the paper's table of
 #           other libraries' orthogonalizations, one resumable run per adapter group and shape), ORTHO_JOBS at
 #           once (ORTHO_LINES=remaining: those not complete; a 4096x4096 line alone on a card under 120 GB;
@@ -140,8 +143,16 @@ for stage in ${STAGES:-suite bench}; do
     engine) timeout "${T_ENGINE:-60}" python3 tools/engine_smoke.py 2>&1 | tee "$OUT/engine_smoke.log"
              timeout "${T_ENGINE_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs \
                tests/test_device_step.py tests/test_rails.py tests/test_equalizer.py tests/test_adam.py \
-               tests/test_bank.py tests/test_update.py tests/test_dropin.py 2>&1 \
+               tests/test_bank.py tests/test_update.py tests/test_dropin.py tests/test_step_scalars.py 2>&1 \
              | tee "$OUT/pytest_gpu_engine.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -20 ;;
+    ab)    for i in $(seq "${AB_ROUNDS:-2}"); do
+             for side in base head; do
+               dir=.; [ "$side" = base ] && dir="${BASE:-.base}"
+               (cd "$dir" && timeout "${T_AB:-150}" python3 -m anvil_fast.bench dropin \
+                 ${AB_ARGS:---sizes small,medium --variants anvil,adamw --no-phases} > "$OUT/ab_${side}_$i.log" 2>&1)
+               echo "== $side $i"; grep -E "^\| (small|medium|gpt2medium|small-bf16) " "$OUT/ab_${side}_$i.log"
+             done
+           done ;;
     fingerprint_base) (cd "${BASE:-.base}" && ANVIL_FAST_TUNE=0 timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py \
                --out "$OUT/fp_before.txt" > "$OUT/fp_before.log" 2>&1)
              ANVIL_FAST_TUNE=0 timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fp_after.txt" \

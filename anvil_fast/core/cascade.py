@@ -176,7 +176,8 @@ class CascadeWorkspace:
         bf = dict(dtype=torch.bfloat16, device=device)
         return cls(X=torch.empty(shape, **bf), C=torch.empty(shape, **bf), A=torch.empty((shape[0], k, k), **bf),
                    B=torch.empty((shape[0], k, k), **bf),
-                   scale=torch.ones((shape[0], 1, 1), dtype=torch.float32, device=device),
+                   # written by every normalization before it is read (no fill kernel per captured step)
+                   scale=torch.empty((shape[0], 1, 1), dtype=torch.float32, device=device),
                    partials=NormPartials.for_shape(tuple(shape), device),
                    equalizer=EqualizerWork.for_shape(tuple(shape), device))
 

@@ -113,9 +113,12 @@ class EqualizerWork:
     def for_shape(cls, shape: tuple[int, int, int], device, red_dim: int | None = None) -> "EqualizerWork":
         chunk, rows, cols = shape
         lanes = rows if (reduction_axis(shape) if red_dim is None else red_dim) == -1 else cols
-        return cls(lane_power=torch.zeros((chunk, lanes), dtype=torch.float32, device=device),
-                   gain=torch.zeros((chunk, lanes), dtype=torch.bfloat16, device=device),
-                   ok=torch.zeros((chunk,), dtype=torch.int32, device=device))
+        # empty, not zeros: _lane_power_kernel writes every lane power and _equalizer_stats_kernel every
+        # gain and verdict before _equalizer_apply_kernel reads them; a fill would be one more kernel in
+        # each captured step
+        return cls(lane_power=torch.empty((chunk, lanes), dtype=torch.float32, device=device),
+                   gain=torch.empty((chunk, lanes), dtype=torch.bfloat16, device=device),
+                   ok=torch.empty((chunk,), dtype=torch.int32, device=device))
 
 
 #: Lanes per program and reduction elements per step of the lane-power kernel; lanes per step of

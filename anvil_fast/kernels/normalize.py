@@ -74,8 +74,11 @@ class NormPartials:
         chunk, rows, cols = shape
         nb = blocks_per_matrix(rows, cols)
         f32 = dict(dtype=torch.float32, device=device)
-        return cls(amax=torch.zeros((chunk, nb), **f32), sumsq=torch.zeros((chunk, nb), **f32),
-                   d=torch.ones((chunk, 1, 1), **f32))
+        # empty, not zeros: the partials' writer (the rails or _partials_kernel) covers every block of
+        # every matrix and _finalize_kernel every d before anything reads them, and a fill would be one
+        # more kernel in each captured step (the drop-in takes this workspace per update)
+        return cls(amax=torch.empty((chunk, nb), **f32), sumsq=torch.empty((chunk, nb), **f32),
+                   d=torch.empty((chunk, 1, 1), **f32))
 
 
 if triton is not None:

@@ -17,7 +17,8 @@ graphs, everything after step 0 is one replay):
    gradient and ``ok``; every bank's rates from the hyper-parameters (the record schedule's rails
    from a device table indexed by the device's count of taken steps); Adam's rows, inactive where
    there is no gradient or not ``ok``, their bias corrections from the device step counts; the
-   counters (taken, skipped) advance by ``ok``.
+   counters (taken, skipped) advance by ``ok``. On CUDA one Triton launch does it
+   (:func:`anvil_fast.kernels.step_scalars.derive_scalars_triton`), the torch function elsewhere.
 3. The banks (:func:`anvil_fast.core.bank.anvil_bank_update`), on ``lanes`` side streams: banks are
    independent, so many small ones fill the GPU together instead of one after another. Each
    kernel that writes state is masked by the active matrices, so an inactive matrix -- a member
@@ -527,9 +528,14 @@ class DeviceStep:
         self.check()
         fn = derive_scalars
         if self.cuda:
-            from anvil_fast.kernels.compiled import maybe_compiled
+            from anvil_fast.kernels.backend import triton_available
 
-            fn = maybe_compiled(derive_scalars, True)
+            if triton_available():
+                from anvil_fast.kernels.step_scalars import derive_scalars_triton as fn
+            else:
+                from anvil_fast.kernels.compiled import maybe_compiled
+
+                fn = maybe_compiled(derive_scalars, True)
         fn(self.hyper, self.has, self.flags, self.counters, self.last_bad, self.adam_steps, inner.rail_step,
            self.bank_active, inner.staging.buffer, self.lr_coef, self.wd_coef, self.adam_lr_mul, self.adam_wd_mul,
            self.inactive_row, self.gather, self.record, len(self.banks), self.n_mat, self.lean)
