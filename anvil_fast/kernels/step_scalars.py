@@ -16,9 +16,12 @@ calls it. The interpreter has no libdevice: there ``pow`` is ``exp2(t log2 b)``,
 power of two and ``t`` an integer (the interpreter tests use such betas); the GPU test holds the
 native form to the compiled function bit for bit.
 
-One program of one warp: every element is loaded and stored by the thread that owns it, the state
-read before the barrier is written only after it, and a scalar read-modify-write (the counters, the
-lean rails' step) reads its old value before the barrier, so no thread can see another's store.
+One program, one element per thread (:data:`SCALARS_BLOCK` = 32 x :data:`SCALARS_WARPS`): a thread
+runs CUDA's float64 ``pow`` as a long dependent chain, so the staging positions go one per thread
+and most models' fit in one pass (one warp looping over them took 30 us on an H100). Every
+element is loaded and stored by the thread that owns it, the state read before the barrier is
+written only after it, and a scalar read-modify-write (the counters, the lean rails' step) reads its
+old value before the barrier, so no thread can see another's store.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from torch import Tensor
 
 from .backend import interpreting, triton_available
 
-#: Elements per loop step (one warp: 8 per thread, no element owned by two threads).
-SCALARS_BLOCK = 256
+#: Warps of the one program, and elements per loop step: one per thread, none owned by two threads.
+SCALARS_WARPS = 16
+SCALARS_BLOCK = 32 * SCALARS_WARPS
 
 if triton_available():
     import triton
@@ -169,7 +173,7 @@ def derive_scalars_triton(hyper: Tensor, has: Tensor, flags: Tensor, counters: T
         hyper, ptr(has), flags, counters, last_bad, ptr(adam_steps), rail_step, ptr(bank_active), out_values,
         ptr(lr_coef), ptr(wd_coef), ptr(adam_lr_mul), ptr(adam_wd_mul), inactive, gather, ptr(record), flags.numel(), n_bank,
         n_mat, n_adam, out_values.numel(), record.shape[0] if record is not None else 1, RECORD=record is not None,
-        LEAN=bool(lean), NATIVE_POW=not interpreting(), BLOCK=SCALARS_BLOCK, num_warps=1)
+        LEAN=bool(lean), NATIVE_POW=not interpreting(), BLOCK=SCALARS_BLOCK, num_warps=SCALARS_WARPS)
 
 
-__all__ = ["derive_scalars_triton", "SCALARS_BLOCK"]
+__all__ = ["derive_scalars_triton", "SCALARS_BLOCK", "SCALARS_WARPS"]
