@@ -54,6 +54,7 @@ module                         concept
 ``kernels.transpose``          the tied embedding's tiled transposes
 ``kernels.nonfinite``          the non-finite gradient check on the device (address tables or buffers)
 ``kernels.bank_scalars``       every per-step scalar in one device buffer, one host-to-device copy per step
+``kernels.step_scalars``       the device-decided step's scalars (the staging buffer, masks, counters) in one launch
 **core**
 ``core.cascade``               the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE,
                                FAITHFUL, GRAM_SIDE) and both drivers: the standard one and the Gram side's
