@@ -573,9 +573,10 @@ def test_in_place_state_is_the_rails_and_moments_alone(triton_dev, lean):
 @pytest.mark.slow
 @pytest.mark.parametrize("rails", ["nesterov", "record"])
 def test_compiled_scalars_equal_the_eager_ones(rails):
-    """On CUDA the scalars run through torch.compile (in-place writes into views of one status
-    buffer, a gather from the record table): the compiled function (Inductor's CPU backend here)
-    writes what the eager one writes."""
+    """On CUDA without Triton the scalars run through torch.compile (in-place writes into views of one
+    status buffer, a gather from the record table), and tests/test_step_scalars.py holds the Triton
+    launch to that compiled form: the compiled function (Inductor's CPU backend here) writes what the
+    eager one writes."""
     from anvil_fast.optim import device_step as DS
 
     torch.manual_seed(0)
