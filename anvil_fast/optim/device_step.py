@@ -51,6 +51,7 @@ the host's only where the float64 value lies within ~2**-52 relative of an fp32 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -135,6 +136,23 @@ def derive_scalars(hyper: Tensor, has: Tensor, flags: Tensor, counters: Tensor, 
     counters[1:2].add_(1 - ok)
     if lean:
         rail_step.add_(ok.to(rail_step.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _scalars_fn(cuda: bool):
+    """Who derives the scalars: one Triton launch on CUDA, else :func:`derive_scalars` (compiled on
+    CUDA without Triton)."""
+    if not cuda:
+        return derive_scalars
+    from anvil_fast.kernels.backend import triton_available
+
+    if triton_available():
+        from anvil_fast.kernels.step_scalars import derive_scalars_triton
+
+        return derive_scalars_triton
+    from anvil_fast.kernels.compiled import maybe_compiled
+
+    return maybe_compiled(derive_scalars, True)
 
 
 class DeviceStep:
@@ -526,19 +544,10 @@ class DeviceStep:
     def device_part(self) -> None:
         inner = self.inner
         self.check()
-        fn = derive_scalars
-        if self.cuda:
-            from anvil_fast.kernels.backend import triton_available
-
-            if triton_available():
-                from anvil_fast.kernels.step_scalars import derive_scalars_triton as fn
-            else:
-                from anvil_fast.kernels.compiled import maybe_compiled
-
-                fn = maybe_compiled(derive_scalars, True)
-        fn(self.hyper, self.has, self.flags, self.counters, self.last_bad, self.adam_steps, inner.rail_step,
-           self.bank_active, inner.staging.buffer, self.lr_coef, self.wd_coef, self.adam_lr_mul, self.adam_wd_mul,
-           self.inactive_row, self.gather, self.record, len(self.banks), self.n_mat, self.lean)
+        _scalars_fn(self.cuda)(self.hyper, self.has, self.flags, self.counters, self.last_bad, self.adam_steps,
+                               inner.rail_step, self.bank_active, inner.staging.buffer, self.lr_coef, self.wd_coef,
+                               self.adam_lr_mul, self.adam_wd_mul, self.inactive_row, self.gather, self.record,
+                               len(self.banks), self.n_mat, self.lean)
         self.update_banks(then=self.update_adam)  # Adam on the main stream while the lanes run
 
     def update_adam(self) -> None:
