@@ -89,6 +89,37 @@ def test_one_launch_writes_what_the_torch_scalars_write(triton_dev, rails, lean,
     assert not torch.equal(want["staging"], before["staging"]) or bad
 
 
+def test_a_conv_net_under_a_scheduler(triton_dev):
+    """A model the package was not built around (convolutions banked, two Linear layers) whose
+    learning rates a scheduler moves every step: the same bits as the torch scalars."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten(),
+                            torch.nn.Linear(8 * 4 * 4, 24), torch.nn.ReLU(), torch.nn.Linear(24, 5)).to(triton_dev)
+    betas = (0.9, 0.95) if triton_dev == "cuda" else (0.5, 0.25)
+    opt = ANVIL(m, lr=0.02, adam_betas=betas, cuda_graphs=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    for s in range(3):
+        _grads(m, s)
+        opt.step()
+        sched.step()
+    _grads(m, 9)
+    eng = opt.engine
+    eng.collect()
+    eng.upload()
+    eng.check()
+    before = {k: v.clone() for k, v in _written(opt).items()}
+    ref = DS.derive_scalars if triton_dev != "cuda" else torch.compile(DS.derive_scalars, dynamic=False,
+                                                                           fullgraph=True)
+    ref(*_args(opt))
+    want = {k: v.clone() for k, v in _written(opt).items()}
+    for k, v in _written(opt).items():
+        v.copy_(before[k])
+    derive_scalars_triton(*_args(opt))
+    for k, v in _written(opt).items():
+        assert torch.equal(v, want[k]), k
+    assert eng.n_mat > 0 and eng.n_adam > 0 and not torch.equal(want["staging"], before["staging"])
+
+
 def test_bad_arguments_are_named(triton_dev):
     _, opt = _engine(triton_dev, rails="nesterov", lean=False)
     args = list(_args(opt))
