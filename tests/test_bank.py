@@ -181,6 +181,31 @@ def test_workspace_needs_no_initial_values(config, triton_dev):
     assert torch.isfinite(a.p_slice).all() and int(a.guard_trips.sum()) == 0
 
 
+@pytest.mark.parametrize("shape", [(3, 40, 24), (3, 24, 40)], ids=["tall", "wide"])
+@pytest.mark.parametrize("case", ["gaussian", "nan"])
+def test_update_applies_the_equalizer_gains_as_the_equalizer_does(shape, case, triton_dev, monkeypatch):
+    """SAFE's Triton path leaves the equalizer's last step (v *= gain[lane], 0 where the guard failed)
+    to the parameter update, which reads v anyway: the same bits as the equalizer applying its gains
+    itself and the update reading the result. Both lane orientations, a guard trip, an inactive matrix."""
+    import anvil_fast.core.bank as bank_mod
+
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    if case == "nan":
+        grad[1, 3, 4] = float("nan")
+    a, b = _bank(SAFE, shape=shape, grad=grad, device=triton_dev), _bank(SAFE, shape=shape, grad=grad, device=triton_dev)
+    for bank in (a, b):
+        bank.active = torch.tensor([1, 1, 0], dtype=torch.int32, device=triton_dev)
+    anvil_bank_update(a, backend="triton", compile=False)
+    # the equalizer applies its own gains: v itself is the equalized update
+    monkeypatch.setattr(bank_mod, "defers_application", lambda *args, **kw: False)
+    anvil_bank_update(b, backend="triton", compile=False)
+    assert int(a.guard_trips.sum()) == (1 if case == "nan" else 0)
+    for k, v in a.mutated().items():
+        assert torch.equal(v.view(torch.uint8), b.mutated()[k].view(torch.uint8)), k
+    w = R.join_fp32(a.p_slice.cpu(), a.mantissa.cpu())
+    assert torch.isfinite(w).all()
+
+
 def test_compiled_cpu_smoke_and_scalars_do_not_recompile():
     # One torch.compile'd step on CPU equals the eager step; new scalar values reuse the graphs.
     torch._dynamo.reset()

@@ -129,3 +129,84 @@ def test_fast_update_has_the_reference_name_and_keyword_only_gate_and_rates():
     u = g = torch.zeros(1, 2, 2)
     with pytest.raises(TypeError):
         F.sign_aligned_update(p, m, u, g, torch.zeros(1, 1, 1), torch.zeros(()))
+
+
+# The equalizer's gains applied by the update (SAFE's Triton path leaves them to it): bf16(update * gain[lane])
+# where the guard passed, 0 where it failed, with the bf16 rounding written on the bits so that torch.compile
+# keeps it. Judged against torch's own bf16 multiply (eager, the equalizer's plain form) bit for bit.
+
+def _eq_case(shape, red_dim, seed):
+    import torch
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    chunk, rows, cols = shape
+    lanes = rows if red_dim == -1 else cols
+    # wide exponents, so products round at ties, overflow bf16 and land in its subnormals
+    v = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-140, 120, shape, generator=g).float())).bfloat16()
+    gain = (torch.rand((chunk, lanes), generator=g) * 4).bfloat16()
+    ok = torch.tensor([1, 0, 1][:chunk], dtype=torch.int32)
+    # the guard passes only finite updates: matrix 1 (refused) holds a NaN and an inf
+    v[1, 0, 0], v[1, 1, 1] = float("nan"), float("inf")
+    applied = torch.where(ok.reshape(-1, 1, 1) != 0, v * (gain.unsqueeze(-1) if red_dim == -1 else gain.unsqueeze(-2)),
+                          torch.zeros((), dtype=torch.bfloat16))
+    return v, SimpleNamespace(gain=gain, ok=ok), applied
+
+
+@pytest.mark.parametrize("red_dim", [-1, -2])
+@pytest.mark.parametrize("master", ["fp32", "bf16+mantissa"])
+@pytest.mark.parametrize("device,compile", [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=pytest.mark.gpu)],
+                         ids=["eager", "compiled", "cuda"])
+def test_fast_update_applies_equalizer_gains_bit_for_bit(red_dim, master, device, compile):
+    import torch
+    from types import SimpleNamespace
+
+    from anvil_fast.kernels.update import sign_aligned_update
+
+    if compile:
+        torch._dynamo.reset()
+    shape = (3, 24, 40)
+    v, work, applied = _eq_case(shape, red_dim, seed=17 + red_dim)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, generator=g)
+    gate = torch.randn(shape, generator=g)
+    rates = dict(eff_lr=torch.tensor([0.02, 0.03, 0.05]).reshape(3, 1, 1), eff_wd=torch.tensor(0.1))
+    v, applied, w, gate = (t.to(device) for t in (v, applied, w, gate))
+    work = SimpleNamespace(gain=work.gain.to(device), ok=work.ok.to(device))
+    rates = {k: t.to(device) for k, t in rates.items()}
+    if master == "fp32":
+        a, b = w.clone(), w.clone()
+        sign_aligned_update(a, None, v, gate=gate, **rates, equalizer=work, red_dim=red_dim, compile=compile)
+        sign_aligned_update(b, None, applied, gate=gate, **rates, compile=compile)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert torch.isfinite(a[1]).all()  # the refused matrix: decay only, no NaN from its update
+    else:
+        from anvil_fast.kernels.update import split_fp32_
+
+        pa, ma = (torch.empty(shape, dtype=dt, device=device) for dt in (torch.bfloat16, torch.uint16))
+        split_fp32_(w, pa, ma)
+        pb, mb = pa.clone(), ma.clone()
+        sign_aligned_update(pa, ma, v, gate=gate, **rates, equalizer=work, red_dim=red_dim, compile=compile)
+        sign_aligned_update(pb, mb, applied, gate=gate, **rates, compile=compile)
+        assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)) and torch.equal(ma, mb)
+
+
+def test_fast_update_equalizer_bad_input():
+    import torch
+    from types import SimpleNamespace
+
+    from anvil_fast.kernels.update import sign_aligned_update
+
+    shape = (3, 24, 40)
+    v, work, _ = _eq_case(shape, -1, seed=1)
+    w, gate = torch.zeros(shape), torch.zeros(shape)
+    rates = dict(eff_lr=torch.zeros(3, 1, 1), eff_wd=torch.tensor(0.0))
+    with pytest.raises(ValueError, match="red_dim"):
+        sign_aligned_update(w, None, v, gate=gate, **rates, equalizer=work, red_dim=None)
+    with pytest.raises(ValueError, match="gains of shape"):  # lanes of the other orientation
+        sign_aligned_update(w, None, v, gate=gate, **rates, equalizer=work, red_dim=-2)
+    with pytest.raises(ValueError, match="bf16 cascade output"):
+        sign_aligned_update(w, None, v.float(), gate=gate, **rates, equalizer=work, red_dim=-1)
+    with pytest.raises(ValueError, match="int32 verdicts"):
+        sign_aligned_update(w, None, v, gate=gate, **rates, equalizer=SimpleNamespace(gain=work.gain, ok=work.ok.bool()),
+                            red_dim=-1)

@@ -14,7 +14,8 @@ The update, in the seed's order::
 
     twin_rail         twin rails + Nesterov lookahead -> bf16 X         (SAFE: Triton; FAITHFUL: compiled)
     cascade           normalization + Gram kernels + maps on the workspace (Triton; FAITHFUL: compiled normalize)
-    equalize          lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton; FAITHFUL: compiled)
+    equalize          lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton, its gains applied by
+                                                                        the update; FAITHFUL: compiled)
     decay + update    sign-aligned decay on the fp32 master             (compiled; in place: the float32
                                                                         parameter, or bf16 p + mantissa)
 
@@ -34,7 +35,7 @@ from anvil_ref.equalizer import lane_energy_shape, reduction_axis
 from anvil_ref.maps import load_maps
 
 from .cascade import DEFAULT_CONFIG, CascadeConfig, CascadeWorkspace, cascade_workspace, get_config
-from anvil_fast.kernels.equalizer import equalize
+from anvil_fast.kernels.equalizer import defers_application, equalize
 from anvil_fast.kernels.rails import twin_rail
 from anvil_fast.kernels.update import sign_aligned_update
 
@@ -212,10 +213,12 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
                           partials_ready=ready)
     # 3. Equalize per-lane update energy (guarded in SAFE; in FAITHFUL only non-finite updates are
     #    refused, so no NaN or inf reaches the weights or the lane energy)
+    #    (with the Triton kernels and the guard, the gains are applied by step 4 as it reads v)
+    defer = defers_application(v, fused=cfg.triton_elementwise, guard=cfg.guard, backend=backend)
     v = equalize(v, bank.lane_energy, beta2=bank.beta2, red_dim=bank.red_dim, guard_trips=bank.guard_trips,
                  compile=compile, fused=cfg.triton_elementwise, work=ws.equalizer, active=active,
-                 finite_only=not cfg.guard, backend=backend)
+                 finite_only=not cfg.guard, backend=backend, apply=not defer)
     # 4. Sign-aligned decay + update on the fp32 master, gated on the slow rail after this step
     sign_aligned_update(bank.p_slice, bank.mantissa, v, gate=bank.velocity[1], eff_lr=bank.eff_lr,
                         eff_wd=bank.eff_wd, active=None if active is None else active.reshape(-1, 1, 1),
-                        compile=compile)
+                        equalizer=ws.equalizer if defer else None, red_dim=bank.red_dim, compile=compile)

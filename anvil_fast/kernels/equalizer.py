@@ -27,6 +27,8 @@ Two implementations of the same operations:
 * ``fused=True`` (the SAFE configuration, on CUDA): three Triton kernels -- the lane powers (one
   program per block of lanes of one matrix), the per-matrix statistics (pre- and post-norm, the
   guard, the lane-energy update and the bf16 gains: one program per matrix), and the scaling of V.
+  A bank update leaves the scaling to the parameter update (``apply=False``), which reads V anyway:
+  one pass over V fewer, the same values (:func:`anvil_fast.kernels.update.sign_aligned_update`).
   Why not the compiled code: its per-matrix sums are reductions whose strategy Inductor picks from
   the *number of matrices*, so a bank's result depended on how many matrices it held. Measured on an
   H200 (``tools/chunk_independence.py``, results/anvil_fast_h200/run6/): a 24x3072x768 bank and its
@@ -204,7 +206,7 @@ if triton is not None:
 
 
 def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int, guard_trips: Tensor | None,
-                     work: EqualizerWork, active: Tensor | None = None) -> Tensor:
+                     work: EqualizerWork, active: Tensor | None = None, apply: bool = True) -> Tensor:
     shape = tuple(v.shape)
     if len(shape) != 3 or v.dtype != torch.bfloat16 or not v.is_contiguous():
         raise ValueError(f"equalizer: v must be a contiguous [chunk, rows, cols] bf16 tensor, got {v.dtype} {shape}")
@@ -227,6 +229,8 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
         active.reshape(-1) if active is not None else work.ok, lanes, float(red),
         GUARD_NORM_RATIO * math.sqrt(min(rows, cols)), 1 - float(beta2), LANE_ENERGY_FLOOR, GUARD=guard,
         ACTIVE=active is not None, ROUND_FIX=round_fix(), SB=_STAT_BLOCK, num_warps=4)
+    if not apply:
+        return v
     for s, e in matrix_slices(chunk):
         _equalizer_apply_kernel[(nb, e - s)](
             v[s:e], work.gain[s:e], work.ok[s:e], mn, cols, lanes, LANE_IS_ROW=red_dim == -1, ROUND_FIX=round_fix(),
@@ -234,10 +238,18 @@ def _equalizer_fused(v: Tensor, lane_energy: Tensor, beta2: float, red_dim: int,
     return v
 
 
+def defers_application(v: Tensor, *, fused: bool, guard: bool, backend: str = "auto") -> bool:
+    """Whether :func:`equalize` may leave its last step, ``v *= gain[lane]`` (0 where the guard
+    failed), to the update: with the Triton kernels (their gains and verdicts are buffers) and the
+    guard on (a matrix that passes it has finite entries, the range where the update's bit form of the
+    bf16 rounding is exact)."""
+    return bool(fused and guard and use_triton(v, backend))
+
+
 def equalize(v: Tensor, lane_energy: Tensor, *, beta2: float, red_dim: int | None = None,
              guard_trips: Tensor | None = None, compile: bool | None = None, fused: bool = False,
              work: EqualizerWork | None = None, active: Tensor | None = None, finite_only: bool = False,
-             backend: str = "auto") -> Tensor:
+             backend: str = "auto", apply: bool = True) -> Tensor:
     """:func:`anvil_ref.equalizer.equalize` in place: equalize ``v`` ([chunk, rows, cols] bf16) and
     update ``lane_energy``; returns ``v``. ``red_dim``: the lane-reduction axis, by default
     :func:`anvil_ref.equalizer.reduction_axis` of ``v``'s shape (a bank passes the one it stored).
@@ -246,15 +258,26 @@ def equalize(v: Tensor, lane_energy: Tensor, *, beta2: float, red_dim: int | Non
     finite update, and never a NaN or inf into the weights or the lane energy). ``active``: an int32
     ``[chunk]`` device mask; an inactive matrix keeps its lane energy. ``fused``: the Triton kernels
     where they can run (:func:`anvil_fast.kernels.backend.use_triton`), with ``work`` as their buffers
-    (allocated here if not given; a CUDA graph wants them allocated once)."""
+    (allocated here if not given; a CUDA graph wants them allocated once).
+
+    ``apply=False`` (the Triton kernels with the guard on, :func:`defers_application`): the lane
+    energy, the gains and the verdicts are computed into ``work`` and ``v`` is left as it is, for the
+    update to apply as it reads ``v`` (:func:`anvil_fast.kernels.update.sign_aligned_update`'s
+    ``equalizer``)."""
     if red_dim is None:
         red_dim = reduction_axis(v.shape)
     if red_dim not in (-1, -2):
         raise ValueError(f"red_dim: expected -1 or -2, got {red_dim}")
+    if not apply and not defers_application(v, fused=fused, guard=guard_trips is not None and not finite_only,
+                                            backend=backend):
+        raise ValueError("equalize: apply=False needs the Triton kernels (fused=True where they run) with the guard "
+                         "on (guard_trips given, finite_only off); elsewhere the equalizer applies its own gains")
+    if not apply and work is None:
+        raise ValueError("equalize: apply=False needs work, the buffers the update reads the gains from")
     if fused and use_triton(v, backend) and not finite_only:
         if work is None:
             work = EqualizerWork.for_shape(tuple(v.shape), v.device, red_dim)
-        return _equalizer_fused(v, lane_energy, beta2, red_dim, guard_trips, work, active)
+        return _equalizer_fused(v, lane_energy, beta2, red_dim, guard_trips, work, active, apply)
     c = want_compile(compile, v)
     if guard_trips is None:
         if active is not None:

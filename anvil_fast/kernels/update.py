@@ -81,6 +81,29 @@ def join_fp32_(hi: Tensor, lo: Tensor, master: Tensor) -> None:
     l_.copy_(lo.view(torch.int16))
 
 
+def _bf16_rounded(x: Tensor) -> Tensor:
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept as fp32; exact for every finite x
+    (an overflow rounds to inf, as the hardware cast does). Why on the bits: inside one fused kernel
+    Inductor computes bf16 values in fp32 and drops an explicit ``.to(torch.bfloat16)`` followed by
+    ``.float()``, so that rounding would silently vanish under torch.compile; integer arithmetic is
+    kept as written. The same bit form as the kernels' ``to_bf16`` under the interpreter
+    (:mod:`anvil_fast.kernels.backend`)."""
+    r = x.view(torch.int32)
+    r = (r + (0x7FFF + ((r >> 16) & 1))) & -65536
+    return r.view(torch.float32)
+
+
+def _equalized(update: Tensor, gain: Tensor, ok: Tensor, lanes_are_rows: bool) -> Tensor:
+    """The equalizer's last step, as the update reads it: ``bf16(update * gain[lane])`` where the
+    matrix passed the guard, else 0 (``_equalizer_apply_kernel`` of :mod:`anvil_fast.kernels.equalizer`,
+    value for value: the product of two bf16 values is exact in fp32, so only its one rounding is
+    shared, and it is done by :func:`_bf16_rounded`). Only for guarded updates: a matrix with
+    ``ok`` set has finite entries and a finite gain, the range where the bit form is exact."""
+    g = gain.unsqueeze(-1) if lanes_are_rows else gain.unsqueeze(-2)
+    scaled = _bf16_rounded(update.float() * g.float())
+    return torch.where(ok.reshape(-1, 1, 1) != 0, scaled, torch.zeros((), dtype=torch.float32, device=update.device))
+
+
 def _decayed(w: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor, gate_src: Tensor) -> Tensor:
     """W' from the fp32 master W, in the seed's order of operations."""
     wd_factor = wd_tensor.to(torch.float32)
@@ -90,8 +113,11 @@ def _decayed(w: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor, ga
 
 
 def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
-                               gate_src: Tensor, active: Tensor | None = None) -> None:
+                               gate_src: Tensor, active: Tensor | None = None, gain: Tensor | None = None,
+                               ok: Tensor | None = None, lanes_are_rows: bool = True) -> None:
     w = join_fp32(p16, m16)
+    if gain is not None:
+        update = _equalized(update, gain, ok, lanes_are_rows)
     w_new = _decayed(w, update, wd_tensor, lr_tensor, gate_src)
     if active is not None:
         w_new = torch.where(active != 0, w_new, w)
@@ -101,9 +127,12 @@ def _sign_aligned_decay_update(p16: Tensor, m16: Tensor, update: Tensor, wd_tens
 
 
 def _sign_aligned_decay_update_fp32(w32: Tensor, update: Tensor, wd_tensor: Tensor, lr_tensor: Tensor,
-                                    gate_src: Tensor, active: Tensor | None = None) -> None:
+                                    gate_src: Tensor, active: Tensor | None = None, gain: Tensor | None = None,
+                                    ok: Tensor | None = None, lanes_are_rows: bool = True) -> None:
     # The same expression on the float32 master itself: the bf16 + mantissa form's join and split
     # are exact bit copies, so both write the same bits; this one skips the two passes over halves.
+    if gain is not None:
+        update = _equalized(update, gain, ok, lanes_are_rows)
     w_new = _decayed(w32, update, wd_tensor, lr_tensor, gate_src)
     w32.copy_(w_new if active is None else torch.where(active != 0, w_new, w32))
 
@@ -115,7 +144,8 @@ def _int16_view(t: Tensor, name: str) -> Tensor:
 
 
 def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, gate: Tensor, eff_lr: Tensor,
-                        eff_wd: Tensor, active: Tensor | None = None, compile: bool | None = None) -> None:
+                        eff_wd: Tensor, active: Tensor | None = None, equalizer=None, red_dim: int | None = None,
+                        compile: bool | None = None) -> None:
     """:func:`anvil_ref.update.sign_aligned_update` in place on the fp32 master ``W``:
     ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr``. The master is either ``p`` itself
     (a float32 parameter slice, ``mantissa=None``) or the pair ``p`` (the bf16 parameter slice, or
@@ -124,16 +154,40 @@ def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, g
     optional ``[chunk, 1, 1]`` int32 device mask; a matrix whose entry is 0 keeps its master bit
     for bit (a member without a gradient, or a step the device refused). The gate and the two
     rates are keyword-only: each pair has the same type, so a positional swap would run and be
-    wrong."""
+    wrong.
+
+    ``equalizer``: the :class:`anvil_fast.kernels.equalizer.EqualizerWork` of a guarded equalization
+    that left its application to this pass (``equalize(..., apply=False)``): ``update`` is then the
+    bf16 cascade output and the update applied is ``bf16(update * gain[lane])`` where the guard passed
+    and 0 where it did not, the same values the equalizer's own application writes; ``red_dim`` is the
+    equalization's reduction axis (lanes are rows for -1, columns for -2). Why here: the update reads
+    every element of ``update`` anyway, so the application costs no pass of its own over it."""
     if p.shape != update.shape or p.shape != gate.shape or (mantissa is not None and p.shape != mantissa.shape):
         raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa "
                          f"{None if mantissa is None else tuple(mantissa.shape)}, update {tuple(update.shape)}, "
                          f"gate {tuple(gate.shape)}")
+    eq = {} if equalizer is None else _equalizer_args(update, equalizer, red_dim)
     c = want_compile(compile, p)
     if mantissa is None:
         if p.dtype != torch.float32:
             raise ValueError(f"p: without a mantissa the master must be the float32 parameter itself, got {p.dtype}")
-        maybe_compiled(_sign_aligned_decay_update_fp32, c)(p, update, eff_wd, eff_lr, gate, active)
+        maybe_compiled(_sign_aligned_decay_update_fp32, c)(p, update, eff_wd, eff_lr, gate, active, **eq)
         return
     p16, m16 = _int16_view(p, "p"), _int16_view(mantissa, "mantissa")
-    maybe_compiled(_sign_aligned_decay_update, c)(p16, m16, update, eff_wd, eff_lr, gate, active)
+    maybe_compiled(_sign_aligned_decay_update, c)(p16, m16, update, eff_wd, eff_lr, gate, active, **eq)
+
+
+def _equalizer_args(update: Tensor, work, red_dim: int | None) -> dict:
+    if red_dim not in (-1, -2):
+        raise ValueError(f"red_dim: with an equalizer to apply, expected its reduction axis -1 or -2, got {red_dim}")
+    if update.dim() != 3 or update.dtype != torch.bfloat16:
+        raise ValueError(f"update: the equalizer's application needs the [chunk, rows, cols] bf16 cascade output, "
+                         f"got {update.dtype} {tuple(update.shape)}")
+    chunk, rows, cols = update.shape
+    lanes = rows if red_dim == -1 else cols
+    if tuple(work.gain.shape) != (chunk, lanes) or work.gain.dtype != torch.bfloat16 \
+            or tuple(work.ok.shape) != (chunk,) or work.ok.dtype != torch.int32:
+        raise ValueError(f"equalizer: expected bf16 gains of shape {(chunk, lanes)} and int32 verdicts of shape "
+                         f"{(chunk,)} for update {tuple(update.shape)} with red_dim {red_dim}; got gains "
+                         f"{work.gain.dtype} {tuple(work.gain.shape)}, verdicts {work.ok.dtype} {tuple(work.ok.shape)}")
+    return dict(gain=work.gain, ok=work.ok, lanes_are_rows=red_dim == -1)
