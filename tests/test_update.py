@@ -157,7 +157,8 @@ def _eq_case(shape, red_dim, seed):
 @pytest.mark.parametrize("master", ["fp32", "bf16+mantissa"])
 @pytest.mark.parametrize("device,compile", [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=pytest.mark.gpu)],
                          ids=["eager", "compiled", "cuda"])
-def test_fast_update_applies_equalizer_gains_bit_for_bit(red_dim, master, device, compile):
+@pytest.mark.parametrize("shape", [(3, 24, 40), (3, 32, 32)], ids=["wide", "square"])
+def test_fast_update_applies_equalizer_gains_bit_for_bit(red_dim, master, device, compile, shape):
     import torch
     from types import SimpleNamespace
 
@@ -165,7 +166,6 @@ def test_fast_update_applies_equalizer_gains_bit_for_bit(red_dim, master, device
 
     if compile:
         torch._dynamo.reset()
-    shape = (3, 24, 40)
     v, work, applied = _eq_case(shape, red_dim, seed=17 + red_dim)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(shape, generator=g)
