@@ -105,6 +105,7 @@ for stage in ${STAGES:-suite bench}; do
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
     train) mkdir -p results/train/logs/protocol
+           RAN_TRAIN=1
            # each call's logs keep their own name (its UTC start), so a later chunk never overwrites an earlier one's
            STAMP=$(date -u +%Y%m%dT%H%M%SZ)
            # the device's copy of .git can be a snapshot older than the tree it runs: the caller names the
@@ -136,7 +137,8 @@ for stage in ${STAGES:-suite bench}; do
                --shapes 2x256x768,2x768x768,2x2816x768,2x3072x768,2x768x3072 2>&1 | tee "$OUT/difftest_gram_side.log" | tail -3
              timeout 150 python3 -m anvil_fast.studies.near_rank1 --no-progress --count 500 --shapes 256x768,2816x768,3072x768,768x3072 \
                --paths fp64,fast-safe,fast-gram-side 2>&1 | tee "$OUT/near_rank1_gram_side.log" | tail -8 ;;
-    contenders) timeout "${T_CONTENDERS:-300}" python3 -m papers.train --size small --seeds 0 1 2 --clip 0 \
+    contenders) RAN_TRAIN=1
+             timeout "${T_CONTENDERS:-300}" python3 -m papers.train --size small --seeds 0 1 2 --clip 0 \
              --contenders ${TRAIN_CONTENDERS:-anvil_lean} --jobs "${TRAIN_JOBS:-3}" --timing-steps 0 \
              --out results/train/small --skip-existing --time-budget-s $(( ${T_CONTENDERS:-300} - 20 )) ${TRAIN_ARGS} 2>&1 \
              | tee "$OUT/train_contenders.log" | tail -5 ;;
@@ -269,6 +271,7 @@ for stage in ${STAGES:-suite bench}; do
   esac
 done
 stamp done
-[ -d results/train ] && tar czf "$OUT/results_train.tgz" results/train
+# the training stage writes its runs into the tree's results/train: they come back as one tarball
+[ -n "${RAN_TRAIN:-}" ] && tar czf "$OUT/results_train.tgz" results/train
 pack
 exit 0
