@@ -45,6 +45,21 @@ def _written(opt) -> dict:
             "bank_active": eng.bank_active, "rail_step": opt.inner.rail_step}
 
 
+def _both_ways(opt, triton_dev) -> tuple[dict, dict]:
+    """The state before, and what the torch scalars write from it (compiled on CUDA, as the step runs
+    them there); the one launch, run from the same state, must write the same bits."""
+    before = {k: v.clone() for k, v in _written(opt).items()}
+    ref = torch.compile(DS.derive_scalars, dynamic=False, fullgraph=True) if triton_dev == "cuda" else DS.derive_scalars
+    ref(*_args(opt))
+    want = {k: v.clone() for k, v in _written(opt).items()}
+    for k, v in _written(opt).items():
+        v.copy_(before[k])
+    derive_scalars_triton(*_args(opt))
+    for k, v in _written(opt).items():
+        assert torch.equal(v, want[k]), (k, v, want[k])
+    return before, want
+
+
 @pytest.mark.filterwarnings("ignore::anvil_fast.optim.dropin.NonFiniteGradientWarning")
 @pytest.mark.parametrize("bad", [False, True], ids=["taken", "refused"])
 @pytest.mark.parametrize("lean", [False, True], ids=["fp32_rails", "bf16_rails"])
@@ -70,17 +85,7 @@ def test_one_launch_writes_what_the_torch_scalars_write(triton_dev, rails, lean,
     eng.check()
     if bad:
         eng.flags[len(eng.flags) // 2] = 1
-    before = {k: v.clone() for k, v in _written(opt).items()}
-    ref = DS.derive_scalars
-    if triton_dev == "cuda":
-        ref = torch.compile(DS.derive_scalars, dynamic=False, fullgraph=True)
-    ref(*_args(opt))
-    want = {k: v.clone() for k, v in _written(opt).items()}
-    for k, v in _written(opt).items():
-        v.copy_(before[k])
-    derive_scalars_triton(*_args(opt))
-    for k, v in _written(opt).items():
-        assert torch.equal(v, want[k]), (k, v, want[k])
+    before, want = _both_ways(opt, triton_dev)
     # the case did what it says: the counters moved, and a refusal left every row and matrix inactive
     taken, skipped = want["status"][:2].tolist()
     assert (taken, skipped) == ((2, 2) if bad else (3, 1))
@@ -107,16 +112,7 @@ def test_a_conv_net_under_a_scheduler(triton_dev):
     eng.collect()
     eng.upload()
     eng.check()
-    before = {k: v.clone() for k, v in _written(opt).items()}
-    ref = DS.derive_scalars if triton_dev != "cuda" else torch.compile(DS.derive_scalars, dynamic=False,
-                                                                           fullgraph=True)
-    ref(*_args(opt))
-    want = {k: v.clone() for k, v in _written(opt).items()}
-    for k, v in _written(opt).items():
-        v.copy_(before[k])
-    derive_scalars_triton(*_args(opt))
-    for k, v in _written(opt).items():
-        assert torch.equal(v, want[k]), k
+    before, want = _both_ways(opt, triton_dev)
     assert eng.n_mat > 0 and eng.n_adam > 0 and not torch.equal(want["staging"], before["staging"])
 
 
