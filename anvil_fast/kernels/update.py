@@ -96,9 +96,9 @@ def _bf16_rounded(x: Tensor) -> Tensor:
 def _equalized(update: Tensor, gain: Tensor, ok: Tensor, lanes_are_rows: bool) -> Tensor:
     """The equalizer's last step, as the update reads it: ``bf16(update * gain[lane])`` where the
     matrix passed the guard, else 0 (``_equalizer_apply_kernel`` of :mod:`anvil_fast.kernels.equalizer`,
-    value for value: the product of two bf16 values is exact in fp32, so only its one rounding is
-    shared, and it is done by :func:`_bf16_rounded`). Only for guarded updates: a matrix with
-    ``ok`` set has finite entries and a finite gain, the range where the bit form is exact."""
+    value for value: both form the product as one fp32 multiply, which nothing can contract, so only
+    its rounding to bf16 needs care, and :func:`_bf16_rounded` does it). Only for guarded updates: a
+    matrix with ``ok`` set has finite entries and a finite gain, the range where the bit form is exact."""
     g = gain.unsqueeze(-1) if lanes_are_rows else gain.unsqueeze(-2)
     scaled = _bf16_rounded(update.float() * g.float())
     return torch.where(ok.reshape(-1, 1, 1) != 0, scaled, torch.zeros((), dtype=torch.float32, device=update.device))
