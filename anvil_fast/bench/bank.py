@@ -109,11 +109,10 @@ def _phases(bank, *, rep_ms: int) -> dict:
     equalizer + update) and of one map's three kernels against cuBLAS doing the same job."""
     from anvil_ref.cascade import is_tall
 
+    from anvil_fast.core.bank import equalize_and_update
     from anvil_fast.core.cascade import cascade_workspace
-    from anvil_fast.kernels.equalizer import defers_application, equalize
     from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
     from anvil_fast.kernels.rails import twin_rail
-    from anvil_fast.kernels.update import sign_aligned_update
 
     b, ws = bank, bank.workspace
     r = {}
@@ -125,16 +124,7 @@ def _phases(bank, *, rep_ms: int) -> dict:
                                                              split=b.split_baddbmm, partials_ready=ready)),
                           rep_ms=rep_ms)
 
-    # as the bank update runs them: with the Triton kernels and the guard, the update applies the gains
-    defer = defers_application(ws.X, fused=b.config.triton_elementwise, guard=b.config.guard)
-
-    def post():
-        v = equalize(ws.X, b.lane_energy, beta2=b.beta2, red_dim=b.red_dim, guard_trips=b.guard_trips,
-                     fused=b.config.triton_elementwise, work=ws.equalizer, finite_only=not b.config.guard,
-                     apply=not defer)
-        sign_aligned_update(b.p_slice, b.mantissa, v, gate=b.velocity[1], eff_lr=b.eff_lr, eff_wd=b.eff_wd,
-                            equalizer=ws.equalizer if defer else None, red_dim=b.red_dim)
-    r["ph_post"] = _bench(graphed(post), rep_ms=rep_ms)
+    r["ph_post"] = _bench(graphed(lambda: equalize_and_update(b, ws.X, ws)), rep_ms=rep_ms)
     # One map's kernels on a normalized iterate (ws.X holds the cascade's output: orthogonal-ish).
     X, A, B, C = ws.X, ws.A, ws.B, ws.C
     tall = is_tall(X.shape)

@@ -211,6 +211,14 @@ def anvil_bank_update(bank: AnvilBank, *, backend: str = "auto", compile: bool |
     # 2. The cascade
     v = cascade_workspace(ws, maps=bank.maps, config=cfg, split=bank.split_baddbmm, backend=backend, compile=compile,
                           partials_ready=ready)
+    # 3 and 4
+    equalize_and_update(bank, v, ws, backend=backend, compile=compile)
+
+
+def equalize_and_update(bank: AnvilBank, v: Tensor, ws: CascadeWorkspace, *, backend: str = "auto",
+                        compile: bool | None = None) -> None:
+    """The bank update's last two steps on the cascade output ``v`` (held in ``ws``)."""
+    cfg, active = bank.config, bank.active
     # 3. Equalize per-lane update energy (guarded in SAFE; in FAITHFUL only non-finite updates are
     #    refused, so no NaN or inf reaches the weights or the lane energy)
     #    (with the Triton kernels and the guard, the gains are applied by step 4 as it reads v)
