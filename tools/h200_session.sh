@@ -43,6 +43,9 @@
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
 #           makes it N runs in a row, into $OUT/run1 .. runN
+#   costmodel  python -m anvil_fast.studies.cost_model measure: the cost model's per-rank pieces on this one GPU
+#           (collectives need several GPUs and are left to the two-rank runs), into $OUT/cost_model_h200.json
+#           (copy it to papers/data/ and rebuild the paper)
 #   kprofile  tools/kernel_profile.py for NODES_SIZES (default small medium): one graphed step's kernels by time
 #           and its timeline by stream (gzipped Chrome traces under $OUT/kprofile/)
 #   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
@@ -257,6 +260,8 @@ for stage in ${STAGES:-suite bench}; do
                  | tee -a "$OUT/resident_diff.log"
              done
            done ;;
+    costmodel) timeout "${T_COSTMODEL:-300}" python3 -m anvil_fast.studies.cost_model measure --no-progress \
+               --out "$OUT/cost_model_h200.json" 2>&1 | tee "$OUT/cost_model_measure.log" | tail -20 ;;
     peers) install_peers
            # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender
            # of each in its own fresh process), T_PEERS seconds each; the first also fills the compile caches
