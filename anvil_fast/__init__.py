@@ -52,6 +52,7 @@ module                         concept
 ``kernels.adam``               Adam's kernels (one tensor, flat buffers, many tensors through address
                                tables)
 ``kernels.transpose``          the tied embedding's tiled transposes
+``kernels.plus_identity``      ``plus_identity_``: the Gram side's start of its polynomial, ``a I + B`` in place (its diagonal)
 ``kernels.nonfinite``          the non-finite gradient check on the device (address tables or buffers)
 ``kernels.bank_scalars``       every per-step scalar in one device buffer, one host-to-device copy per step
 ``kernels.step_scalars``       the device-decided step's scalars (the staging buffer, masks, counters) in one launch

@@ -220,6 +220,61 @@ def test_interpreted_kernels_against_torch_fallback(shape, sched):
     assert tri <= bf16_bound(tor) and tor <= bf16_bound(tri), (tri, tor)
 
 
+def _gram_side_with_a_copy(x: torch.Tensor, sched, backend: str) -> torch.Tensor:
+    """The Gram-side cascade in its obvious form, Q = a I + B built in a buffer of its own by a copy of
+    B, with the same kernels as the package: the oracle for its buffer rotation (Q made in B's buffer
+    once B's last reader has run), which must change no bit."""
+    from anvil_fast.core.cascade import normalize_workspace
+    from anvil_fast.core.gram_side import restart_product
+    from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA
+
+    ws = CascadeWorkspace.for_shape(tuple(x.shape), x.device)
+    ws.X.copy_(x)
+    normalize_workspace(ws, GRAM_SIDE, margin=A.FROBENIUS_MARGIN, eps=A.FROBENIUS_EPS, backend=backend,
+                        compile=False, partials_ready=False)
+    tall = x.shape[-2] > x.shape[-1]
+    gram = XTX if tall else XXT
+    X0, C, Am, B = ws.X, ws.C, ws.A, ws.B
+    R, R2, P = torch.empty_like(Am), torch.empty_like(Am), torch.empty_like(Am)
+    gram(X0, out=Am, backend=backend)
+    fresh = True
+    maps = A.load_maps(A.ANVIL_MAPS)
+    for k, (a, b, c) in enumerate(maps, start=1):
+        if k in sched:
+            restart_product(X0, R, C, tall, backend)
+            X0, C = C, X0
+            gram(X0, out=Am, backend=backend)
+            fresh = True
+        ba_plus_cAA(Am, alpha=c, beta=b, out=B, backend=backend)
+        if fresh:
+            R.copy_(B)
+            d = R.diagonal(dim1=-2, dim2=-1)
+            d.copy_(d.float() + a)
+            fresh = False
+        else:
+            (aX_plus_mm(R, R, B, a=a, out=R2, backend=backend) if tall
+             else aX_plus_mm(R, B, R, a=a, out=R2, backend=backend))
+            R, R2 = R2, R
+        if k < len(maps) and k + 1 not in sched:
+            aX_plus_mm(Am, B, Am, a=a, out=P, backend=backend)
+            sym_aX_plus_mm(P, B, P, a=a, out=Am, backend=backend)
+    restart_product(X0, R, C, tall, backend)
+    return C
+
+
+@pytest.mark.parametrize("shape", [(2, 72, 24), (2, 24, 72)], ids=["tall", "wide"])
+@pytest.mark.parametrize("sched", [(), (3,), (2, 4), (2, 3, 4, 5, 6)], ids=str)
+def test_buffer_rotation_changes_no_bit(shape, sched, triton_dev):
+    x = _bf16(shape, 11).to(triton_dev)
+    for be in ("torch", "triton"):
+        ws = CascadeWorkspace.for_shape(tuple(x.shape), x.device)
+        ws.X.copy_(x)
+        cfg = dataclasses.replace(GRAM_SIDE, gram_side=tuple(sched))
+        got = cascade_workspace(ws, config=cfg, backend=be)
+        want = _gram_side_with_a_copy(x, sched, be)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (be, shape, sched)
+
+
 def test_dispatch_in_cascade_workspace():
     tall = torch.randn(2, 72, 24, generator=torch.Generator().manual_seed(4))
     square = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(4))

@@ -140,6 +140,16 @@ MUTANTS: list[Mutant] = [
     M("fast update: the gains' bf16 rounding dropped under torch.compile", "anvil_fast/kernels/update.py",
       "scaled = _bf16_rounded(update.float() * g.float())",
       "scaled = (update.float() * g.float()).to(torch.bfloat16).float()", "tests/test_update.py"),
+    # ---- the Gram side's start of its polynomial
+    M("plus_identity_: the kernel's diagonal stride off by one", "anvil_fast/kernels/plus_identity.py",
+      "i.to(tl.int64) * (n + 1)", "i.to(tl.int64) * n", "tests/test_plus_identity.py"),
+    M("plus_identity_: a rounded to bf16 before the add", "anvil_fast/kernels/plus_identity.py",
+      "diag.copy_(diag.float() + a)", "diag.add_(a)", "tests/test_plus_identity.py"),
+    M("gram side: Q made before B's last reader ran", "anvil_fast/core/cascade.py",
+      "out=B, backend=backend)\n        if not fresh:\n",
+      "out=B, backend=backend)\n        if fresh:\n            plus_identity_(B, a, backend=backend)\n"
+      "        if not fresh:\n", "tests/test_gram_side.py",
+      also=(("anvil_fast/core/cascade.py", "Rk, B = plus_identity_(B, a, backend=backend), Rk", "Rk, B = B, Rk"),)),
     # ---- a Gram kernel
     M("gram kernel: alpha and beta swapped in b*A + c*A@A", "anvil_fast/kernels/gram_kernels.py",
       "        val = alpha * acc + beta * aij.to(tl.float32)\n        _store_symmetric(C, val,",

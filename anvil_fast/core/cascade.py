@@ -80,6 +80,7 @@ from anvil_fast.kernels.backend import use_triton
 from anvil_fast.kernels.equalizer import EqualizerWork
 from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA, sym_aX_plus_mm
 from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, restart_product, uses_gram_side
+from anvil_fast.kernels.plus_identity import plus_identity_
 from anvil_fast.kernels.normalize import NormPartials, block_partials, normalize_from_partials
 from anvil_fast.kernels.rails import BF16_MAX, PRESCALE_EXP_LIMIT
 
@@ -323,21 +324,21 @@ def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, co
             gram(X0, out=A, backend=backend)
             fresh = True
         ba_plus_cAA(A, alpha=c, beta=b, out=B, backend=backend)
-        if fresh:
-            Rk.copy_(B)
-            # Q = a I + B, the diagonal added in fp32 and rounded once: a bf16 tensor's in-place
-            # ``add_(a)`` first rounds the scalar a to bf16, a bias of up to 2**-9 on every eigenvalue
-            # of Q that the accumulated R never loses (measured: 3x the error with one restart).
-            diag = Rk.diagonal(dim1=-2, dim2=-1)
-            diag.copy_(diag.float() + a)
-            fresh = False
-        else:
+        if not fresh:
             aX_plus_mm(Rk, Rk, B, a=a, out=R2, backend=backend) if tall else \
                 aX_plus_mm(Rk, B, Rk, a=a, out=R2, backend=backend)
             Rk, R2 = R2, Rk
         if k < len(maps_) and k + 1 not in sched:
             aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
             sym_aX_plus_mm(P, B, P, a=a, out=A, backend=backend)
+        if fresh:
+            # Q = a I + B: B's last reader has run, so Q is made in B's buffer, which becomes R's, and
+            # R's becomes the next B (a pass over B to copy it saved). The diagonal is added in fp32 and
+            # rounded once: a bf16 tensor's in-place ``add_(a)`` first rounds the scalar a to bf16, a
+            # bias of up to 2**-9 on every eigenvalue of Q that the accumulated R never loses
+            # (measured: 3x the error with one restart).
+            Rk, B = plus_identity_(B, a, backend=backend), Rk
+            fresh = False
     restart_product(X0, Rk, C, tall, backend)
     return C
 
