@@ -92,7 +92,8 @@ def uses_gram_side(shape, *, device=None, min_aspect: float = GRAM_SIDE_MIN_ASPE
 
 @dataclass
 class GramSideWork:
-    """The Gram side's square buffers (n = the bank's short side): P = Q A, and R's ping-pong pair."""
+    """The Gram side's square buffers (n = the bank's short side): P = Q A, and R's pair, which rotates
+    with the workspace's B (the cascade makes each fresh Q in B's buffer and hands R's to B)."""
 
     P: Tensor
     R: Tensor
