@@ -38,7 +38,7 @@ def digest(tensors) -> str:
 def bank_rows(shapes, dev):
     from anvil_fast.core.bank import AnvilBank, anvil_bank_update
 
-    for config in ("safe", "faithful"):
+    for config in ("safe", "faithful", "gram_side"):
         for shape in shapes:
             g = torch.Generator().manual_seed(1234)
             p = (0.02 * torch.randn(shape, generator=g)).bfloat16().to(dev)
