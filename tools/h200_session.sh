@@ -2,7 +2,8 @@
 # One call on the H200 (device tool), from the repository root: the stages named in STAGES run in
 # order, each logged under $OUT with its own time limit, and whatever a stage writes under
 # results/ comes back as one tarball (the device returns at most 8 files).
-#   suite   the whole gpu-marked test suite
+#   suite   the whole gpu-marked test suite (T_SUITE seconds, default 540); SUITE_PART=i/n runs part i of n
+#           (tools/suite_part.py: whole files, pytest's order) into pytest_gpu_part<i>of<n>.log
 #   bench   python -m anvil_fast.bench dropin (small and medium GPT), with the launch profile
 #   train   the paper's training: lone timings of the tuned contenders (results/train/protocol/timing),
 #           then the tuning protocol, its longer horizon and its equal-time runs (papers/protocol.py,
@@ -103,8 +104,17 @@ print('bytecode cache of', f, 'exists' if os.path.exists(c) else 'missing', '- i
 for stage in ${STAGES:-suite bench}; do
   stamp "$stage"
   case $stage in
-    suite) timeout "${T_SUITE:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/ 2>&1 \
-             | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
+    suite) sel=tests/ log=pytest_gpu
+           # SUITE_PART=i/n: part i of n (tools/suite_part.py), one call each where the whole suite does
+           # not fit one call (a cold machine compiles every kernel first)
+           if [ -n "${SUITE_PART:-}" ]; then
+             sel=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/ 2>/dev/null \
+                   | python3 tools/suite_part.py "$SUITE_PART") || sel=""
+             log=pytest_gpu_part${SUITE_PART%/*}of${SUITE_PART#*/}
+             echo "suite part $SUITE_PART: ${sel:-no files}" | tee "$OUT/$log.files"
+           fi
+           [ -n "$sel" ] && timeout "${T_SUITE:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs $sel 2>&1 \
+             | tee "$OUT/$log.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
     train) mkdir -p results/train/logs/protocol
