@@ -8,6 +8,9 @@
   before any kernel module is imported, so it is set here (conftest is imported first). The library
   itself never runs the interpreter on its own: CPU tensors take the plain-torch path unless a test
   asks for ``backend="triton"`` (see anvil_fast/kernels/gram.py and anvil_fast/kernels/backend.py).
+* ``ANVIL_TEST_FAILURES=FILE``: each failing test's report is appended to FILE when it fails, so a run
+  stopped by a time limit (a device call) still says why a test failed; pytest itself prints the
+  reports only at the end.
 """
 
 from __future__ import annotations
@@ -51,3 +54,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("ANVIL_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

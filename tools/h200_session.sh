@@ -3,7 +3,8 @@
 # order, each logged under $OUT with its own time limit, and whatever a stage writes under
 # results/ comes back as one tarball (the device returns at most 8 files).
 #   suite   the whole gpu-marked test suite (T_SUITE seconds, default 540); SUITE_PART=i/n runs part i of n
-#           (tools/suite_part.py: whole files, pytest's order) into pytest_gpu_part<i>of<n>.log
+#           (tools/suite_part.py: whole files, pytest's order) into pytest_gpu_part<i>of<n>.log; each failure's
+#           report also goes to <log>.failures as it happens (kept when the time limit stops the run)
 #   bench   python -m anvil_fast.bench dropin (small and medium GPT), with the launch profile
 #   train   the paper's training: lone timings of the tuned contenders (results/train/protocol/timing),
 #           then the tuning protocol, its longer horizon and its equal-time runs (papers/protocol.py,
@@ -113,7 +114,7 @@ for stage in ${STAGES:-suite bench}; do
              log=pytest_gpu_part${SUITE_PART%/*}of${SUITE_PART#*/}
              echo "suite part $SUITE_PART: ${sel:-no files}" | tee "$OUT/$log.files"
            fi
-           [ -n "$sel" ] && timeout "${T_SUITE:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs $sel 2>&1 \
+           [ -n "$sel" ] && ANVIL_TEST_FAILURES="$OUT/$log.failures" timeout "${T_SUITE:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs $sel 2>&1 \
              | tee "$OUT/$log.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40 ;;
     bench) timeout "${T_BENCH:-200}" python3 -m anvil_fast.bench dropin --sizes small,medium --profile 2>&1 \
              | tee "$OUT/bench_dropin.log" ;;
