@@ -52,3 +52,33 @@ def test_cascade_flops_count_full_and_lower_tile_products(shape, k, K):
 
     mf = map_flops(shape)
     assert mf.gram[1] == pytest.approx(lower * 2 * k * k * K * c, rel=1e-15) and mf.axb[0] == mf.axb[1]
+
+
+@pytest.mark.parametrize("shape", [(12, 3072, 768), (12, 768, 3072), (4, 2048, 512)])
+def test_executed_flops_count_the_gram_side_where_a_bank_takes_it(shape):
+    from anvil_fast.core.cascade import GRAM_SIDE_RESTARTS
+    from anvil_fast.core.gram_side import cascade_flops
+
+    c, m, n = shape
+    gram_side = c * cascade_flops(m, n, restarts=GRAM_SIDE_RESTARTS)["gram_side"]
+    standard = common.flops(shape)[1]
+    assert gram_side < standard
+    # the default configuration on CUDA takes the Gram side on these shapes; on the CPU it is SAFE
+    assert common.executed_flops(shape) == pytest.approx(gram_side, rel=1e-15)
+    assert common.executed_flops(shape, device="cpu") == standard
+    assert common.executed_flops(shape, "safe") == standard
+    assert common.executed_flops(shape, "gram_side") == pytest.approx(gram_side, rel=1e-15)
+    # a restart schedule of the configuration's own is counted, not the default one
+    import dataclasses
+
+    from anvil_fast.core.cascade import GRAM_SIDE
+    other = dataclasses.replace(GRAM_SIDE, gram_side=(2, 4))
+    assert common.executed_flops(shape, other) == pytest.approx(c * cascade_flops(m, n, restarts=(2, 4))["gram_side"],
+                                                                rel=1e-15)
+
+
+@pytest.mark.parametrize("shape", [(12, 768, 768), (72, 256, 768), (6, 1152, 384)])
+def test_executed_flops_are_the_standard_count_where_the_bank_keeps_it(shape):
+    # square banks, and on CUDA short sides under 512, keep the standard cascade even under GRAM_SIDE
+    assert common.executed_flops(shape) == common.flops(shape)[1]
+    assert common.executed_flops(shape, "gram_side") == common.flops(shape)[1]

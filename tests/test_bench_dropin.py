@@ -57,3 +57,24 @@ def test_dropin_memory_table_runs_on_cpu():
                                                        "ANVIL, grad_read='buffers'",
                                                        "ANVIL, rails_dtype=bf16 (lean state)"]
     assert rows[0].split("|")[4].strip() == "1.000"
+
+
+def test_floor_takes_each_banks_configuration():
+    # the same model under SAFE and under GRAM_SIDE (on the CPU the Gram side runs on every bank of
+    # aspect >= 2): the matmul floor follows the configuration, the memory floor does not move
+    from anvil_fast import ANVIL
+    from anvil_fast.bench.dropin import floor_ms
+    from anvil_fast.core.gram_side import cascade_flops
+    from anvil_fast.models.gpt import build
+
+    floors, tall = {}, []
+    for cfg in ("safe", "gram_side"):
+        opt = ANVIL(build("tiny", seed=0, device="cpu"), bank_config=cfg)
+        floors[cfg] = floor_ms(opt, 1.0, 1.0)
+        tall = [tuple(b.p_slice.shape) for b in opt.inner.banks.values()
+                if max(b.p_slice.shape[-2:]) >= 2 * min(b.p_slice.shape[-2:])]
+    assert tall, "the tiny model has a bank the Gram side takes"
+    saved = sum(c * (cascade_flops(m, n)["standard"] - cascade_flops(m, n)["gram_side"]) for c, m, n in tall)
+    assert saved > 0
+    assert floors["safe"][0] == floors["gram_side"][0]
+    assert floors["safe"][1] - floors["gram_side"][1] == pytest.approx(saved / 1e9, rel=1e-9)

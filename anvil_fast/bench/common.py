@@ -6,7 +6,8 @@ roofline, ``median_ms`` and ``call_times`` for steps); :func:`graphed` turns a s
 of a CUDA graph of it; :func:`kernel_us` is the tuner's own timer
 (:func:`anvil_fast.kernels.gram_tune.time_us`), so a kernel's time in a benchmark table is the quantity the
 tuner compared when it chose the kernel's configuration. FLOPs are the package's one count
-(:func:`anvil_fast.core.gram_side.map_flops`).
+(:func:`anvil_fast.core.gram_side.map_flops`; :func:`executed_flops` picks the standard or the Gram
+side's count as the bank's configuration does).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from anvil_ref.constants import ANVIL_MAPS
 
-from anvil_fast.core.gram_side import SYMMETRIC_BLOCK, map_flops
+from anvil_fast.core.gram_side import SYMMETRIC_BLOCK, cascade_flops, map_flops, uses_gram_side
 from anvil_fast.kernels.capture import capture
 from anvil_fast.kernels.gram_tune import time_us as kernel_us
 from anvil_fast.kernels.timing import do_bench_ms
@@ -104,5 +105,23 @@ def flops(shape, *, block: int = SYMMETRIC_BLOCK) -> tuple[float, float]:
     return MAPS_PER_CASCADE * f.plain, MAPS_PER_CASCADE * f.executed
 
 
+def executed_flops(shape, config=None, device="cuda") -> float:
+    """FLOPs the fast path executes for one cascade of the bank chunk ``shape`` ``[c, m, n]`` under
+    ``config`` (a :class:`~anvil_fast.core.cascade.CascadeConfig` or its name; None: the one a bank
+    of that shape gets on ``device``, :func:`~anvil_fast.core.cascade.default_config_for`): the Gram
+    side's count where the cascade takes it (the configuration has a restart schedule and
+    :func:`~anvil_fast.core.gram_side.uses_gram_side` holds on ``device``), else the standard
+    cascade's (:func:`flops`). A floor built on the standard count for a bank that runs the Gram side
+    would sit above what that bank's kernels must execute."""
+    from anvil_fast.core.cascade import default_config_for, get_config
+
+    shape = tuple(int(d) for d in shape)
+    cfg = default_config_for(shape, device) if config is None else get_config(config)
+    c, m, n = shape
+    if cfg.gram_side is not None and uses_gram_side(shape, device=device):
+        return c * cascade_flops(m, n, maps=MAPS_PER_CASCADE, restarts=cfg.gram_side)["gram_side"]
+    return flops(shape)[1]
+
+
 __all__ = ["ELEMENTWISE_BYTES", "MAPS_PER_CASCADE", "SYMMETRIC_BLOCK", "emit_table", "graphed", "held_storages",
-           "kernel_us", "measure_peaks", "flops"]
+           "kernel_us", "measure_peaks", "flops", "executed_flops"]

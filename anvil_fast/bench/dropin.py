@@ -9,7 +9,8 @@ is timed step by step with CUDA events until ``--rep-ms`` of steps have run; the
 median (and the median host time of one call, which exceeds the device time when the step is
 launch-bound). The floor is the bytes the step must move at the copy bandwidth measured in the same
 run plus the cascade's executed FLOPs at the measured bf16 peak (:func:`anvil_fast.bench.common.measure_peaks`,
-:func:`anvil_fast.bench.common.flops`): per bank element the non-finite check's read of the gradient,
+:func:`anvil_fast.bench.common.executed_flops`: the standard cascade's or, on a bank that takes it, the Gram
+side's): per bank element the non-finite check's read of the gradient,
 the bank update's element-wise bytes (:data:`anvil_fast.bench.common.ELEMENTWISE_BYTES`, which count a
 bf16 gradient; an fp32 one read in place adds 2 B; the lean rails take 10 B less), and, where the
 gradients are read through buffers, their copy; per Adam element 4 B of check and 28 B of Adam. The
@@ -43,7 +44,7 @@ from anvil_ref.progress import Progress
 
 from anvil_fast.models.gpt import GPTConfig
 from anvil_fast.kernels.timing import call_times
-from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, graphed, held_storages, measure_peaks
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, executed_flops, graphed, held_storages, measure_peaks
 
 VARIANTS = ("anvil", "anvil_graphs", "anvil_eager", "anvil_lean", "muon_adamw", "adamw")
 VARIANT_NAMES = {"anvil": "ANVIL, default arguments", "anvil_graphs": "ANVIL, cuda_graphs=True",
@@ -139,7 +140,7 @@ def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
         per = ELEMENTWISE_BYTES + g + (g - 2) - (10 if lean else 0)
         if eng is None or eng.grad_read != "in_place":
             per += g + 2  # the copy into the bf16 buffer
-        fl += flops(chunk)[1]
+        fl += executed_flops(chunk, bank.config, device=bank.p_slice.device)
         nbytes += per * math.prod(chunk)
     for label in inner.adam_labels:
         nbytes += (4 + 28) * inner.param_states[label]["exp_avg"].numel()  # the check, then Adam

@@ -31,8 +31,9 @@ events, L2 flushed between repetitions, after a warm-up that includes compilatio
 * ``baseline``: ``torch.optim.Muon`` (its defaults: 5 Newton-Schulz steps, nesterov) on the 120
   hidden matrices as 2-D bf16 parameters + ``torch.optim.AdamW(fused=True)`` on the rest.
 
-The floor of the fast step: the banks' cascade FLOPs as the symmetric kernels execute them
-(:func:`anvil_fast.bench.common.flops`) at the bf16 matmul peak measured in the same run, plus the bytes the
+The floor of the fast step: the banks' cascade FLOPs as the fast path executes them
+(:func:`anvil_fast.bench.common.executed_flops`: the standard cascade with its symmetric kernels, or the
+Gram side on the banks whose configuration takes it) at the bf16 matmul peak measured in the same run, plus the bytes the
 step must move at the measured copy bandwidth: per bank element the element-wise phases' bytes
 (:data:`anvil_fast.bench.common.ELEMENTWISE_BYTES`, 44 B) + 4 B for the gradient's copy into the bank's
 persistent buffer; per Adam element 28 B (p, m, v read and written, g read, fp32).
@@ -50,7 +51,7 @@ import torch
 from anvil_ref.constants import ADAM_DEFAULTS, EMBED_LABEL, LM_HEAD_LABEL, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
 from anvil_fast.kernels.timing import do_bench_ms
-from anvil_fast.bench.common import ELEMENTWISE_BYTES, flops, measure_peaks
+from anvil_fast.bench.common import ELEMENTWISE_BYTES, executed_flops, measure_peaks
 
 #: do_bench's warm-up per variant (ms).
 WARMUP_MS = 100
@@ -174,14 +175,16 @@ def baseline(layout: Layout, device, seed: int = 0):
     return run, sum(p.numel() for p in muon_params + adam_params)
 
 
-def floor_ms(layout: Layout, tflops: float, gbs: float, *, world_size: int = 1, tied: bool = False) -> tuple[float, float, float]:
+def floor_ms(layout: Layout, tflops: float, gbs: float, *, world_size: int = 1, tied: bool = False,
+             device="cuda") -> tuple[float, float, float]:
     """(matmul ms at the measured peak, memory ms at the measured bandwidth, their sum) for one
-    Adam step of the fast path on this rank."""
+    Adam step of the fast path on this rank, each bank's FLOPs those of the configuration it gets
+    on ``device`` (:func:`anvil_fast.bench.common.executed_flops`)."""
     fl, bank_bytes, adam_bytes = 0.0, 0.0, 0.0
     for label, (shape, reshape, _, entry) in layout.items():
         if reshape is not None:
             chunk = (reshape[0] // world_size, *reshape[1:])
-            fl += flops(chunk)[1]
+            fl += executed_flops(chunk, None, device)
             bank_bytes += (ELEMENTWISE_BYTES + 4) * math.prod(chunk)
         else:
             n = math.prod(shape) // (world_size if entry["comms"] == "sharded" else 1)
