@@ -150,6 +150,10 @@ MUTANTS: list[Mutant] = [
       "out=B, backend=backend)\n        if fresh:\n            plus_identity_(B, a, backend=backend)\n"
       "        if not fresh:\n", "tests/test_gram_side.py",
       also=(("anvil_fast/core/cascade.py", "Rk, B = plus_identity_(B, a, backend=backend), Rk", "Rk, B = B, Rk"),)),
+    # ---- the benchmarks' floor
+    M("bench floor: the standard cascade's FLOPs on a bank that runs the Gram side", "anvil_fast/bench/common.py",
+      "if cfg.gram_side is not None and uses_gram_side(shape, device=device):", "if False:",
+      "tests/test_bench_common.py", "tests/test_bench_optimizer.py", "tests/test_bench_dropin.py"),
     # ---- a Gram kernel
     M("gram kernel: alpha and beta swapped in b*A + c*A@A", "anvil_fast/kernels/gram_kernels.py",
       "        val = alpha * acc + beta * aij.to(tl.float32)\n        _store_symmetric(C, val,",
