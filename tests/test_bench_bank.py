@@ -117,3 +117,17 @@ def test_the_orthogonalizers_are_timed_and_judged_on_one_bank():
     # a function that returns its input is far from the polar factor: the column can fail
     (bad,) = B.peer_rows([(2, 256, 512)], rep_ms=5, fns={"identity": lambda x: x.clone()})
     assert bad["gaussian"]["err_polar"] > 0.5, bad
+
+
+def test_the_equal_work_row_runs_five_maps_in_the_banks_default_configuration():
+    # gram-newton-schulz's default is five Polar Express iterations: the row must do five maps too
+    import anvil_ref as A
+    from anvil_fast.core.cascade import SAFE, fast_cascade
+
+    assert len(A.load_maps(B.EQUAL_WORK_MAPS)) == 5
+    fns = B.orthogonalizers()
+    name = f"anvil kernels, 5 maps ({B.EQUAL_WORK_MAPS})"
+    x = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(3))
+    # on the CPU every bank's default configuration is SAFE
+    assert torch.equal(fns[name](x), fast_cascade(x, maps=B.EQUAL_WORK_MAPS, config=SAFE))
+    assert not torch.equal(fns[name](x), fns["anvil SAFE"](x))

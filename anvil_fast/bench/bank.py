@@ -277,18 +277,30 @@ def _family(shape, family: str, seed: int = 0) -> torch.Tensor:
     return (u * s) @ v.mT
 
 
+#: The map set of the equal-work row: gram-newton-schulz runs five Polar Express iterations, so
+#: the package's kernels on five Polar Express maps (modded-nanogpt's, reproduced in
+#: ``anvil_ref/map_sets``) execute the same products; that row's time against gram-newton-schulz's
+#: compares kernels at equal work, and its error columns say what the sixth map of ANVIL_MAPS buys.
+EQUAL_WORK_MAPS = "polar_express_nanogpt5"
+
+
 def orthogonalizers() -> dict[str, Callable]:
     """name -> a function of a bf16 bank [c, m, n] returning its orthogonalization (a new tensor):
-    the package's SAFE and GRAM_SIDE cascades and, where ``gram_newton_schulz`` imports (its CUDA
-    kernels need ``quack-kernels`` on a Hopper or newer GPU), Dao AI Lab's ``GramNewtonSchulz`` and
+    the package's SAFE and GRAM_SIDE cascades, its kernels on :data:`EQUAL_WORK_MAPS` in the
+    configuration a bank of that shape gets by default, and, where ``gram_newton_schulz`` imports (its
+    CUDA kernels need ``quack-kernels`` on a Hopper or newer GPU), Dao AI Lab's ``GramNewtonSchulz`` and
     ``StandardNewtonSchulz`` with their defaults (Polar Express coefficients, fp16, the Gram
     iteration's restart at its default position, ``torch.compile(mode="reduce-overhead")``)."""
-    from anvil_fast.core.cascade import GRAM_SIDE, SAFE, fast_cascade
+    from anvil_fast.core.cascade import GRAM_SIDE, SAFE, default_config_for, fast_cascade
 
     def anvil(cfg):
         return lambda x: fast_cascade(x, config=cfg)
 
-    out = {"anvil SAFE": anvil(SAFE), "anvil GRAM_SIDE": anvil(GRAM_SIDE)}
+    def equal_work(x):
+        return fast_cascade(x, maps=EQUAL_WORK_MAPS, config=default_config_for((-1, *x.shape[-2:]), x.device))
+
+    out = {"anvil SAFE": anvil(SAFE), "anvil GRAM_SIDE": anvil(GRAM_SIDE),
+           f"anvil kernels, 5 maps ({EQUAL_WORK_MAPS})": equal_work}
     try:
         from gram_newton_schulz import GramNewtonSchulz, StandardNewtonSchulz
     except ImportError:
@@ -354,7 +366,8 @@ def format_peers(rows) -> str:
                            for fam in ACCURACY_FAMILIES)
         lines.append(f"{shape:<14} {r['name']:<40} {r['ms']:>7.3f} {ratio} | {cells}")
     lines.append("Orthogonalizers on the bank shapes of the GPT-2 small and medium layouts (the normalization and the "
-                 "maps of one bf16 bank; no rails, equalizer or update), ms per call (median of do_bench; the "
+                 "maps of one bf16 bank; no rails, equalizer or update; 'anvil kernels, 5 maps': the package's kernels "
+                 "in the bank's default configuration on five Polar Express maps, gram-newton-schulz's count), ms per call (median of do_bench; the "
                  "package's cascades graphed, gram-newton-schulz as it compiles itself); x SAFE = ms / SAFE's ms; "
                  "err = mean relative Frobenius distance from the polar factor UV^T (float64) over "
                  f"{ACCURACY_MATRICES} matrices of each input family; sigma = range of the output's singular values "
@@ -404,4 +417,4 @@ def run(a: argparse.Namespace) -> int:
 
 
 __all__ = ["SHAPES", "add_args", "run", "bank_rows", "format_bank", "format_phases", "GRAM_SIDE_SHAPES",
-           "gram_side_rows", "format_gram_side", "PEER_SHAPES", "orthogonalizers", "peer_rows", "format_peers"]
+           "gram_side_rows", "format_gram_side", "PEER_SHAPES", "EQUAL_WORK_MAPS", "orthogonalizers", "peer_rows", "format_peers"]
