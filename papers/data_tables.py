@@ -110,6 +110,30 @@ def difftest_rows() -> str:
                              "--configs safe --families gaussian,near_rank1,huge,tiny,zero")
 
 
+#: The H200 run of ``python -m anvil_fast.bench bank``'s orthogonalizers table the paper quotes
+#: (tools/h200_session.sh's orthopeers stage; the folder's commit.txt names the tree it ran).
+BANK_PEERS_RUN = "h200_gram_ns"
+BANK_PEERS_COMMAND = "python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 --no-progress"
+
+
+def bank_peers() -> str:
+    """The orthogonalizers table of one bank (the package's cascades beside gram-newton-schulz, time
+    and error against the float64 polar factor), its device line, rows and legend verbatim."""
+    path = f"{BANK_PEERS_RUN}/bench_bank_peers.log"
+    lines = (RESULTS / path).read_text().splitlines()
+    head = [x for x in lines if x.startswith("device ")]
+    table = _section(path, "shape          orthogonalizer")
+    legend = [x for x in lines if x.startswith("Orthogonalizers on the bank shapes")]
+    if not head or len(table) < 3 or not legend:
+        raise ValueError(f"results/{path}: no orthogonalizers table with its device line and legend")
+    commit = run_commit(RESULTS / BANK_PEERS_RUN)
+    if commit is None:
+        raise FileNotFoundError(f"results/{BANK_PEERS_RUN}/commit.txt: the run's commit is not recorded")
+    return ("```\n" + "\n".join(head[:1] + table) + "\n```\n\n" + legend[0]
+            + f"\n\n*Source: `results/{path}`, written by `{BANK_PEERS_COMMAND}` (tools/h200_session.sh's "
+            f"orthopeers stage) on one H200 at commit {commit}.*")
+
+
 def optimizer_bench() -> str:
     return (quote_log(f"{OPTIMIZER_RUN}/bench_optimizer.log", ("device", "|", "floor of"),
                       command="python3 -m anvil_fast.bench optimizer --rep-ms 100")
@@ -338,6 +362,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "bank_bench": bank_bench_table,
     "difftest_rows": difftest_rows,
     "optimizer_bench": optimizer_bench,
+    "bank_peers": bank_peers,
     "optimizer_gpu_tests": optimizer_gpu_tests,
     "scaling_cpu": lambda: include_markdown("scaling_cpu_8ranks.md"),
     "scaling_gpu": scaling_gpu,
