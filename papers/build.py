@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 import anvil_ref as A
+from anvil_fast.bench.bank import EQUAL_WORK_MAPS
+from anvil_fast.core.gram_side import GRAM_SIDE_MIN_ASPECT, GRAM_SIDE_MIN_SHORT
 from papers.markdown import md_table
 from papers.svg import Series, line_plot
 
@@ -58,6 +60,11 @@ def values() -> dict[str, str]:
         "anvil_grid_max": f"{f.max():.6f}",
         "f_at_09525": f"{A.composite(0.9525):.2f}",
         "engage_step": str(A.RAIL_ENGAGE_STEP),
+        "gram_side_min_aspect": f"{GRAM_SIDE_MIN_ASPECT:g}",
+        "gram_side_min_short": str(GRAM_SIDE_MIN_SHORT),
+        # gram-newton-schulz 0.1.6 iterates over its POLAR_EXPRESS_COEFFICIENTS, five entries; the
+        # bank benchmark's equal-work row runs the package's kernels on a map set of that length
+        "gns_iterations": str(len(A.load_maps(EQUAL_WORK_MAPS))),
     }
 
 
