@@ -134,6 +134,28 @@ def bank_peers() -> str:
             f"orthopeers stage) on one H200 at commit {commit}.*")
 
 
+def bank_peers_summary() -> str:
+    """Per bank shape of :func:`bank_peers`' run: the package's faster row against gram-newton-schulz's
+    faster one, their times, ratio and Gaussian-input errors (read from the quoted table's rows)."""
+    from papers.markdown import md_table
+
+    path = f"{BANK_PEERS_RUN}/bench_bank_peers.log"
+    rows: dict[str, list[tuple[str, float, float]]] = {}
+    for line in _section(path, "shape          orthogonalizer")[2:]:
+        left, _, right = line.partition("|")
+        cells = left.split()
+        shape, ms, name = cells[0], float(cells[-2]), " ".join(cells[1:-2])
+        rows.setdefault(shape, []).append((name, ms, float(right.split()[0])))
+    out = []
+    for shape, rs in rows.items():
+        ours = min((r for r in rs if r[0].startswith("anvil")), key=lambda r: r[1])
+        theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
+        out.append([shape, f"{ours[0]} {ours[1]:.3f}", f"{theirs[0]} {theirs[1]:.3f}", f"{ours[1] / theirs[1]:.2f}",
+                    f"{ours[2]:.4f} / {theirs[2]:.4f}"])
+    return md_table(["bank", "the package's faster, ms", "gram-newton-schulz's faster, ms", "ratio",
+                     "Gaussian err (package / gram-newton-schulz)"], out)
+
+
 def optimizer_bench() -> str:
     return (quote_log(f"{OPTIMIZER_RUN}/bench_optimizer.log", ("device", "|", "floor of"),
                       command="python3 -m anvil_fast.bench optimizer --rep-ms 100")
@@ -363,6 +385,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "difftest_rows": difftest_rows,
     "optimizer_bench": optimizer_bench,
     "bank_peers": bank_peers,
+    "bank_peers_summary": bank_peers_summary,
     "optimizer_gpu_tests": optimizer_gpu_tests,
     "scaling_cpu": lambda: include_markdown("scaling_cpu_8ranks.md"),
     "scaling_gpu": scaling_gpu,

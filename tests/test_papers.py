@@ -183,3 +183,42 @@ def test_the_spectrum_probe_s_size_in_the_prose_is_the_harness_s():
     few = f"{H.spectrum_count((1, 4096, 4096))} at 4096x4096"
     for where in ("README.md", "anvil_fast/core/tolerances.py", "anvil_fast/studies/harness.py"):
         assert few in (ROOT / where).read_text(), where
+
+
+def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch):
+    # a stored orthogonalizers table of two shapes: per shape, the package's faster row against
+    # gram-newton-schulz's faster one, whichever configuration it is; a run without its commit is refused
+    from papers import data_tables as D
+
+    log = "\n".join([
+        "device NVIDIA H200, torch x; bf16 8192^3 matmul 790 TFLOP/s",
+        "shape          orthogonalizer                                ms x SAFE |  gaussian err sigma min..max |"
+        "  decaying err sigma min..max",
+        "-" * 40,
+        "8x512x128      anvil SAFE                                 0.500   1.00 |        0.0050  0.996..1.005  |"
+        "        0.5000  0.1..1.0",
+        "8x512x128      anvil GRAM_SIDE                            0.400   0.80 |        0.0060  0.99..1.01  |"
+        "        0.5000  0.1..1.0",
+        "8x512x128      gram-newton-schulz GramNewtonSchulz        0.450   0.90 |        0.0900  0.8..1.1  |"
+        "        0.5000  0.1..1.1",
+        "8x512x128      gram-newton-schulz StandardNewtonSchulz    0.300   0.60 |        0.0800  0.8..1.1  |"
+        "        0.5000  0.1..1.1",
+        "4x64x64        anvil SAFE                                 0.100   1.00 |        0.1000  0.0..1.0  |"
+        "        0.8000  0.0..1.0",
+        "4x64x64        gram-newton-schulz GramNewtonSchulz        0.200   2.00 |        0.1200  0.0..1.1  |"
+        "        0.8000  0.0..1.1",
+        "Orthogonalizers on the bank shapes of the GPT-2 small and medium layouts (legend)",
+    ])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "bench_bank_peers.log").write_text(log + "\n")
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "BANK_PEERS_RUN", "run")
+    rows = [r for r in D.bank_peers_summary().splitlines()[2:]]
+    assert rows[0].split(" | ")[1:4] == ["anvil GRAM_SIDE 0.400", "gram-newton-schulz StandardNewtonSchulz 0.300",
+                                         "1.33"]
+    assert rows[0].endswith("0.0060 / 0.0800 |")
+    assert rows[1].split(" | ")[1:4] == ["anvil SAFE 0.100", "gram-newton-schulz GramNewtonSchulz 0.200", "0.50"]
+    with pytest.raises(FileNotFoundError, match="commit"):
+        D.bank_peers()
+    (tmp_path / "run" / "commit.txt").write_text("abc1234\n")
+    assert "at commit abc1234" in D.bank_peers()
