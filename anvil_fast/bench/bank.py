@@ -297,7 +297,7 @@ def orthogonalizers() -> dict[str, Callable]:
         return lambda x: fast_cascade(x, config=cfg)
 
     def equal_work(x):
-        return fast_cascade(x, maps=EQUAL_WORK_MAPS, config=default_config_for((-1, *x.shape[-2:]), x.device))
+        return fast_cascade(x, maps=EQUAL_WORK_MAPS, config=default_config_for(tuple(x.shape), x.device))
 
     out = {"anvil SAFE": anvil(SAFE), "anvil GRAM_SIDE": anvil(GRAM_SIDE),
            f"anvil kernels, 5 maps ({EQUAL_WORK_MAPS})": equal_work}
@@ -366,9 +366,10 @@ def format_peers(rows) -> str:
                            for fam in ACCURACY_FAMILIES)
         lines.append(f"{shape:<14} {r['name']:<40} {r['ms']:>7.3f} {ratio} | {cells}")
     lines.append("Orthogonalizers on the bank shapes of the GPT-2 small and medium layouts (the normalization and the "
-                 "maps of one bf16 bank; no rails, equalizer or update; 'anvil kernels, 5 maps': the package's kernels "
-                 "in the bank's default configuration on five Polar Express maps, gram-newton-schulz's count), ms per call (median of do_bench; the "
-                 "package's cascades graphed, gram-newton-schulz as it compiles itself); x SAFE = ms / SAFE's ms; "
+                 "maps of one bf16 bank; no rails, equalizer or update; 'anvil kernels, 5 maps': the package's "
+                 "kernels in the bank's default configuration on five Polar Express maps, gram-newton-schulz's "
+                 "count), ms per call (median of do_bench; the package's cascades graphed, gram-newton-schulz as "
+                 "it compiles itself); x SAFE = ms / SAFE's ms; "
                  "err = mean relative Frobenius distance from the polar factor UV^T (float64) over "
                  f"{ACCURACY_MATRICES} matrices of each input family; sigma = range of the output's singular values "
                  "(ANVIL's maps aim at a band around 1, not at 1: their err counts that band).")
@@ -417,4 +418,5 @@ def run(a: argparse.Namespace) -> int:
 
 
 __all__ = ["SHAPES", "add_args", "run", "bank_rows", "format_bank", "format_phases", "GRAM_SIDE_SHAPES",
-           "gram_side_rows", "format_gram_side", "PEER_SHAPES", "EQUAL_WORK_MAPS", "orthogonalizers", "peer_rows", "format_peers"]
+           "gram_side_rows", "format_gram_side", "PEER_SHAPES", "EQUAL_WORK_MAPS", "orthogonalizers", "peer_rows",
+           "format_peers"]

@@ -19,6 +19,7 @@ import torch
 
 from anvil_ref.constants import ANVIL_MAPS
 
+from anvil_fast.core.cascade import default_config_for, get_config
 from anvil_fast.core.gram_side import SYMMETRIC_BLOCK, cascade_flops, map_flops, uses_gram_side
 from anvil_fast.kernels.capture import capture
 from anvil_fast.kernels.gram_tune import time_us as kernel_us
@@ -113,8 +114,6 @@ def executed_flops(shape, config=None, device="cuda") -> float:
     :func:`~anvil_fast.core.gram_side.uses_gram_side` holds on ``device``), else the standard
     cascade's (:func:`flops`). A floor built on the standard count for a bank that runs the Gram side
     would sit above what that bank's kernels must execute."""
-    from anvil_fast.core.cascade import default_config_for, get_config
-
     shape = tuple(int(d) for d in shape)
     cfg = default_config_for(shape, device) if config is None else get_config(config)
     c, m, n = shape
