@@ -257,7 +257,7 @@ def _gram_side_with_a_copy(x: torch.Tensor, sched, backend: str) -> torch.Tensor
              else aX_plus_mm(R, B, R, a=a, out=R2, backend=backend))
             R, R2 = R2, R
         if k < len(maps) and k + 1 not in sched:
-            aX_plus_mm(Am, B, Am, a=a, out=P, backend=backend)
+            sym_aX_plus_mm(Am, B, Am, a=a, out=P, backend=backend)
             sym_aX_plus_mm(P, B, P, a=a, out=Am, backend=backend)
     restart_product(X0, R, C, tall, backend)
     return C
@@ -406,6 +406,12 @@ def test_cascade_flops_by_hand():
     assert (got0["standard"], got0["gram_side"]) == (standard, none)
     assert (got1["standard"], got1["gram_side"]) == (standard, one)
     assert cascade_flops(n, m, restarts=(4,), block=128) == got1  # wide: the mirrored count
+    # n = 256 in tiles of 128: a symmetric product executes 3 of its 4 tiles. B, P and A are
+    # symmetric, R's update and the long-side products full
+    m, n = 1024, 256
+    gram, sq, long = 2 * m * n * n * 3 / 4, 2 * n ** 3, 2 * m * n * n
+    one = gram + 6 * sq * 3 / 4 + 4 * sq + 4 * 2 * sq * 3 / 4 + (long + gram) + long
+    assert cascade_flops(m, n, restarts=(4,), block=128)["gram_side"] == one
 
 
 @pytest.mark.gpu
@@ -445,3 +451,17 @@ def test_the_default_configuration_takes_the_gram_side_where_it_wins_on_cuda():
     assert default_config_for((12, 768, 768), "cuda") is SAFE
     assert default_config_for((6, 1152, 384), "cuda") is SAFE  # short side 384 < 512
     assert default_config_for((12, 2304, 768), "cpu") is SAFE
+
+
+def test_module_docstring_flop_ratios_are_cascade_flops():
+    # the dispatch paragraph of anvil_fast.core.gram_side quotes two ratios: they are cascade_flops'
+    import re
+
+    import anvil_fast.core.gram_side as G
+
+    doc = " ".join(G.__doc__.split())
+    m = re.search(r"with one restart, (\d+\.\d+)x fewer for the 2816 x 768 banks, (\d+\.\d+)x more for a square bank",
+                  doc)
+    assert m, "the docstring's FLOP sentence"
+    assert float(m.group(1)) == round(G.cascade_flops(2816, 768)["ratio"], 2)
+    assert float(m.group(2)) == round(1 / G.cascade_flops(768, 768)["ratio"], 2)

@@ -150,6 +150,12 @@ MUTANTS: list[Mutant] = [
       "out=B, backend=backend)\n        if fresh:\n            plus_identity_(B, a, backend=backend)\n"
       "        if not fresh:\n", "tests/test_gram_side.py",
       also=(("anvil_fast/core/cascade.py", "Rk, B = plus_identity_(B, a, backend=backend), Rk", "Rk, B = B, Rk"),)),
+    M("gram side: P = Q A as a full product", "anvil_fast/core/cascade.py",
+      "sym_aX_plus_mm(A, B, A, a=a, out=P, backend=backend)", "aX_plus_mm(A, B, A, a=a, out=P, backend=backend)",
+      "tests/test_gram_side.py"),
+    M("gram side: R's update mirrored", "anvil_fast/core/cascade.py",
+      "aX_plus_mm(Rk, Rk, B, a=a, out=R2, backend=backend) if tall", "sym_aX_plus_mm(Rk, Rk, B, a=a, out=R2, backend=backend) if tall",
+      "tests/test_gram_side.py"),
     # ---- the benchmarks' floor
     M("bench floor: the standard cascade's FLOPs on a bank that runs the Gram side", "anvil_fast/bench/common.py",
       "if cfg.gram_side is not None and uses_gram_side(shape, device=device):", "if False:",

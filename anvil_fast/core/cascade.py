@@ -329,7 +329,10 @@ def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, co
                 aX_plus_mm(Rk, B, Rk, a=a, out=R2, backend=backend)
             Rk, R2 = R2, Rk
         if k < len(maps_) and k + 1 not in sched:
-            aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
+            # P = Q A and Q P are exactly symmetric (Q is a polynomial in A): lower tiles only, mirrored.
+            # R's update is symmetric in exact arithmetic too, but mirrored it lost accuracy in the
+            # Gram-side study (module docstring of anvil_fast.core.gram_side), so it stays a full product.
+            sym_aX_plus_mm(A, B, A, a=a, out=P, backend=backend)
             sym_aX_plus_mm(P, B, P, a=a, out=A, backend=backend)
         if fresh:
             # Q = a I + B: B's last reader has run, so Q is made in B's buffer, which becomes R's, and

@@ -12,7 +12,7 @@ trace, prescale, margin slack, and the equalizer's guard after the cascade)::
         B = ba_plus_cAA(A, alpha=c, beta=b)             B = b A + c A^2          (symmetric kernel)
         R = a I + B       (first map after a (re)start)  |  R <- a R + R B        (aX_plus_mm)
         if map k + 1 needs A:
-            P = a A + B A                               P = Q A                  (aX_plus_mm)
+            P = a A + B A                               P = Q A                  (symmetric output)
             A = a P + B P                               A = Q Q A = Q A Q        (symmetric output)
     output X_0 R                                        (aX_plus_mm with a = 0)
 
@@ -20,18 +20,21 @@ Wide banks take the mirrored form (``XXT``, ``R <- a R + B R``, output ``R X_0``
 
 Why these forms. ``Q A Q`` is written ``Q (Q A)`` -- the same matrix in exact arithmetic, because Q is
 a polynomial in A and commutes with it -- so both products are ``a Y + B Y``: one fused kernel with
-one rounding each, and ``Q`` itself is never formed. The second product's result is symmetric, so
-it runs on lower tiles only and mirrors them (:func:`anvil_fast.kernels.gram.sym_aX_plus_mm`): ~(T-1)/(2T) of its FLOPs
-saved and ``A`` stays exactly symmetric, which ``ba_plus_cAA`` assumes. ``R`` is a product of
-commuting polynomials in ``A_1``, also symmetric in exact arithmetic, but a rounded ``R`` carries
-the drift the restarts exist to remove; it is kept as computed (bf16, see the study's R column).
+one rounding each, and ``Q`` itself is never formed. Both results are symmetric (``Q A = A Q``), so
+both run on lower tiles only and mirror them (:func:`anvil_fast.kernels.gram.sym_aX_plus_mm`): ~(T-1)/(2T)
+of their FLOPs saved and ``A`` stays exactly symmetric, which ``ba_plus_cAA`` assumes. ``R`` is a
+product of commuting polynomials in ``A_1``, also symmetric in exact arithmetic, but a rounded ``R``
+carries the drift the restarts exist to remove; it is kept as computed (bf16, see the study's R
+column). Measured: with ``R``'s update mirrored as well, the study's error on the spectrum input of the
+tall shape rose past its rule's allowance and the rule picked two restarts; with only ``P`` and ``A``
+mirrored every row of the study moved by less than a bf16 rounding's worth.
 The final ``X_0 R`` uses ``aX_plus_mm`` with ``a = 0``: one read of X_0 more than a bare GEMM, so
 that every product of the path is the same tuned one-rounding kernel.
 
 Dispatch (:func:`uses_gram_side`): the short side pays only when ``max(m, n) / min(m, n)`` is large.
 Per matrix, counting a symmetric product of T tiles as (T+1)/(2T) of a full one, the standard cascade
 costs ``K (3 m n^2 + n^3)``-ish FLOPs and the Gram side ``(3 + 3 r) m n^2`` (r restarts) plus ~5 n^3
-per map (:func:`cascade_flops`): with one restart, 1.51x fewer for the 2816 x 768 banks, 1.31x more
+per map (:func:`cascade_flops`): with one restart, 1.61x fewer for the 2816 x 768 banks, 1.18x more
 for a square bank. GRAM_SIDE_MIN_ASPECT is the threshold; the bank benchmark
 (``python -m anvil_fast.bench bank``, its Gram-side table) measures where it pays on a GPU.
 
@@ -221,10 +224,10 @@ def cascade_flops(m: int, n: int, *, maps: int = len(ANVIL_MAPS), restarts=None,
     sym = symmetric_share(min(m, n), block)
     gram, sq, full = f.gram[1], f.baa[0], f.axb[0]
     standard = maps * f.executed
-    # per map: B (sym); R update (full) except after a (re)start; P (full) and A (sym) unless the
+    # per map: B (sym); R update (full) except after a (re)start; P and A (both sym) unless the
     # next map restarts or this is the last; per restart: X_0 R (full) and its Gram; final X_0 R.
     starts = 1 + len(sched)
     updates = maps - 1 - len(sched)
-    gs = gram + maps * sq * sym + (maps - starts) * sq + updates * (sq + sq * sym) \
+    gs = gram + maps * sq * sym + (maps - starts) * sq + updates * (2 * sq * sym) \
         + len(sched) * (full + gram) + full
     return {"standard": standard, "gram_side": gs, "ratio": standard / gs}
