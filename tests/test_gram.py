@@ -99,7 +99,7 @@ def test_ax_plus_mm_equals_rounded_float64(m, k, n):
 
 
 def _all_ops_exact(X: torch.Tensor, cfg_sym, cfg_mm, what: str) -> None:
-    """XXT, XTX, ba_plus_cAA and both orientations of aX_plus_mm of X against float64."""
+    """XXT, XTX, ba_plus_cAA, sym_aX_plus_mm and both orientations of aX_plus_mm of X against float64."""
     x64 = X.double().cpu()
     ax = x64.abs()
     for fn, exact, scale in ((G.XXT, x64 @ x64.mT, ax @ ax.mT), (G.XTX, x64.mT @ x64, ax.mT @ ax)):
@@ -116,6 +116,13 @@ def _all_ops_exact(X: torch.Tensor, cfg_sym, cfg_mm, what: str) -> None:
                              scale=3.3 * s64.abs() + 1.4 * s64.abs() @ s64.abs())
         assert torch.equal(B, B.mT), f"ba_plus_cAA {what}: not exactly symmetric"
         b64 = B.double().cpu()
+        # sym_aX_plus_mm (the Gram side's Q A): the lower triangle of a*S + B@S, mirrored
+        P = poisoned(tuple(S.shape))
+        G.sym_aX_plus_mm(S, B, S, a=0.7, out=P, backend="triton", config=cfg_sym)
+        lower = lambda m: torch.tril(m) + torch.tril(m, -1).mT  # noqa: E731
+        assert_rounded_exact(P, lower(0.7 * s64 + b64 @ s64), f"sym_aX_plus_mm {what}",
+                             scale=lower(0.7 * s64.abs() + b64.abs() @ s64.abs()))
+        assert torch.equal(P, P.mT), f"sym_aX_plus_mm {what}: not exactly symmetric"
         tall = fn is G.XTX
         C = poisoned(tuple(X.shape))
         if tall:
@@ -144,8 +151,9 @@ def test_every_kernel_path_is_exact_and_symmetric(monkeypatch, shape, kernel, pe
     _all_ops_exact(X, cfg_sym, cfg_mm, f"{kernel} {shape}")
     even = all(d % 32 == 0 for d in shape[1:])
     assert bool(made) == (kernel == "tma" and even), made
-    if made:  # XXT: X + out; XTX: X + out; ba_plus_cAA: 3 views of A + out (twice); aX_plus_mm: 4 (twice)
-        assert len(made) == 2 + 2 + 2 * 4 + 2 * 4
+    if made:  # XXT: X + out; XTX: X + out; ba_plus_cAA: 3 views of A + out (twice); sym_aX_plus_mm: L, R,
+        # X + out (twice); aX_plus_mm: 4 (twice)
+        assert len(made) == 2 + 2 + 2 * 4 + 2 * 4 + 2 * 4
 
 
 def test_bad_kernel_name_is_refused():
@@ -271,7 +279,7 @@ def test_the_v1_loop_and_launch_are_written_once():
     src = Path(G.__file__).parent
     kernels = {f.name: f for f in ast.parse((src / "gram_kernels.py").read_text()).body
                if isinstance(f, ast.FunctionDef)}
-    for name in ("_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_sym_mm_add_kernel"):
+    for name in ("_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_sym_mm_add_kernel_v1"):
         body = list(ast.walk(kernels[name]))
         assert not any(isinstance(n, ast.For) for n in body), name
         assert "_lower_tile_product_v1" in {n.func.id for n in body if isinstance(n, ast.Call)
@@ -279,7 +287,7 @@ def test_the_v1_loop_and_launch_are_written_once():
     gram = list(ast.walk(ast.parse((src / "gram.py").read_text())))
     launched = {n.args[0].attr for n in gram if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                 and n.func.id == "_launch_v1"}
-    assert launched == {"_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_mm_add_kernel_v1", "_sym_mm_add_kernel"}
+    assert launched == {"_gram_kernel_v1", "_ba_plus_caa_kernel_v1", "_mm_add_kernel_v1", "_sym_mm_add_kernel_v1"}
     assert not launched & {n.value.attr for n in gram if isinstance(n, ast.Subscript)
                            and isinstance(n.value, ast.Attribute)}
     limits = sorted(p.name for p in src.parent.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
@@ -508,3 +516,19 @@ def test_a_broken_decisions_file_warns_and_every_key_is_tuned(tmp_path, text):
     path.write_text(text)
     with pytest.warns(RuntimeWarning, match="not a table of tuning decisions"):
         assert GT.table_choice(GT.ProblemKey("XXT", 768, 768, 256, 6, 0), "NVIDIA H200", path) is None
+
+
+@pytest.mark.parametrize("kernel,per_sm", [("ptr", 0), ("ptr", 2), ("tma", 0), ("tma", 2)])
+@pytest.mark.parametrize("shape", [(3, 64, 64), (2, 70, 70)], ids=["even", "odd"])
+def test_sym_aX_plus_mm_paths_give_the_v1_bits(shape, kernel, per_sm):
+    # The tuned kernel's pointer and TMA paths, one tile per program or a persistent walk, sum the
+    # same products in the same K order as the v1 kernel: with the same tiles, the same bits (the
+    # tuner relies on it to choose among them by time alone).
+    g = torch.Generator().manual_seed(sum(shape) + per_sm)
+    S = torch.randn(shape, generator=g)
+    S = ((S + S.mT) / 8).bfloat16().to(DEV)
+    B = (S.float() @ S.float() * 0.3).bfloat16()
+    v1 = G.sym_aX_plus_mm(S, B, S, a=0.7, backend="triton", config=G.TileConfig(32, 32, 16, 4, 1, kernel="v1"))
+    got = G.sym_aX_plus_mm(S, B, S, a=0.7, backend="triton",
+                           config=G.TileConfig(32, 32, 16, 4, 1, kernel=kernel, per_sm=per_sm))
+    assert torch.equal(got.view(torch.int16), v1.view(torch.int16))

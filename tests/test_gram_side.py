@@ -171,25 +171,27 @@ def test_sym_aX_plus_mm_torch_and_interpreted_kernel():
 
 
 def test_sym_aX_plus_mm_slices_the_batch_at_the_grid_limit(triton_dev, monkeypatch):
-    # Grid axis 1 holds the matrix index: with its limit lowered to 2, five matrices take three
-    # launches and give the bits of one launch.
+    # The v1 kernel's grid axis 1 holds the matrix index: with its limit lowered to 2, five matrices
+    # take three launches and give the bits of one launch.
     from anvil_fast.kernels import backend as T
     from anvil_fast.kernels import gram_kernels as K
+    from anvil_fast.kernels.gram import TileConfig
 
+    v1 = TileConfig(32, 32, 32, 4, 1, kernel="v1")
     A = _bf16((5, 40, 40), 3)
     A = ((A.float() + A.float().mT) / 2).bfloat16().to(triton_dev)
     B = ((A.float() @ A.float()) * 0.1).bfloat16()
-    whole = sym_aX_plus_mm(A, B, A, a=0.5, backend="triton")
-    real, launches = K._sym_mm_add_kernel, []
+    whole = sym_aX_plus_mm(A, B, A, a=0.5, backend="triton", config=v1)
+    real, launches = K._sym_mm_add_kernel_v1, []
 
     class Count:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(K, "_sym_mm_add_kernel", Count())
+    monkeypatch.setattr(K, "_sym_mm_add_kernel_v1", Count())
     monkeypatch.setattr(T, "MAX_GRID_Y", 2)
-    sliced = sym_aX_plus_mm(A, B, A, a=0.5, backend="triton")
+    sliced = sym_aX_plus_mm(A, B, A, a=0.5, backend="triton", config=v1)
     assert [g[1] for g in launches] == [2, 2, 1]
     assert torch.equal(sliced, whole)
 

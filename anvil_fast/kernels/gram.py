@@ -91,7 +91,7 @@ def kernel_mode() -> str:
 
 
 def default_config(kind: str, n: int, k: int, batch: int, *, sms: int) -> TileConfig:
-    """The untuned configuration (``kind``: "gram", "ba_plus_cAA" or "mm_add"; ``n`` the output's
+    """The untuned configuration (``kind``: "gram", "ba_plus_cAA", "sym_mm_add" or "mm_add"; ``n`` the output's
     larger side, ``k`` the reduction length): v1's size heuristic from the first H200 sweep
     (NOTES.md), used where no tuning runs (CUDA-graph capture of a shape never called before,
     ``ANVIL_FAST_TUNE=0``). ``sms``: the device's SM count (:func:`anvil_fast.kernels.backend.num_sms`); a
@@ -243,6 +243,33 @@ def _launch_ba_plus_caa(a3: Tensor, o3: Tensor, n: int, alpha: float, beta: floa
         K._ba_plus_caa_kernel[(_grid(total, cfg, as_),)](
             a, ab, ae, oa, n, alpha, beta, as_.stride(0), as_.stride(1), as_.stride(2),
             os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
+            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_sym_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, n: int, a: float, cfg: TileConfig) -> None:
+    if cfg.kernel == "v1" or not _int32_steps_ok(cfg, l3.stride(2), r3.stride(1)):
+        t = triton.cdiv(n, cfg.BLOCK_M)
+        _launch_v1(K._sym_mm_add_kernel_v1, t * (t + 1) // 2, (l3, r3, x3, o3),
+                   (n, n, a, *l3.stride(), *r3.stride(), *x3.stride(), *o3.stride()), cfg,
+                   BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
+        return
+    bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
+    t = triton.cdiv(n, bl)
+    tt = t * (t + 1) // 2
+    even = n % bl == 0 and n % bk == 0
+    for s, e in _slices(x3.shape[0], tt):
+        xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
+        total = (e - s) * tt
+        la, ra, xa, oa, tma = ls, rs, xs, os_, False
+        if cfg.kernel == "tma" and even:
+            lv, rv, xv, ov = (v.reshape(-1, n) for v in (ls, rs, xs, os_))
+            if _tma_views_ok(lv, rv, xv, ov):
+                la, ra, xa = _descriptor(lv, [bl, bk]), _descriptor(rv, [bk, bl]), _descriptor(xv, [bl, bl])
+                oa, tma = _descriptor(ov, [bl, bl]), True
+        K._sym_mm_add_kernel[(_grid(total, cfg, xs),)](
+            la, ra, xa, oa, n, a, ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1), rs.stride(2),
+            xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
             BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -399,12 +426,12 @@ def aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None 
 
 
 def sym_aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | None = None,
-                   backend: str = "auto") -> Tensor:
+                   backend: str = "auto", config: TileConfig | None = None) -> Tensor:
     """``out = a*X + L @ R`` for square bf16 ``[..., n, n]`` operands whose exact result is symmetric
-    (the Gram side's ``Q (Q A)``, :mod:`anvil_fast.core.gram_side`): the lower triangle is computed (fp32
-    accumulation, one rounding) and mirrored, so ``out`` is exactly symmetric. For a non-symmetric
-    result it is the formula's lower triangle, mirrored. Always the v1-style kernel, with
-    ``ba_plus_cAA``'s untuned tiles."""
+    (the Gram side's ``Q A`` and ``Q (Q A)``, :mod:`anvil_fast.core.gram_side`): the lower triangle is
+    computed (fp32 accumulation, one rounding) and mirrored, so ``out`` is exactly symmetric. For a
+    non-symmetric result it is the formula's lower triangle, mirrored. Tiles, walk and tuning are
+    ``ba_plus_cAA``'s (square tiles, the tuner's symmetric candidates; ``config`` as there)."""
     X = _check_tensor("sym_aX_plus_mm: X", X)
     L = _check_tensor("sym_aX_plus_mm: L", L)
     R = _check_tensor("sym_aX_plus_mm: R", R)
@@ -419,12 +446,12 @@ def sym_aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | N
         return out
     if not use_triton(X, backend, error=GramInputError):
         return out.copy_(_symmetrize_lower(a * X.float() + L.float() @ R.float()))
-    x3, l3, r3, o3 = (t.reshape(-1, n, n) for t in (X, L, R, out))
-    cfg = default_config("ba_plus_cAA", n, n, x3.shape[0], sms=num_sms(X.device.index if X.is_cuda else None))
-    t = triton.cdiv(n, cfg.BLOCK_M)
-    _launch_v1(K._sym_mm_add_kernel, t * (t + 1) // 2, (l3, r3, x3, o3),
-               (n, n, a, *l3.stride(), *r3.stride(), *x3.stride(), *o3.stride()), cfg,
-               BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
+    x3, l3, r3 = (t.reshape(-1, n, n) for t in (X, L, R))
+    o3 = out.view(-1, n, n)
+    launch = functools.partial(_launch_sym_mm_add, x3, l3, r3, o3, n, a)
+    key = ProblemKey("sym_mm_add", n, n, n, x3.shape[0], X.device.index)
+    cfg = _choose("sym_mm_add", key, config, launch, o3, n, n, x3.shape[0])
+    launch(cfg)
     return out
 
 

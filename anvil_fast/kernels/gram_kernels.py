@@ -10,7 +10,7 @@ Two generations live here:
 * ``*_v1`` -- the first kernels (masked pointer loads, a 2-D (tile, matrix) grid), kept unchanged
   as the trusted reference of the launch-time tuner (:mod:`anvil_fast.kernels.gram_tune` cross-checks every
   candidate against them) and as the fallback ``ANVIL_FAST_GRAM=v1``. The lower-tile ones share
-  one K loop, ``_lower_tile_product_v1``, which ``_sym_mm_add_kernel`` (the Gram side's symmetric
+  one K loop, ``_lower_tile_product_v1``, which ``_sym_mm_add_kernel_v1`` (the Gram side's symmetric
   ``a X + L R``, :func:`anvil_fast.kernels.gram.sym_aX_plus_mm`) runs too.
 
 Why the current kernels look the way they do (each point is a measured or counted cost of v1):
@@ -178,6 +178,51 @@ def _ba_plus_caa_kernel(A, Ab, Ae, C, N, alpha, beta, sab, sam, san, scb, scm, s
             else:
                 aij = tl.load(pe, mask=(rows[:, None] < N) & (cols[None, :] < N), other=0.0)
         val = alpha * acc + beta * aij.to(tl.float32)
+        _store_symmetric(C, val, b, i, j, N, scb, scm, scn, BLOCK, EVEN, TMA, ROUND_FIX)
+
+
+@triton.jit(do_not_specialize=["TT", "total"])
+def _sym_mm_add_kernel(L, R, X, C, N, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn, TT, total,
+                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
+                       DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
+    # C[b] = alpha*X[b] + L[b] @ R[b] on lower tiles, each stored as itself and mirrored (the caller
+    # guarantees the exact result is symmetric): ba_plus_cAA's tiling, walk and store with three
+    # operands. TMA path: descriptors of [batch*N, N] with blocks [BLOCK, BLOCK_K] (L: row panel of
+    # tile i), [BLOCK_K, BLOCK] (R: column panel of tile j) and [BLOCK, BLOCK] (X: the epilogue's tile).
+    for t in range(tl.program_id(0), total, tl.num_programs(0)):
+        b = t // TT
+        i, j = _lower_tile(t - b * TT)
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        ar = tl.arange(0, BLOCK)
+        rows = i * BLOCK + ar
+        cols = j * BLOCK + ar
+        if TMA:
+            for k0 in range(0, N, BLOCK_K):
+                acc = _dot(L.load([b * N + i * BLOCK, k0]), R.load([b * N + k0, j * BLOCK]), acc, DOT_F32)
+            xij = X.load([b * N + i * BLOCK, j * BLOCK])
+        else:
+            ak = tl.arange(0, BLOCK_K)
+            b64 = b.to(tl.int64)
+            pa = L + b64 * slb + rows.to(tl.int64)[:, None] * slm + ak[None, :] * slk
+            pb = R + b64 * srb + ak[:, None] * srk + cols.to(tl.int64)[None, :] * srn
+            for k0 in range(0, N, BLOCK_K):
+                if EVEN:
+                    xa = tl.load(pa)
+                    xb = tl.load(pb)
+                else:
+                    kk = k0 + ak
+                    xa = tl.load(pa, mask=(rows[:, None] < N) & (kk[None, :] < N), other=0.0)
+                    xb = tl.load(pb, mask=(kk[:, None] < N) & (cols[None, :] < N), other=0.0)
+                acc = _dot(xa, xb, acc, DOT_F32)
+                pa += BLOCK_K * slk
+                pb += BLOCK_K * srk
+            pe = X + b64 * sxb + rows.to(tl.int64)[:, None] * sxm + cols.to(tl.int64)[None, :] * sxn
+            if EVEN:
+                xij = tl.load(pe)
+            else:
+                xij = tl.load(pe, mask=(rows[:, None] < N) & (cols[None, :] < N), other=0.0)
+        # the v1 kernel's sum, written with its operands swapped (IEEE addition commutes: same bits)
+        val = alpha * xij.to(tl.float32) + acc
         _store_symmetric(C, val, b, i, j, N, scb, scm, scn, BLOCK, EVEN, TMA, ROUND_FIX)
 
 
@@ -361,7 +406,7 @@ def _mm_add_kernel_v1(L, R, X, O, M, N, K, alpha,
 
 
 @triton.jit
-def _sym_mm_add_kernel(L, R, X, C, N, K, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn,
+def _sym_mm_add_kernel_v1(L, R, X, C, N, K, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn,
                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
     # C[b] = alpha*X + L @ R on lower tiles only, each stored as itself and mirrored: the caller
     # guarantees the exact result is symmetric (Q (Q A) with Q a polynomial in A).

@@ -78,7 +78,7 @@ class TileConfig(NamedTuple):
 
 class ProblemKey(NamedTuple):
     """What a tuned choice is remembered by: the operation (``"XXT"``, ``"XTX"``, ``"ba_plus_cAA"``,
-    ``"mm_add"``), the product's sizes ``[m, k] @ [k, n]`` per matrix (a Gram of an ``n x k`` operand
+    ``"mm_add"``, ``"sym_mm_add"``), the product's sizes ``[m, k] @ [k, n]`` per matrix (a Gram of an ``n x k`` operand
     has ``m = n``; ``A @ A`` has ``m = n = k``), the batch, and the CUDA device index."""
 
     op: str
@@ -264,8 +264,9 @@ def candidates(kind: str, key: ProblemKey, sms: int) -> list[TileConfig]:
             continue
         if c.per_sm and _tiles(kind, c, key) <= c.per_sm * sms:
             continue
-        if kind == "ba_plus_cAA" and c.BLOCK_M >= 128 and c.num_warps < 8:
-            continue  # 128 x 128 fp32 accumulator + the epilogue's A tile on 4 warps spills registers
+        if kind in ("ba_plus_cAA", "sym_mm_add") and c.BLOCK_M >= 128 and c.num_warps < 8:
+            # 128 x 128 fp32 accumulator + the epilogue's A (or X) tile on 4 warps spills registers
+            continue
         out.append(c)
     return out
 
