@@ -114,7 +114,7 @@ def main(which: list[str]) -> None:
     from anvil_fast.kernels import gram_tune as GT
 
     G.use_triton = lambda t, backend, error=None: True  # CPU tensors stand in for CUDA ones; nothing is launched
-    for name in ("_gram_kernel", "_ba_plus_caa_kernel", "_mm_add_kernel"):
+    for name in ("_gram_kernel", "_sym_product_kernel", "_mm_add_kernel"):
         setattr(K, name, _Compile(getattr(K, name)))
     X = torch.empty(64, 768, 768, dtype=torch.bfloat16)
     A = torch.empty_like(X)
@@ -127,6 +127,7 @@ def main(which: list[str]) -> None:
             G.XTX(Xt, out=At, config=cfg, backend="triton")
         if "baa" in which:
             G.ba_plus_cAA(A, alpha=1.0, beta=2.0, out=X, config=cfg, backend="triton")
+            G.sym_aX_plus_mm(A, A, A, a=2.0, out=X, config=cfg, backend="triton")
     if "mm" in which:
         for cfg in GT.MM_CANDIDATES:
             if cfg.kernel == "cublas":

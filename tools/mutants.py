@@ -162,8 +162,8 @@ MUTANTS: list[Mutant] = [
       "tests/test_bench_common.py", "tests/test_bench_optimizer.py", "tests/test_bench_dropin.py"),
     # ---- a Gram kernel
     M("gram kernel: alpha and beta swapped in b*A + c*A@A", "anvil_fast/kernels/gram_kernels.py",
-      "        val = alpha * acc + beta * aij.to(tl.float32)\n        _store_symmetric(C, val,",
-      "        val = beta * acc + alpha * aij.to(tl.float32)\n        _store_symmetric(C, val,",
+      "            val = alpha * acc + beta * xij.to(tl.float32)\n",
+      "            val = beta * acc + alpha * xij.to(tl.float32)\n",
       "tests/test_gram.py"),
     # ---- the Gram-side cascade
     M("ref gram side: R not reset at a restart", "anvil_ref/gram_side.py",
@@ -172,7 +172,8 @@ MUTANTS: list[Mutant] = [
     M("fast gram side: a*P dropped from Q (Q A), v1 kernel", "anvil_fast/kernels/gram_kernels.py",
       "val = acc + alpha * xij.to(tl.float32)", "val = acc", "tests/test_gram_side.py", "tests/test_gram.py"),
     M("fast gram side: a*P dropped from Q (Q A), tuned kernel", "anvil_fast/kernels/gram_kernels.py",
-      "val = alpha * xij.to(tl.float32) + acc", "val = acc", "tests/test_gram_side.py", "tests/test_gram.py"),
+      "            val = acc + beta * xij.to(tl.float32)\n", "            val = acc\n", "tests/test_gram_side.py",
+      "tests/test_gram.py"),
     M("fast gram side: the tuned kernel's R panel advanced along the wrong axis", "anvil_fast/kernels/gram_kernels.py",
       "                pa += BLOCK_K * slk\n                pb += BLOCK_K * srk\n",
       "                pa += BLOCK_K * slk\n                pb += BLOCK_K * srn\n", "tests/test_gram.py"),

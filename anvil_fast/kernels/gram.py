@@ -240,10 +240,10 @@ def _launch_ba_plus_caa(a3: Tensor, o3: Tensor, n: int, alpha: float, beta: floa
             if _tma_views_ok(av, ov):
                 a, ab, ae = _descriptor(av, [bl, bk]), _descriptor(av, [bk, bl]), _descriptor(av, [bl, bl])
                 oa, tma = _descriptor(ov, [bl, bl]), True
-        K._ba_plus_caa_kernel[(_grid(total, cfg, as_),)](
-            a, ab, ae, oa, n, alpha, beta, as_.stride(0), as_.stride(1), as_.stride(2),
-            os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
-            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+        sa = (as_.stride(0), as_.stride(1), as_.stride(2))
+        K._sym_product_kernel[(_grid(total, cfg, as_),)](
+            a, ab, ae, oa, n, alpha, beta, *sa, *sa, *sa, os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
+            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, SCALED=True, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -267,10 +267,10 @@ def _launch_sym_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, n: int, a
             if _tma_views_ok(lv, rv, xv, ov):
                 la, ra, xa = _descriptor(lv, [bl, bk]), _descriptor(rv, [bk, bl]), _descriptor(xv, [bl, bl])
                 oa, tma = _descriptor(ov, [bl, bl]), True
-        K._sym_mm_add_kernel[(_grid(total, cfg, xs),)](
-            la, ra, xa, oa, n, a, ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1), rs.stride(2),
-            xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
-            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+        K._sym_product_kernel[(_grid(total, cfg, xs),)](
+            la, ra, xa, oa, n, 1.0, a, ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1),
+            rs.stride(2), xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2), tt,
+            total, BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, SCALED=False, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

@@ -2,7 +2,7 @@
 
 Two generations live here:
 
-* ``_gram_kernel``, ``_ba_plus_caa_kernel``, ``_mm_add_kernel`` -- the current kernels. One code
+* ``_gram_kernel``, ``_sym_product_kernel`` (``ba_plus_cAA`` and ``sym_aX_plus_mm``), ``_mm_add_kernel`` -- the current kernels. One code
   path per kernel takes either raw pointers or TMA tensor descriptors (``TMA`` constexpr), and a
   1-D grid of ``P`` programs walks the flattened (matrix, tile) list with stride ``P``: ``P`` = the
   tile count gives one tile per program, ``P`` = a multiple of the SM count gives a persistent grid.
@@ -138,57 +138,14 @@ def _gram_kernel(X, C, N, K, sxb, sxn, sxk, scb, scm, scn, TT, total,
 
 
 @triton.jit(do_not_specialize=["TT", "total"])
-def _ba_plus_caa_kernel(A, Ab, Ae, C, N, alpha, beta, sab, sam, san, scb, scm, scn, TT, total,
-                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                        DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
-    # C[b] = beta*A[b] + alpha*(A[b] @ A[b]) on lower tiles (A symmetric => C symmetric). Pointer
-    # path: A, Ab, Ae are the same pointer. TMA path: descriptors of [batch*N, N] with blocks
-    # [BLOCK, BLOCK_K] (A: row panel of tile i), [BLOCK_K, BLOCK] (Ab: column panel of tile j),
-    # [BLOCK, BLOCK] (Ae: the epilogue's A tile).
-    for t in range(tl.program_id(0), total, tl.num_programs(0)):
-        b = t // TT
-        i, j = _lower_tile(t - b * TT)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        ar = tl.arange(0, BLOCK)
-        rows = i * BLOCK + ar
-        cols = j * BLOCK + ar
-        if TMA:
-            for k0 in range(0, N, BLOCK_K):
-                acc = _dot(A.load([b * N + i * BLOCK, k0]), Ab.load([b * N + k0, j * BLOCK]), acc, DOT_F32)
-            aij = Ae.load([b * N + i * BLOCK, j * BLOCK])
-        else:
-            ak = tl.arange(0, BLOCK_K)
-            base = A + b.to(tl.int64) * sab
-            pa = base + rows.to(tl.int64)[:, None] * sam + ak[None, :] * san
-            pb = base + ak[:, None] * sam + cols.to(tl.int64)[None, :] * san
-            for k0 in range(0, N, BLOCK_K):
-                if EVEN:
-                    xa = tl.load(pa)
-                    xb = tl.load(pb)
-                else:
-                    kk = k0 + ak
-                    xa = tl.load(pa, mask=(rows[:, None] < N) & (kk[None, :] < N), other=0.0)
-                    xb = tl.load(pb, mask=(kk[:, None] < N) & (cols[None, :] < N), other=0.0)
-                acc = _dot(xa, xb, acc, DOT_F32)
-                pa += BLOCK_K * san
-                pb += BLOCK_K * sam
-            pe = base + rows.to(tl.int64)[:, None] * sam + cols.to(tl.int64)[None, :] * san
-            if EVEN:
-                aij = tl.load(pe)
-            else:
-                aij = tl.load(pe, mask=(rows[:, None] < N) & (cols[None, :] < N), other=0.0)
-        val = alpha * acc + beta * aij.to(tl.float32)
-        _store_symmetric(C, val, b, i, j, N, scb, scm, scn, BLOCK, EVEN, TMA, ROUND_FIX)
-
-
-@triton.jit(do_not_specialize=["TT", "total"])
-def _sym_mm_add_kernel(L, R, X, C, N, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn, TT, total,
-                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr,
-                       DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
-    # C[b] = alpha*X[b] + L[b] @ R[b] on lower tiles, each stored as itself and mirrored (the caller
-    # guarantees the exact result is symmetric): ba_plus_cAA's tiling, walk and store with three
-    # operands. TMA path: descriptors of [batch*N, N] with blocks [BLOCK, BLOCK_K] (L: row panel of
-    # tile i), [BLOCK_K, BLOCK] (R: column panel of tile j) and [BLOCK, BLOCK] (X: the epilogue's tile).
+def _sym_product_kernel(L, R, X, C, N, alpha, beta, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn,
+                        TT, total, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                        TMA: tl.constexpr, SCALED: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
+    # C[b] = alpha*(L[b] @ R[b]) + beta*X[b] (SCALED: ba_plus_cAA, L = R = X = A) or X[b]*beta + L[b] @ R[b]
+    # (sym_aX_plus_mm, beta = a) on lower tiles, each stored as itself and mirrored: the caller
+    # guarantees the exact result is symmetric. Pointer path: strides per operand. TMA path:
+    # descriptors of [batch*N, N] with blocks [BLOCK, BLOCK_K] (L: row panel of tile i), [BLOCK_K,
+    # BLOCK] (R: column panel of tile j) and [BLOCK, BLOCK] (X: the epilogue's tile).
     for t in range(tl.program_id(0), total, tl.num_programs(0)):
         b = t // TT
         i, j = _lower_tile(t - b * TT)
@@ -221,10 +178,13 @@ def _sym_mm_add_kernel(L, R, X, C, N, alpha, slb, slm, slk, srb, srk, srn, sxb, 
                 xij = tl.load(pe)
             else:
                 xij = tl.load(pe, mask=(rows[:, None] < N) & (cols[None, :] < N), other=0.0)
-        # the v1 kernel's sum, written with its operands swapped (IEEE addition commutes: same bits)
-        val = alpha * xij.to(tl.float32) + acc
+        # each operation's sum written as its v1 kernel writes it, so the compiler forms the same
+        # expression (and the same fused multiply-add, where it fuses) as there
+        if SCALED:
+            val = alpha * acc + beta * xij.to(tl.float32)
+        else:
+            val = acc + beta * xij.to(tl.float32)
         _store_symmetric(C, val, b, i, j, N, scb, scm, scn, BLOCK, EVEN, TMA, ROUND_FIX)
-
 
 @triton.jit(do_not_specialize=["total"])
 def _mm_add_kernel(L, R, X, O, M, N, K, alpha,
