@@ -221,45 +221,26 @@ def _launch_gram(x3: Tensor, o3: Tensor, n: int, k: int, transpose: bool, cfg: T
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _launch_ba_plus_caa(a3: Tensor, o3: Tensor, n: int, alpha: float, beta: float, cfg: TileConfig) -> None:
-    if cfg.kernel == "v1" or not _int32_steps_ok(cfg, a3.stride(1)):
-        t = triton.cdiv(n, cfg.BLOCK_M)
-        _launch_v1(K._ba_plus_caa_kernel_v1, t * (t + 1) // 2, (a3, o3), (n, alpha, beta, *a3.stride(), *o3.stride()),
-                   cfg, BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
-        return
-    bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
-    t = triton.cdiv(n, bl)
-    tt = t * (t + 1) // 2
-    even = n % bl == 0 and n % bk == 0
-    for s, e in _slices(a3.shape[0], tt):
-        as_, os_ = a3[s:e], o3[s:e]
-        total = (e - s) * tt
-        a, ab, ae, oa, tma = as_, as_, as_, os_, False
-        if cfg.kernel == "tma" and even:
-            av, ov = as_.reshape(-1, n), os_.reshape(-1, n)
-            if _tma_views_ok(av, ov):
-                a, ab, ae = _descriptor(av, [bl, bk]), _descriptor(av, [bk, bl]), _descriptor(av, [bl, bl])
-                oa, tma = _descriptor(ov, [bl, bl]), True
-        sa = (as_.stride(0), as_.stride(1), as_.stride(2))
-        K._sym_product_kernel[(_grid(total, cfg, as_),)](
-            a, ab, ae, oa, n, alpha, beta, *sa, *sa, *sa, os_.stride(0), os_.stride(1), os_.stride(2), tt, total,
-            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, SCALED=True, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _launch_sym_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, n: int, a: float, cfg: TileConfig) -> None:
+def _launch_sym_product(l3: Tensor, r3: Tensor, x3: Tensor, o3: Tensor, n: int, alpha: float, beta: float,
+                        scaled: bool, cfg: TileConfig) -> None:
+    """``ba_plus_cAA`` (``scaled``: ``alpha * (A @ A) + beta * A`` with ``l3``, ``r3`` and ``x3`` all A)
+    or ``sym_aX_plus_mm`` (``beta * X + L @ R``; ``alpha`` unused): one tiling for both."""
     if cfg.kernel == "v1" or not _int32_steps_ok(cfg, l3.stride(2), r3.stride(1)):
         t = triton.cdiv(n, cfg.BLOCK_M)
-        _launch_v1(K._sym_mm_add_kernel_v1, t * (t + 1) // 2, (l3, r3, x3, o3),
-                   (n, n, a, *l3.stride(), *r3.stride(), *x3.stride(), *o3.stride()), cfg,
-                   BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
+        if scaled:
+            _launch_v1(K._ba_plus_caa_kernel_v1, t * (t + 1) // 2, (x3, o3),
+                       (n, alpha, beta, *x3.stride(), *o3.stride()), cfg, BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
+        else:
+            _launch_v1(K._sym_mm_add_kernel_v1, t * (t + 1) // 2, (l3, r3, x3, o3),
+                       (n, n, beta, *l3.stride(), *r3.stride(), *x3.stride(), *o3.stride()), cfg,
+                       BLOCK=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K)
         return
     bl, bk = cfg.BLOCK_M, cfg.BLOCK_K
     t = triton.cdiv(n, bl)
     tt = t * (t + 1) // 2
     even = n % bl == 0 and n % bk == 0
     for s, e in _slices(x3.shape[0], tt):
-        xs, ls, rs, os_ = x3[s:e], l3[s:e], r3[s:e], o3[s:e]
+        ls, rs, xs, os_ = l3[s:e], r3[s:e], x3[s:e], o3[s:e]
         total = (e - s) * tt
         la, ra, xa, oa, tma = ls, rs, xs, os_, False
         if cfg.kernel == "tma" and even:
@@ -268,9 +249,8 @@ def _launch_sym_mm_add(x3: Tensor, l3: Tensor, r3: Tensor, o3: Tensor, n: int, a
                 la, ra, xa = _descriptor(lv, [bl, bk]), _descriptor(rv, [bk, bl]), _descriptor(xv, [bl, bl])
                 oa, tma = _descriptor(ov, [bl, bl]), True
         K._sym_product_kernel[(_grid(total, cfg, xs),)](
-            la, ra, xa, oa, n, 1.0, a, ls.stride(0), ls.stride(1), ls.stride(2), rs.stride(0), rs.stride(1),
-            rs.stride(2), xs.stride(0), xs.stride(1), xs.stride(2), os_.stride(0), os_.stride(1), os_.stride(2), tt,
-            total, BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, SCALED=False, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
+            la, ra, xa, oa, n, alpha, beta, *ls.stride(), *rs.stride(), *xs.stride(), *os_.stride(), tt, total,
+            BLOCK=bl, BLOCK_K=bk, EVEN=even, TMA=tma, SCALED=scaled, DOT_F32=dot_f32(), ROUND_FIX=round_fix(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -386,7 +366,7 @@ def ba_plus_cAA(A: Tensor, *, alpha: float, beta: float, out: Tensor | None = No
     a3 = A.reshape(-1, n, n)
     o3 = out.view(-1, n, n)
     # The tuner's candidates run with these alpha/beta too (outputs are compared, not only timed).
-    launch = functools.partial(_launch_ba_plus_caa, a3, o3, n, alpha, beta)
+    launch = functools.partial(_launch_sym_product, a3, a3, a3, o3, n, alpha, beta, True)
     key = ProblemKey("ba_plus_cAA", n, n, n, a3.shape[0], A.device.index)
     cfg = _choose("ba_plus_cAA", key, config, launch, o3, n, n, a3.shape[0])
     launch(cfg)
@@ -448,7 +428,7 @@ def sym_aX_plus_mm(X: Tensor, L: Tensor, R: Tensor, *, a: float, out: Tensor | N
         return out.copy_(_symmetrize_lower(a * X.float() + L.float() @ R.float()))
     x3, l3, r3 = (t.reshape(-1, n, n) for t in (X, L, R))
     o3 = out.view(-1, n, n)
-    launch = functools.partial(_launch_sym_mm_add, x3, l3, r3, o3, n, a)
+    launch = functools.partial(_launch_sym_product, l3, r3, x3, o3, n, 1.0, a, False)
     key = ProblemKey("sym_mm_add", n, n, n, x3.shape[0], X.device.index)
     cfg = _choose("sym_mm_add", key, config, launch, o3, n, n, x3.shape[0])
     launch(cfg)
