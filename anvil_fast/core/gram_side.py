@@ -25,9 +25,10 @@ both run on lower tiles only and mirror them (:func:`anvil_fast.kernels.gram.sym
 of their FLOPs saved and ``A`` stays exactly symmetric, which ``ba_plus_cAA`` assumes. ``R`` is a
 product of commuting polynomials in ``A_1``, also symmetric in exact arithmetic, but a rounded ``R``
 carries the drift the restarts exist to remove; it is kept as computed (bf16, see the study's R
-column). Measured: with ``R``'s update mirrored as well, the study's error on the spectrum input of the
-tall shape rose past its rule's allowance and the rule picked two restarts; with only ``P`` and ``A``
-mirrored every row of the study moved by less than a bf16 rounding's worth.
+column). Measured with the study (``python -m anvil_fast.studies.gram_side_study``) run both ways: with
+``R``'s update mirrored as well, its error on the tall spectrum input rose past the rule's allowance
+and the rule picked two restarts; with ``P`` mirrored and ``R`` full, the chosen schedule's errors stay
+within the rule's allowance of those with ``P`` as a full product, and the rule's choice is the same.
 The final ``X_0 R`` uses ``aX_plus_mm`` with ``a = 0``: one read of X_0 more than a bare GEMM, so
 that every product of the path is the same tuned one-rounding kernel.
 
