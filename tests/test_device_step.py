@@ -451,15 +451,6 @@ def test_adam_table_kernel_is_the_per_parameter_kernel(triton_dev):
             assert torch.equal(a, b)
 
 
-def test_lane_priorities_rank_the_lanes_and_the_switch_levels_them(monkeypatch):
-    from anvil_fast.optim.device_step import LANE_PRIORITY_ENV, lane_priorities
-
-    monkeypatch.delenv(LANE_PRIORITY_ENV, raising=False)
-    assert lane_priorities(4) == [-3, -2, -1, 0] and lane_priorities(1) == [0]
-    monkeypatch.setenv(LANE_PRIORITY_ENV, "0")
-    assert lane_priorities(4) == [0, 0, 0, 0]
-
-
 # ----------------------------------------------------------------------------------------------- the GPU
 @pytest.mark.gpu
 def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
@@ -471,8 +462,6 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
     b = copy.deepcopy(a)
     oa, ob = ANVIL(a), ANVIL(b, cuda_graphs=False)
     assert oa.grad_read == "in_place" and oa.engine.use_graphs and len(oa.engine.lanes) > 1
-    ranks = [lane.stream.priority for lane in oa.engine.lanes]
-    assert ranks == sorted(ranks) and ranks[0] < ranks[-1], ranks  # lane 0 the most urgent
     for opt in (oa, ob):
         opt._sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 20)
     with warnings.catch_warnings(record=True) as caught:

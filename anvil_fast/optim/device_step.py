@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,8 +73,6 @@ HYPER = ("lr", "momentum", "fast_beta", "fast_weight", "weight_decay",
          "adam_lr", "adam_beta1", "adam_beta2", "adam_eps", "adam_weight_decay")
 #: Side streams of the banks (at most this many run concurrently).
 MAX_LANES = 4
-#: ``ANVIL_FAST_LANE_PRIORITY=0`` gives every lane the default priority (:func:`lane_priorities`).
-LANE_PRIORITY_ENV = "ANVIL_FAST_LANE_PRIORITY"
 #: Pinned inbox buffers in rotation: deeper than the host's run-ahead in steps.
 INBOX_SLOTS = 4
 #: Counters at the head of the status buffer: taken steps, skipped steps.
@@ -88,23 +85,6 @@ class NonFiniteUpdateWarning(RuntimeWarning):
 
 class NonFiniteUpdateError(ValueError):
     """``nonfinite="raise"``: a matrix's update came out non-finite (or exploded)."""
-
-
-def lane_priorities(n_lanes: int) -> list[int]:
-    """The stream priority of each lane, lane 0 (the most work) first: -(n-1), ..., -1, 0 (lower is
-    more urgent; torch maps a value past the device's range to its end).
-
-    Why: a captured kernel keeps its stream's priority (torch instantiates graphs with
-    ``cudaGraphInstantiateFlagUseNodePriority``), and the block scheduler dispatches a ready
-    higher-priority kernel's blocks before a lower one's pending blocks. With equal priorities the
-    graph's replay dispatches in dependency levels, so every lane's memory-bound rails run before any
-    lane's first matmul and every lane's memory-bound update after its last. Ranked lanes stagger
-    instead: lane 0 runs ahead into its matmuls while the others' rails take the memory bandwidth it
-    leaves, and its update overlaps their last maps. Priorities change the order of independent
-    work only, never a result."""
-    if os.environ.get(LANE_PRIORITY_ENV, "1") == "0":
-        return [0] * n_lanes
-    return [-(n_lanes - 1 - i) for i in range(n_lanes)]
 
 
 @dataclass
@@ -290,8 +270,8 @@ class DeviceStep:
         self._build_reads()
         # ---- lanes
         n_lanes = max(1, min(int(lanes), len(bank_order))) if self.cuda else 1
-        self.lanes = [_Lane(torch.cuda.Stream(device=dev, priority=p) if self.cuda and n_lanes > 1 else None, [])
-                      for p in lane_priorities(n_lanes)]
+        self.lanes = [_Lane(torch.cuda.Stream(device=dev) if self.cuda and n_lanes > 1 else None, [])
+                      for _ in range(n_lanes)]
         work = [0.0] * n_lanes
         for b in sorted(bank_order, key=lambda b: -b.plan.n_pad * b.plan.rows * b.plan.cols
                         * min(b.plan.rows, b.plan.cols)):
