@@ -6,7 +6,8 @@ Tunes every Gram problem the drop-in meets on the package's GPT (``--sizes``, de
 medium; gpt2small's banks are medium's) and the GPT-2-small bank layout of ``python -m anvil_fast.bench optimizer``, with
 ``ANVIL_FAST_TUNE=fresh`` (every key tuned here, none taken from the file), and writes the decisions
 whose choice was bit-identical to v1 (:func:`anvil_fast.kernels.gram_tune.table_entries`) into the
-file, keeping the entries of other devices, Triton versions and kernel sources. A fresh process on
+file, keeping the entries of other devices and Triton versions made for these kernels (an entry made
+for other kernel sources can never match and is dropped). A fresh process on
 the same device, Triton and kernels then compiles one configuration per problem instead of every
 candidate (:mod:`anvil_fast.kernels.gram_tune`).
 """
@@ -20,6 +21,19 @@ import sys
 from pathlib import Path
 
 import torch
+
+
+def merged_entries(old: list[dict], mine: list[dict], current: str) -> tuple[list[dict], int, int]:
+    """The file's entries after this device's run: ``mine`` replaces every old entry of its device and
+    Triton version; another device's or version's entry stays where it was made for the ``current``
+    kernels' digest, and goes where it was not (the digest is part of the key: it can never match
+    again). Returns the sorted entries, how many old ones were kept and how many were dropped as stale."""
+    same = {(e["device"], e["triton"]) for e in mine}
+    kept = [e for e in old if (e["device"], e["triton"]) not in same and e["kernels"] == current]
+    dropped = sum(e["kernels"] != current for e in old)
+    entries = sorted(kept + mine, key=lambda e: (e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"],
+                                                  e["k"], e["batch"]))
+    return entries, len(kept), dropped
 
 
 def main(argv=None) -> int:
@@ -61,10 +75,7 @@ def main(argv=None) -> int:
     mine = GT.table_entries(GT.RECORDS, name)
     out = Path(a.out) if a.out else GT.TUNED_FILE
     old = json.loads(out.read_text()) if out.is_file() else {"entries": []}
-    same = {(e["device"], e["triton"], e["kernels"]) for e in mine}
-    kept = [e for e in old["entries"] if (e["device"], e["triton"], e["kernels"]) not in same]
-    entries = sorted(kept + mine, key=lambda e: (e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"],
-                                                  e["k"], e["batch"]))
+    entries, kept, dropped = merged_entries(old["entries"], mine, GT.kernels_digest())
     import triton
 
     data = {"generated_by": f"tools/gram_tuned_table.py --sizes {a.sizes} at commit {source_commit() or 'unknown'} on {name} (torch "
@@ -73,8 +84,8 @@ def main(argv=None) -> int:
             "entries": entries}
     out.write_text(json.dumps(data, indent=1) + "\n")
     skipped = len(GT.RECORDS) - len(mine)
-    print(f"wrote {len(mine)} decisions for {name} to {out} ({len(kept)} of other devices or versions kept; "
-          f"{skipped} not written: shipped, cuBLAS or not bit-identical to v1)")
+    print(f"wrote {len(mine)} decisions for {name} to {out} ({kept} of other devices or versions kept, "
+          f"{dropped} made for other kernels dropped; {skipped} not written: shipped, cuBLAS or not bit-identical to v1)")
     print("\n".join(GT.report_lines()))
     return 0
 
