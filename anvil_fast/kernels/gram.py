@@ -91,8 +91,8 @@ def kernel_mode() -> str:
 
 
 def default_config(kind: str, n: int, k: int, batch: int, *, sms: int) -> TileConfig:
-    """The untuned configuration (``kind``: "gram", "ba_plus_cAA", "sym_mm_add" or "mm_add"; ``n`` the output's
-    larger side, ``k`` the reduction length): v1's size heuristic from the first H200 sweep
+    """The untuned configuration (``kind``: "gram", "ba_plus_cAA", "sym_mm_add" or "mm_add"; ``n`` the
+    output's larger side, ``k`` the reduction length): v1's size heuristic from the first H200 sweep
     (NOTES.md), used where no tuning runs (CUDA-graph capture of a shape never called before,
     ``ANVIL_FAST_TUNE=0``). ``sms``: the device's SM count (:func:`anvil_fast.kernels.backend.num_sms`); a
     problem with fewer 128-tiles than two waves over them takes the small tiles. Under the

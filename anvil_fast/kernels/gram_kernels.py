@@ -2,11 +2,11 @@
 
 Two generations live here:
 
-* ``_gram_kernel``, ``_sym_product_kernel`` (``ba_plus_cAA`` and ``sym_aX_plus_mm``), ``_mm_add_kernel`` -- the current kernels. One code
-  path per kernel takes either raw pointers or TMA tensor descriptors (``TMA`` constexpr), and a
-  1-D grid of ``P`` programs walks the flattened (matrix, tile) list with stride ``P``: ``P`` = the
-  tile count gives one tile per program, ``P`` = a multiple of the SM count gives a persistent grid.
-  Both are the same compiled kernel.
+* ``_gram_kernel``, ``_sym_product_kernel`` (``ba_plus_cAA`` and ``sym_aX_plus_mm``), ``_mm_add_kernel``
+  -- the current kernels. One code path per kernel takes either raw pointers or TMA tensor
+  descriptors (``TMA`` constexpr), and a 1-D grid of ``P`` programs walks the flattened (matrix,
+  tile) list with stride ``P``: ``P`` = the tile count gives one tile per program, ``P`` = a multiple
+  of the SM count gives a persistent grid. Both are the same compiled kernel.
 * ``*_v1`` -- the first kernels (masked pointer loads, a 2-D (tile, matrix) grid), kept unchanged
   as the trusted reference of the launch-time tuner (:mod:`anvil_fast.kernels.gram_tune` cross-checks every
   candidate against them) and as the fallback ``ANVIL_FAST_GRAM=v1``. The lower-tile ones share
@@ -185,6 +185,7 @@ def _sym_product_kernel(L, R, X, C, N, alpha, beta, slb, slm, slk, srb, srk, srn
         else:
             val = acc + beta * xij.to(tl.float32)
         _store_symmetric(C, val, b, i, j, N, scb, scm, scn, BLOCK, EVEN, TMA, ROUND_FIX)
+
 
 @triton.jit(do_not_specialize=["total"])
 def _mm_add_kernel(L, R, X, O, M, N, K, alpha,
@@ -367,7 +368,7 @@ def _mm_add_kernel_v1(L, R, X, O, M, N, K, alpha,
 
 @triton.jit
 def _sym_mm_add_kernel_v1(L, R, X, C, N, K, alpha, slb, slm, slk, srb, srk, srn, sxb, sxm, sxn, scb, scm, scn,
-                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
+                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIX: tl.constexpr):
     # C[b] = alpha*X + L @ R on lower tiles only, each stored as itself and mirrored: the caller
     # guarantees the exact result is symmetric (Q (Q A) with Q a polynomial in A).
     i, j = _lower_tile(tl.program_id(0))
