@@ -78,8 +78,8 @@ class TileConfig(NamedTuple):
 
 class ProblemKey(NamedTuple):
     """What a tuned choice is remembered by: the operation (``"XXT"``, ``"XTX"``, ``"ba_plus_cAA"``,
-    ``"mm_add"``, ``"sym_mm_add"``), the product's sizes ``[m, k] @ [k, n]`` per matrix (a Gram of an ``n x k`` operand
-    has ``m = n``; ``A @ A`` has ``m = n = k``), the batch, and the CUDA device index."""
+    ``"mm_add"``, ``"sym_mm_add"``), the product's sizes ``[m, k] @ [k, n]`` per matrix (a Gram of an
+    ``n x k`` operand has ``m = n``; ``A @ A`` has ``m = n = k``), the batch, and the CUDA device index."""
 
     op: str
     m: int
