@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -539,12 +538,7 @@ def test_the_tuned_table_tool_keeps_other_devices_and_drops_stale_kernels():
     """tools/gram_tuned_table.py's merge: this device's run replaces its own entries, another device's
     stay when made for the current kernels, and an entry for other kernel sources is dropped (it can
     never match again, and the shipped-decisions test would reject the file)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "anvil_gram_tuned_table_tool", Path(__file__).resolve().parents[1] / "tools" / "gram_tuned_table.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from tools.gram_tuned_table import merged_entries
 
     def entry(device, kernels, op="XXT", m=768):
         return {"device": device, "triton": "3.6.0", "kernels": kernels, "op": op, "m": m, "n": m, "k": 768,
@@ -553,7 +547,7 @@ def test_the_tuned_table_tool_keeps_other_devices_and_drops_stale_kernels():
     old = [entry("H200", "old"), entry("H200", "new", m=256), entry("H100", "new"), entry("H100", "old"),
            entry("A100", "new", op="mm_add")]
     mine = [entry("H100", "new", m=384)]
-    entries, kept, dropped = tool.merged_entries(old, mine, "new")
+    entries, kept, dropped = merged_entries(old, mine, "new")
     assert (kept, dropped) == (2, 2)
     assert sorted((e["device"], e["kernels"], e["op"], e["m"]) for e in entries) == [
         ("A100", "new", "mm_add", 768), ("H100", "new", "XXT", 384), ("H200", "new", "XXT", 256)]

@@ -100,10 +100,10 @@ stamp() { echo "== $1 at +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/stages.txt";
 f = m.__file__; c = u.cache_from_source(f)
 print('bytecode cache of', f, 'exists' if os.path.exists(c) else 'missing', '- its folder', 'writable' if os.access(os.path.dirname(c) if os.path.isdir(os.path.dirname(c)) else os.path.dirname(f), os.W_OK) else 'read-only',
       '- PYTHONPYCACHEPREFIX', os.environ.get('PYTHONPYCACHEPREFIX'))"
-  # the peers' sources carried (tools/peers_bundle.sh): which dion, which wheels
   # the copied tree's commit is the caller's to give (ANVIL_COMMIT=<hash> in the call): git inside the copy
   # may answer with another commit than the tree's (tools that record a commit read ANVIL_COMMIT first)
   echo "ANVIL_COMMIT ${ANVIL_COMMIT:-not given}; git in this copy: $(git rev-parse HEAD 2>/dev/null || echo none)"
+  # the peers' sources carried (tools/peers_bundle.sh): which dion, which wheels
   cat .peers/dion/REVISION 2>/dev/null; ls .whl .gns 2>/dev/null | grep -h '\.whl$'; } 2>&1 | tee "$OUT/env.txt"
 for stage in ${STAGES:-suite bench}; do
   stamp "$stage"
