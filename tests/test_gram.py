@@ -453,6 +453,71 @@ def test_a_shipped_decision_is_taken_only_for_its_device_triton_and_kernels(tmp_
         assert GT.table_choice(key, "NVIDIA H200", stale) is None
 
 
+def test_a_device_without_decisions_takes_those_of_its_architecture(tmp_path, monkeypatch):
+    """A decision made on one device serves another of the same architecture (compute capability, SM
+    count, shared memory per SM) where that one has none of its own; its own always win, another
+    architecture's never serve, and an entry that names no architecture serves its own device alone."""
+    from anvil_fast.kernels import gram_tune as GT
+
+    T = G.TileConfig
+    hopper, ampere = "sm_90, 132 SMs, 233472 B shared per SM", "sm_80, 108 SMs, 167936 B shared per SM"
+    key = GT.ProblemKey("XXT", 768, 768, 256, 6, 0)
+    other = key._replace(op="XTX")
+    h100, h100b, h200 = T(128, 128, 64, 8, 4, kernel="tma"), T(64, 64, 128, 4, 3, kernel="ptr"), \
+        T(128, 128, 64, 4, 3, kernel="tma")
+    entries = (GT.table_entries([_record(GT, h100, key=key), _record(GT, h100, key=other)], "NVIDIA H100 80GB HBM3",
+                                hopper)
+               + GT.table_entries([_record(GT, h100b, key=key)], "NVIDIA H800", hopper)
+               + GT.table_entries([_record(GT, h200, key=key)], "NVIDIA H200"))  # (no architecture named)
+    assert [e.get("arch") for e in entries] == [hopper, hopper, hopper, None]
+    path = tmp_path / "gram_tuned.json"
+    path.write_text(json.dumps({"generated_by": "a test", "entries": entries[::-1]}))
+    # its own decision first, with or without an architecture
+    assert GT.table_decision(key, "NVIDIA H200", path, arch=hopper) == (h200, "NVIDIA H200")
+    assert GT.table_decision(key, "NVIDIA H200", path) == (h200, "NVIDIA H200")
+    # none of its own: the first device name of its architecture, in sorted order
+    assert GT.table_decision(other, "NVIDIA H200", path, arch=hopper) == (h100, "NVIDIA H100 80GB HBM3")
+    assert GT.table_decision(key, "NVIDIA GH200", path, arch=hopper) == (h100, "NVIDIA H100 80GB HBM3")
+    assert GT.table_choice(other, "NVIDIA H200", path, arch=hopper) == h100
+    # another architecture, no architecture, or an entry that names none: tuned here
+    assert GT.table_decision(other, "NVIDIA A100", path, arch=ampere) is None
+    assert GT.table_decision(other, "NVIDIA H200", path) is None
+    assert GT.table_decision(other, "NVIDIA H200", path, arch=hopper.replace("132", "114")) is None
+    for field, stale in (("triton", "0.0.1"), ("kernels", "0" * 16)):
+        old = tmp_path / f"old_{field}.json"
+        old.write_text(json.dumps({"entries": [dict(entries[1], **{field: stale})]}))
+        assert GT.table_decision(other, "NVIDIA H200", old, arch=hopper) is None
+
+
+def test_device_arch_names_what_a_decision_depends_on():
+    from types import SimpleNamespace
+
+    from anvil_fast.kernels import gram_tune as GT
+
+    props = SimpleNamespace(major=9, minor=0, multi_processor_count=132, shared_memory_per_multiprocessor=233472)
+    assert GT.device_arch(props) == "sm_90, 132 SMs, 233472 B shared per SM"
+    assert GT.device_arch(SimpleNamespace(**dict(vars(props), multi_processor_count=114))) != GT.device_arch(props)
+    assert GT.device_arch(SimpleNamespace(**dict(vars(props), minor=9))) != GT.device_arch(props)
+
+
+def test_a_decision_of_a_sibling_device_is_reported_as_such(monkeypatch):
+    from anvil_fast.kernels import gram_tune as GT
+
+    T = G.TileConfig
+    shipped = T(64, 64, 128, 4, 3, kernel="tma")
+    monkeypatch.setattr(GT, "_device_name", lambda out: "NVIDIA H200")
+    monkeypatch.setattr(GT, "_device_arch", lambda out: "sm_90")
+    monkeypatch.setattr(GT, "table_decision", lambda key, name, path=None, arch=None:
+                        (shipped, "NVIDIA H100 80GB HBM3") if arch == "sm_90" else None)
+    monkeypatch.setattr(GT, "tune", lambda *a, **k: pytest.fail("a shipped decision was there"))
+    monkeypatch.setattr(GT, "_CHOICES", {})
+    monkeypatch.setattr(GT, "RECORDS", [])
+    big = GT.ProblemKey("XXT", 768, 768, 768, 8, None)
+    assert GT.choose("gram", big, None, torch.zeros(2), T(32, 32, 32, 4, 1, kernel="v1")) == shipped
+    assert GT.RECORDS[-1]["made_on"] == "NVIDIA H100 80GB HBM3"
+    assert "made on NVIDIA H100 80GB HBM3: the same architecture" in GT.report_lines()[-1]
+
+
 def test_only_tuned_bit_identical_triton_choices_are_shipped():
     from anvil_fast.kernels import gram_tune as GT
 
@@ -472,7 +537,9 @@ def test_choose_takes_a_shipped_decision_without_tuning_and_fresh_tunes(monkeypa
     monkeypatch.setattr(GT, "tune", lambda kind, key, launch, out, default: calls.append(key) or
                         (tuned, {"kind": kind, "key": key, "results": [], "chosen": tuned}))
     monkeypatch.setattr(GT, "_device_name", lambda out: "NVIDIA H200")
-    monkeypatch.setattr(GT, "table_choice", lambda key, name, path=None: shipped if name == "NVIDIA H200" else None)
+    monkeypatch.setattr(GT, "_device_arch", lambda out: "sm_90, 132 SMs, 233472 B shared per SM")
+    monkeypatch.setattr(GT, "table_decision", lambda key, name, path=None, arch=None:
+                        (shipped, name) if name == "NVIDIA H200" else None)
     monkeypatch.setattr(GT, "_CHOICES", {})
     monkeypatch.setattr(GT, "RECORDS", [])
     default = T(32, 32, 32, 4, 1, kernel="v1")
@@ -500,6 +567,7 @@ def test_the_shipped_decisions_are_for_these_kernels():
     for e in data["entries"]:
         cfg = G.TileConfig(*e["config"])
         assert cfg.kernel != "cublas" and (tuple(cfg) in offered or cfg.kernel == "v1"), e
+        assert e.get("arch"), f"{e}: no architecture (a device without decisions cannot take this one)"
         assert e["kernels"] == GT.kernels_digest(), (
             f"{GT.TUNED_FILE.name} was made for other kernels ({e['kernels']}, now {GT.kernels_digest()}): "
             "run tools/gram_tuned_table.py on the GPU it names")

@@ -6,10 +6,11 @@ Tunes every Gram problem the drop-in meets on the package's GPT (``--sizes``, de
 medium; gpt2small's banks are medium's) and the GPT-2-small bank layout of ``python -m anvil_fast.bench optimizer``, with
 ``ANVIL_FAST_TUNE=fresh`` (every key tuned here, none taken from the file), and writes the decisions
 whose choice was bit-identical to v1 (:func:`anvil_fast.kernels.gram_tune.table_entries`) into the
-file, keeping the entries of other devices and Triton versions made for these kernels (an entry made
-for other kernel sources can never match and is dropped). A fresh process on
-the same device, Triton and kernels then compiles one configuration per problem instead of every
-candidate (:mod:`anvil_fast.kernels.gram_tune`).
+file with the device's architecture, keeping the entries of other devices and Triton versions made for
+these kernels (an entry made for other kernel sources can never match and is dropped). A fresh process
+on the same device (or one of the same architecture that has no decision of its own), Triton and
+kernels then compiles one configuration per problem instead of every candidate
+(:mod:`anvil_fast.kernels.gram_tune`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     print(f"GPT-2-small layout: {len(GT.RECORDS)} decisions", flush=True)
     name = torch.cuda.get_device_name(dev)
-    mine = GT.table_entries(GT.RECORDS, name)
+    mine = GT.table_entries(GT.RECORDS, name, GT.device_arch(torch.cuda.get_device_properties(dev)))
     out = Path(a.out) if a.out else GT.TUNED_FILE
     old = json.loads(out.read_text()) if out.is_file() else {"entries": []}
     entries, kept, dropped = merged_entries(old["entries"], mine, GT.kernels_digest())

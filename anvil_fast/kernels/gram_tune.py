@@ -20,7 +20,10 @@ A fresh process compiles every candidate of every new key, which is most of a co
 package therefore ships decisions (:data:`TUNED_FILE`, written by ``tools/gram_tuned_table.py`` on
 the device it names): where the device's name, the Triton version and the kernels' source
 (:func:`kernels_digest`) are those a decision was made with, the choice is taken from there and only
-it compiles. Every shipped choice is a Triton candidate that was bit-identical to v1 where it was
+it compiles. A device with no decision of its own for a key takes one made on a device of the same
+architecture (:func:`device_arch`: compute capability, SM count, shared memory per SM; an H200 and an
+H100 SXM agree on all three): Triton compiles the same code for both, the persistent grids have the same
+size and the tiles fit, so the choice gives the same bits; only its speed was measured elsewhere. Every shipped choice is a Triton candidate that was bit-identical to v1 where it was
 made (never cuBLAS); where every candidate is (all Triton ones on the H200, NOTES.md), a shipped choice
 and a fresh tuning give the same bits. ``ANVIL_FAST_TUNE=fresh`` tunes every key anew. :data:`RECORDS` keeps every decision (the benchmark
 prints it). Every candidate computes fp32 sums of the same bf16 products in the same K order and
@@ -171,45 +174,78 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def _table_key(device_name: str, key: ProblemKey) -> tuple:
-    return (device_name, _triton_version(), kernels_digest(), key.op, key.m, key.n, key.k, key.batch)
+def _problem(key: ProblemKey) -> tuple:
+    return (_triton_version(), kernels_digest(), key.op, key.m, key.n, key.k, key.batch)
 
 
 @functools.lru_cache(maxsize=None)
-def _table(path: str) -> dict:
+def _table(path: str) -> tuple[dict, dict]:
+    """The file's decisions by (device name, problem) and by (architecture, problem); an architecture
+    made on several devices keeps the decision of the first device name in sorted order."""
     p = Path(path)
     if not p.is_file():
-        return {}
-    out = {}
+        return {}, {}
+    by_name, by_arch = {}, {}
     try:
-        for e in json.loads(p.read_text())["entries"]:
+        entries = json.loads(p.read_text())["entries"]
+        for e in sorted(entries, key=lambda e: str(e["device"])):
             cfg = TileConfig(*e["config"])
             if cfg.kernel not in ("ptr", "tma", "v1"):
                 raise ValueError(f"kernel {cfg.kernel!r} (expected ptr, tma or v1)")
-            out[(e["device"], e["triton"], e["kernels"], e["op"], e["m"], e["n"], e["k"], e["batch"])] = cfg
+            problem = (e["triton"], e["kernels"], e["op"], e["m"], e["n"], e["k"], e["batch"])
+            by_name[(e["device"], *problem)] = cfg
+            if e.get("arch"):
+                by_arch.setdefault((e["arch"], *problem), (cfg, e["device"]))
     except (ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
         # the decisions only save time: without them every key is tuned, as with ANVIL_FAST_TUNE=fresh
         warnings.warn(f"{p}: not a table of tuning decisions ({type(exc).__name__}: {exc}); every Gram problem "
                       "is tuned in this process instead", RuntimeWarning, stacklevel=2)
-        return {}
-    return out
+        return {}, {}
+    return by_name, by_arch
+
+
+def device_arch(props) -> str:
+    """What a tuning decision needs of a device to give the same bits there (``props``: what
+    ``torch.cuda.get_device_properties`` returns): the compute capability Triton compiles for, the SM
+    count the persistent grids are sized by, and the shared memory per SM the tiles must fit in."""
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0)
+    return f"sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, {smem} B shared per SM"
 
 
 def _device_name(out: Tensor) -> str | None:
     return torch.cuda.get_device_name(out.device) if out.is_cuda else None
 
 
-def table_choice(key: ProblemKey, device_name: str | None, path: Path | None = None) -> TileConfig | None:
-    """The shipped choice for ``key`` on the device named ``device_name`` with this Triton and these
-    kernels, or None."""
+def _device_arch(out: Tensor) -> str | None:
+    return device_arch(torch.cuda.get_device_properties(out.device)) if out.is_cuda else None
+
+
+def table_decision(key: ProblemKey, device_name: str | None, path: Path | None = None, *,
+                   arch: str | None = None) -> tuple[TileConfig, str] | None:
+    """The shipped choice for ``key`` with this Triton and these kernels and the device it was made
+    on: the one made on the device named ``device_name``, else (given ``arch``) one made on a device
+    of that architecture (module docstring), else None."""
     if device_name is None:
         return None
-    return _table(str(path or TUNED_FILE)).get(_table_key(device_name, key))
+    by_name, by_arch = _table(str(path or TUNED_FILE))
+    problem = _problem(key)
+    cfg = by_name.get((device_name, *problem))
+    if cfg is not None:
+        return cfg, device_name
+    return by_arch.get((arch, *problem)) if arch else None
 
 
-def table_entries(records: list[dict], device_name: str) -> list[dict]:
+def table_choice(key: ProblemKey, device_name: str | None, path: Path | None = None, *,
+                 arch: str | None = None) -> TileConfig | None:
+    """:func:`table_decision`'s choice alone."""
+    got = table_decision(key, device_name, path, arch=arch)
+    return got[0] if got else None
+
+
+def table_entries(records: list[dict], device_name: str, arch: str | None = None) -> list[dict]:
     """The tuned decisions of ``records`` whose choice was bit-identical to v1 there (not shipped ones,
-    not cuBLAS) as :data:`TUNED_FILE` entries, each with its time and v1's on the device that made it."""
+    not cuBLAS) as :data:`TUNED_FILE` entries, each with its time and v1's on the device that made it
+    (and that device's :func:`device_arch`, where given)."""
     out = []
     for r in records:
         cfg, key = r["chosen"], r["key"]
@@ -217,9 +253,10 @@ def table_entries(records: list[dict], device_name: str) -> list[dict]:
         if r.get("source", "tuned") != "tuned" or cfg.kernel == "cublas" or note != "bitwise":
             continue
         v1 = next((t for c, t, _ in r["results"] if c.kernel == "v1"), None)
-        out.append({"device": device_name, "triton": _triton_version(), "kernels": kernels_digest(), "op": key.op,
-                    "m": key.m, "n": key.n, "k": key.k, "batch": key.batch, "config": list(cfg), "us": us,
-                    "v1_us": v1})
+        entry = {"device": device_name, "triton": _triton_version(), "kernels": kernels_digest(), "op": key.op,
+                 "m": key.m, "n": key.n, "k": key.k, "batch": key.batch, "config": list(cfg), "us": us,
+                 "v1_us": v1}
+        out.append(dict(entry, arch=arch) if arch else entry)
     return out
 
 
@@ -350,10 +387,13 @@ def choose(kind: str, key: ProblemKey, launch: Callable[[TileConfig], None], out
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return default  # (a capture: a shipped choice would compile its kernel inside it)
     if table_enabled():
-        shipped = table_choice(key, _device_name(out))
-        if shipped is not None:
+        name = _device_name(out)
+        got = table_decision(key, name, arch=_device_arch(out))
+        if got is not None:
+            shipped, made_on = got
             _CHOICES[key] = shipped
-            RECORDS.append({"kind": kind, "key": key, "results": [], "chosen": shipped, "source": "shipped"})
+            RECORDS.append({"kind": kind, "key": key, "results": [], "chosen": shipped, "source": "shipped",
+                            "made_on": None if made_on == name else made_on})
             return shipped
     best, record = tune(kind, key, launch, out, default)
     record["source"] = "tuned"
@@ -373,7 +413,10 @@ def report_lines() -> list[str]:
     lines = []
     for r in RECORDS:
         base = next((us for c, us, _ in r["results"] if c.kernel == "v1" and us is not None), None)
-        how = " (shipped decision)" if r.get("source") == "shipped" else ""
+        how = ""
+        if r.get("source") == "shipped":
+            how = (f" (shipped decision, made on {r['made_on']}: the same architecture)" if r.get("made_on")
+                   else " (shipped decision)")
         lines.append(f"tune {r['key'].describe()}: chosen {r['chosen'].describe()}{how}")
         for cfg, us, note in r["results"]:
             t = f"{us:8.1f} us" if us is not None else "       -   "
