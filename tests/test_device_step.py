@@ -462,6 +462,7 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
     b = copy.deepcopy(a)
     oa, ob = ANVIL(a), ANVIL(b, cuda_graphs=False)
     assert oa.grad_read == "in_place" and oa.engine.use_graphs and len(oa.engine.lanes) > 1
+    assert oa.engine._status_in_graph and ob.engine._status_in_graph  # the status copy is the graph's
     for opt in (oa, ob):
         opt._sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 20)
     with warnings.catch_warnings(record=True) as caught:
@@ -480,6 +481,41 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
     assert oa.engine.captures == 1 and oa.engine.replays == 8
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(_bits(p), _bits(q))
+
+
+@pytest.mark.gpu
+def test_the_host_status_buffer_is_pinned_takes_a_captured_copy_and_is_unlocked():
+    """The status's host memory (anvil_fast.optim.device_step.host_status_buffer): pinned without
+    torch's host allocator, so an asynchronous copy into it can be a node of a CUDA graph; the copy
+    lands there at each replay; collecting its keeper unlocks it (the driver no longer knows the
+    pointer: unlocking it again fails)."""
+    import gc
+
+    from anvil_fast.optim.device_step import host_status_buffer
+
+    got = host_status_buffer(5, torch.cuda.current_device())
+    assert got is not None
+    host, keeper = got
+    assert host.is_pinned() and host.dtype == torch.int32 and host.numel() == 5
+    src = torch.zeros(5, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (a capture's warm-up: the copy's first launch outside it)
+        src.add_(1)
+        host.copy_(src, non_blocking=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        src.add_(1)
+        host.copy_(src, non_blocking=True)
+    for k in (2, 3):  # (the capture itself runs nothing)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert host.tolist() == [k] * 5
+    ptr = host.data_ptr()
+    del graph, host, got, keeper
+    gc.collect()
+    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
 
 
 @pytest.mark.gpu

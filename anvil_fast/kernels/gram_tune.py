@@ -16,18 +16,19 @@ Tuning never runs while a CUDA graph is being captured (the untuned default runs
 capture helpers warm up first, so real captures see tuned shapes), costs nothing on later calls,
 and is skipped with ``ANVIL_FAST_TUNE=0``.
 
-A fresh process compiles every candidate of every new key, which is most of a cold warm-up; the
-package therefore ships decisions (:data:`TUNED_FILE`, written by ``tools/gram_tuned_table.py`` on
-the device it names): where the device's name, the Triton version and the kernels' source
-(:func:`kernels_digest`) are those a decision was made with, the choice is taken from there and only
-it compiles. A device with no decision of its own for a key takes one made on a device of the same
-architecture (:func:`device_arch`: compute capability, SM count, shared memory per SM; an H200 and an
-H100 SXM agree on all three): Triton compiles the same code for both, the persistent grids have the same
-size and the tiles fit, so the choice gives the same bits; only its speed was measured elsewhere. Every shipped choice is a Triton candidate that was bit-identical to v1 where it was
-made (never cuBLAS); where every candidate is (all Triton ones on the H200, NOTES.md), a shipped choice
-and a fresh tuning give the same bits. ``ANVIL_FAST_TUNE=fresh`` tunes every key anew. :data:`RECORDS` keeps every decision (the benchmark
-prints it). Every candidate computes fp32 sums of the same bf16 products in the same K order and
-rounds once; :data:`RECORDS` also says whether each one was bit-identical to the reference.
+A fresh process compiles every candidate of every new key, which is most of a cold warm-up; the package
+therefore ships decisions (:data:`TUNED_FILE`, written by ``tools/gram_tuned_table.py`` on the device it
+names): where the device's name, the Triton version and the kernels' source (:func:`kernels_digest`) are
+those a decision was made with, the choice is taken from there and only it compiles. A device with no
+decision of its own for a key takes one made on a device of the same architecture (:func:`device_arch`:
+compute capability, SM count, shared memory per SM; the H100 SXM and the H200 are one chip, GH100, with
+132 SMs): Triton compiles the same code for both, the persistent grids have the same size and the tiles
+fit, so the choice gives the same bits; only its speed was measured elsewhere. Every shipped choice is a Triton
+candidate that was bit-identical to v1 where it was made (never cuBLAS); where every candidate is (all
+Triton ones on the H200, NOTES.md), a shipped choice and a fresh tuning give the same bits.
+``ANVIL_FAST_TUNE=fresh`` tunes every key anew. :data:`RECORDS` keeps every decision (the benchmark
+prints it). Every candidate computes fp32 sums of the same bf16 products in the same K order and rounds
+once; :data:`RECORDS` also says whether each one was bit-identical to the reference.
 
 Candidates for the symmetric kernels are square tiles only (the mirrored store needs them); cuBLAS
 is a candidate for ``aX_plus_mm`` alone, because a library Gram or ``A@A`` is not guaranteed to be

@@ -35,8 +35,9 @@ graphs, everything after step 0 is one replay):
    (``in_place``: :func:`anvil_fast.kernels.adam.adam_table_`; ``transient``: one update per
    parameter from its ``.grad``), its rows masked as above.
 5. The status (the counters, the flags of the last refused step, every matrix's guard refusals)
-   copied to pinned host memory. The host reads it at a later step once the device has finished
-   (an event query, never a wait), and then warns: a refused step (non-finite gradient) with a
+   copied to page-locked host memory, inside the step's graph (:func:`host_status_buffer`). The
+   host reads it at a later step once the device has finished (an event query, never a wait), and
+   then warns: a refused step (non-finite gradient) with a
    :class:`~anvil_fast.optim.dropin.NonFiniteGradientWarning`, a refused matrix update with a
    :class:`NonFiniteUpdateWarning` naming its bank and the configuration. ``taken_steps`` and
    ``skipped_steps`` read it with a wait. On the CPU everything is synchronous and the warning
@@ -77,6 +78,47 @@ MAX_LANES = 4
 INBOX_SLOTS = 4
 #: Counters at the head of the status buffer: taken steps, skipped steps.
 COUNTERS = 2
+
+
+def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | None:
+    """``n`` int32 of page-locked host memory a CUDA graph on device ``device_index`` may copy into,
+    and what keeps it alive; None where the driver refuses to lock it.
+
+    Why not ``torch.zeros(pin_memory=True)``: torch's caching host allocator records an event on
+    every asynchronous copy into its blocks, and a capture cannot hold that record, so the status copy
+    would have to be launched after each replay (a second launch and its dispatch, host time on every
+    step). An anonymous page-aligned mapping locked with ``cudaHostRegister`` is pinned memory the
+    allocator does not own: the copy becomes a node of the step's graph. The mapping is unlocked
+    after the device has finished, when the returned keeper is collected."""
+    import mmap
+    import weakref
+
+    size = max(mmap.PAGESIZE, -(-4 * n // mmap.PAGESIZE) * mmap.PAGESIZE)
+    mem = mmap.mmap(-1, size)
+    arr = np.frombuffer(mem, dtype=np.int32, count=n)
+    ptr = arr.ctypes.data
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    except (AttributeError, RuntimeError):  # a torch without the binding
+        return None
+    if int(err) != 0:
+        return None
+
+    class _Keeper:
+        pass
+
+    keeper = _Keeper()
+
+    def _unlock(ptr=ptr, mem=mem) -> None:  # (mem: the mapping lives until its pages are unlocked)
+        try:
+            torch.cuda.synchronize(device_index)  # a replay still in flight may be writing into it
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:  # noqa: BLE001  (at interpreter exit the driver may be gone before us)
+            pass
+
+    weakref.finalize(keeper, _unlock)
+    keeper.array = arr
+    return torch.from_numpy(arr), keeper
 
 
 class NonFiniteUpdateWarning(RuntimeWarning):
@@ -284,8 +326,17 @@ class DeviceStep:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.replays = self.captures = 0
-        self._status_host = torch.zeros(self.status.shape, dtype=torch.int32, pin_memory=pin)
+        # where the driver locks a mapping, the status copy is the graph's last node; else it is launched
+        # after each replay into torch's pinned memory
+        self._device_index = (dev.index if dev.index is not None else torch.cuda.current_device()) if pin else None
+        locked = host_status_buffer(self.status.numel(), self._device_index) if pin else None
+        self._status_in_graph = locked is not None
+        if locked is not None:
+            self._status_host, self._status_keeper = locked
+        else:
+            self._status_host = torch.zeros(self.status.shape, dtype=torch.int32, pin_memory=pin)
         self._status_event = torch.cuda.Event() if pin else None
+        self._event_stream: tuple | None = None  # (current stream's id triple, its Stream object)
         self._status_np = self.status.numpy() if not pin else None  # a view: the CPU's status is the host's
         self._status_host_np = self._status_host.numpy()
         self._status_pending = False
@@ -549,6 +600,8 @@ class DeviceStep:
                                self.adam_lr_mul, self.adam_wd_mul, self.inactive_row, self.gather, self.record,
                                len(self.banks), self.n_mat, self.lean)
         self.update_banks(then=self.update_adam)  # Adam on the main stream while the lanes run
+        if self._status_in_graph:
+            self._status_host.copy_(self.status, non_blocking=True)
 
     def update_adam(self) -> None:
         inner = self.inner
@@ -620,12 +673,21 @@ class DeviceStep:
             self._grads = []  # the step holds no gradient past itself (zero_grad(set_to_none=True) frees them)
         self.attempted += 1
         if self.cuda:
-            # outside the graph: a pinned copy inside a capture would record the host allocator's
-            # event there; this is one more launch, never a wait
-            self._status_host.copy_(self.status, non_blocking=True)
-            self._status_event.record()
+            if not self._status_in_graph:
+                # outside the graph: a copy into the host allocator's memory would record its event
+                # inside the capture; this is one more launch, never a wait
+                self._status_host.copy_(self.status, non_blocking=True)
+            self._status_event.record(self._current_stream())
             self._status_pending = True
         return True
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The current stream, as a Stream object made once per stream: ``Event.record()`` without
+        one builds a new Stream object on every call, most of the record's host time."""
+        ident = torch._C._cuda_getCurrentStream(self._device_index)
+        if self._event_stream is None or self._event_stream[0] != ident:
+            self._event_stream = (ident, torch.cuda.current_stream(self._device_index))
+        return self._event_stream[1]
 
     # ------------------------------------------------------------------ the status
     def read_status(self, wait: bool) -> np.ndarray | None:
