@@ -453,16 +453,23 @@ def test_adam_table_kernel_is_the_per_parameter_kernel(triton_dev):
 
 # ----------------------------------------------------------------------------------------------- the GPU
 @pytest.mark.gpu
-def test_graphed_in_place_step_is_the_eager_step_and_one_replay():
+@pytest.mark.parametrize("locked", [True, False], ids=["status_in_graph", "status_after_replay"])
+def test_graphed_in_place_step_is_the_eager_step_and_one_replay(locked, monkeypatch):
     """On CUDA: the captured step (one replay, banks on side streams) equals the eager device part
     bit for bit over steps with a scheduler, a NaN step and a member without a gradient; the NaN
-    warning arrives at a later step or when skipped_steps is read."""
+    warning arrives at a later step or when skipped_steps is read. Both ways of bringing the status
+    to the host: copied by the graph into memory the driver locked, and (where it refuses) copied
+    after each replay into torch's pinned memory."""
+    from anvil_fast.optim import device_step
+
+    if not locked:
+        monkeypatch.setattr(device_step, "host_status_buffer", lambda n, device_index: None)
     torch.manual_seed(0)
     a = gpt.build("tiny").cuda()
     b = copy.deepcopy(a)
     oa, ob = ANVIL(a), ANVIL(b, cuda_graphs=False)
     assert oa.grad_read == "in_place" and oa.engine.use_graphs and len(oa.engine.lanes) > 1
-    assert oa.engine._status_in_graph and ob.engine._status_in_graph  # the status copy is the graph's
+    assert oa.engine._status_in_graph == ob.engine._status_in_graph == locked
     for opt in (oa, ob):
         opt._sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 20)
     with warnings.catch_warnings(record=True) as caught:
