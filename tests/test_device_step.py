@@ -490,14 +490,47 @@ def test_graphed_in_place_step_is_the_eager_step_and_one_replay(locked, monkeypa
         assert torch.equal(_bits(p), _bits(q))
 
 
+def test_the_host_status_buffer_is_locked_once_and_unlocked_after_its_keeper_goes(monkeypatch):
+    """host_status_buffer's bookkeeping with a stand-in for the CUDA runtime (the GPU test below has the
+    driver): one page-aligned lock per buffer; a collected keeper's mapping waits, still locked, and the
+    next buffer's making syncs the device and unlocks it; a refused lock gives None (the step then
+    copies after each replay)."""
+    import gc
+    from types import SimpleNamespace
+
+    from anvil_fast.optim import device_step
+
+    calls = []
+    runtime = SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("lock", ptr, size)) or 0,
+                              cudaHostUnregister=lambda ptr: calls.append(("unlock", ptr)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    monkeypatch.setattr(device_step, "_RETIRED", [])
+    host, keeper = device_step.host_status_buffer(3000, 1)
+    ptr = host.data_ptr()
+    assert host.numel() == 3000 and host.dtype == torch.int32 and host.tolist() == [0] * 3000
+    assert calls == [("lock", ptr, 3 * 4096)] and ptr % 4096 == 0
+    host[:] = 7  # (the memory is the process's own)
+    del host, keeper
+    gc.collect()
+    assert [r[:2] for r in device_step._RETIRED] == [(1, ptr)] and calls[-1][0] == "lock"
+    other, _keeper = device_step.host_status_buffer(1, 1)
+    assert calls[1:] == [("sync", 1), ("unlock", ptr), ("lock", other.data_ptr(), 4096)]
+    assert device_step._RETIRED == []
+    runtime.cudaHostRegister = lambda ptr, size, flags: 2  # (cudaErrorMemoryAllocation)
+    assert device_step.host_status_buffer(4, 1) is None
+
+
 @pytest.mark.gpu
 def test_the_host_status_buffer_is_pinned_takes_a_captured_copy_and_is_unlocked():
     """The status's host memory (anvil_fast.optim.device_step.host_status_buffer): pinned without
     torch's host allocator, so an asynchronous copy into it can be a node of a CUDA graph; the copy
-    lands there at each replay; collecting its keeper unlocks it (the driver no longer knows the
-    pointer: unlocking it again fails)."""
+    lands there at each replay; once its keeper is collected, the next buffer's making unlocks it
+    (never the collection itself, which may fall inside a capture)."""
     import gc
+    from types import SimpleNamespace
 
+    from anvil_fast.optim import device_step
     from anvil_fast.optim.device_step import host_status_buffer
 
     got = host_status_buffer(5, torch.cuda.current_device())
@@ -522,7 +555,17 @@ def test_the_host_status_buffer_is_pinned_takes_a_captured_copy_and_is_unlocked(
     ptr = host.data_ptr()
     del graph, host, got, keeper
     gc.collect()
-    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
+    assert ptr in [r[1] for r in device_step._RETIRED]  # (with any other step collected here)
+    # the unlock goes through a stand-in for the binding that records the driver's answer (0: it knew
+    # the pointer as locked)
+    cudart, unlocked = torch.cuda.cudart(), []
+    stand_in = SimpleNamespace(cudaHostRegister=cudart.cudaHostRegister,
+                               cudaHostUnregister=lambda p: unlocked.append((p, int(cudart.cudaHostUnregister(p)))))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "cudart", lambda: stand_in)
+        again = host_status_buffer(5, torch.cuda.current_device())
+    assert (ptr, 0) in unlocked and all(code == 0 for _, code in unlocked)
+    assert device_step._RETIRED == [] and again is not None
 
 
 @pytest.mark.gpu

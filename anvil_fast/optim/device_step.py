@@ -80,6 +80,19 @@ INBOX_SLOTS = 4
 COUNTERS = 2
 
 
+#: Locked status mappings whose step is gone, as (device index, address, mapping): unlocked at the next
+#: :func:`host_status_buffer` call, after a device sync. Not when collected: a collection may fall inside
+#: a CUDA graph capture, where the sync would invalidate it.
+_RETIRED: list[tuple[int, int, object]] = []
+
+
+def _unlock_retired() -> None:
+    while _RETIRED:
+        device_index, ptr, _mapping = _RETIRED.pop()
+        torch.cuda.synchronize(device_index)  # a replay still in flight may be writing into it
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | None:
     """``n`` int32 of page-locked host memory a CUDA graph on device ``device_index`` may copy into,
     and what keeps it alive; None where the driver refuses to lock it.
@@ -88,11 +101,12 @@ def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | Non
     every asynchronous copy into its blocks, and a capture cannot hold that record, so the status copy
     would have to be launched after each replay (a second launch and its dispatch, host time on every
     step). An anonymous page-aligned mapping locked with ``cudaHostRegister`` is pinned memory the
-    allocator does not own: the copy becomes a node of the step's graph. The mapping is unlocked
-    after the device has finished, when the returned keeper is collected."""
+    allocator does not own: the copy becomes a node of the step's graph. Once the returned keeper is
+    collected, the mapping waits in :data:`_RETIRED` for the next call, which unlocks it."""
     import mmap
     import weakref
 
+    _unlock_retired()
     size = max(mmap.PAGESIZE, -(-4 * n // mmap.PAGESIZE) * mmap.PAGESIZE)
     mem = mmap.mmap(-1, size)
     arr = np.frombuffer(mem, dtype=np.int32, count=n)
@@ -108,16 +122,9 @@ def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | Non
         pass
 
     keeper = _Keeper()
-
-    def _unlock(ptr=ptr, mem=mem) -> None:  # (mem: the mapping lives until its pages are unlocked)
-        try:
-            torch.cuda.synchronize(device_index)  # a replay still in flight may be writing into it
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        except Exception:  # noqa: BLE001  (at interpreter exit the driver may be gone before us)
-            pass
-
-    weakref.finalize(keeper, _unlock)
     keeper.array = arr
+    # (the mapping, held here, outlives its lock; list.append is safe inside a collection)
+    weakref.finalize(keeper, _RETIRED.append, (device_index, ptr, mem))
     return torch.from_numpy(arr), keeper
 
 
@@ -682,8 +689,8 @@ class DeviceStep:
         return True
 
     def _current_stream(self) -> torch.cuda.Stream:
-        """The current stream, as a Stream object made once per stream: ``Event.record()`` without
-        one builds a new Stream object on every call, most of the record's host time."""
+        """The current stream, as a Stream object made once per stream (``Event.record()`` without
+        one builds a new one on every call: host time on every step)."""
         ident = torch._C._cuda_getCurrentStream(self._device_index)
         if self._event_stream is None or self._event_stream[0] != ident:
             self._event_stream = (ident, torch.cuda.current_stream(self._device_index))
