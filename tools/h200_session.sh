@@ -103,6 +103,9 @@ print('bytecode cache of', f, 'exists' if os.path.exists(c) else 'missing', '- i
   # the copied tree's commit is the caller's to give (ANVIL_COMMIT=<hash> in the call): git inside the copy
   # may answer with another commit than the tree's (tools that record a commit read ANVIL_COMMIT first)
   echo "ANVIL_COMMIT ${ANVIL_COMMIT:-not given}; git in this copy: $(git rev-parse HEAD 2>/dev/null || echo none)"
+  # the architecture the Gram kernels' shipped decisions are matched by (a device without its own takes these)
+  python3 -c "import torch; from anvil_fast.kernels.gram_tune import device_arch
+print('device_arch', device_arch(torch.cuda.get_device_properties(0)))"
   # the peers' sources carried (tools/peers_bundle.sh): which dion, which wheels
   cat .peers/dion/REVISION 2>/dev/null; ls .whl .gns 2>/dev/null | grep -h '\.whl$'; } 2>&1 | tee "$OUT/env.txt"
 for stage in ${STAGES:-suite bench}; do
