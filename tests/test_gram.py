@@ -442,15 +442,16 @@ def test_a_shipped_decision_is_taken_only_for_its_device_triton_and_kernels(tmp_
     assert len(entries) == 1 and entries[0]["us"] == 10.0 and entries[0]["v1_us"] == 20.0
     path = tmp_path / "gram_tuned.json"
     path.write_text(json.dumps({"generated_by": "a test", "entries": entries}))
-    assert GT.table_choice(key, "NVIDIA H200", path) == cfg
-    assert GT.table_choice(key._replace(device=3), "NVIDIA H200", path) == cfg  # the index is not part of it
-    assert GT.table_choice(key, "NVIDIA H100 80GB HBM3", path) is None
-    assert GT.table_choice(key._replace(batch=12), "NVIDIA H200", path) is None
-    assert GT.table_choice(key, None, path) is None
+    assert GT.table_decision(key, "NVIDIA H200", path) == (cfg, "NVIDIA H200")
+    # the index is not part of it
+    assert GT.table_decision(key._replace(device=3), "NVIDIA H200", path) == (cfg, "NVIDIA H200")
+    assert GT.table_decision(key, "NVIDIA H100 80GB HBM3", path) is None
+    assert GT.table_decision(key._replace(batch=12), "NVIDIA H200", path) is None
+    assert GT.table_decision(key, None, path) is None
     for field, other in (("triton", "0.0.1"), ("kernels", "0" * 16)):
         stale = tmp_path / f"stale_{field}.json"
         stale.write_text(json.dumps({"entries": [dict(entries[0], **{field: other})]}))
-        assert GT.table_choice(key, "NVIDIA H200", stale) is None
+        assert GT.table_decision(key, "NVIDIA H200", stale) is None
 
 
 def test_a_device_without_decisions_takes_those_of_its_architecture(tmp_path, monkeypatch):
@@ -478,7 +479,6 @@ def test_a_device_without_decisions_takes_those_of_its_architecture(tmp_path, mo
     # none of its own: the first device name of its architecture, in sorted order
     assert GT.table_decision(other, "NVIDIA H200", path, arch=hopper) == (h100, "NVIDIA H100 80GB HBM3")
     assert GT.table_decision(key, "NVIDIA GH200", path, arch=hopper) == (h100, "NVIDIA H100 80GB HBM3")
-    assert GT.table_choice(other, "NVIDIA H200", path, arch=hopper) == h100
     # another architecture, no architecture, or an entry that names none: tuned here
     assert GT.table_decision(other, "NVIDIA A100", path, arch=ampere) is None
     assert GT.table_decision(other, "NVIDIA H200", path) is None
@@ -583,7 +583,7 @@ def test_a_broken_decisions_file_warns_and_every_key_is_tuned(tmp_path, text):
     path = tmp_path / "gram_tuned.json"
     path.write_text(text)
     with pytest.warns(RuntimeWarning, match="not a table of tuning decisions"):
-        assert GT.table_choice(GT.ProblemKey("XXT", 768, 768, 256, 6, 0), "NVIDIA H200", path) is None
+        assert GT.table_decision(GT.ProblemKey("XXT", 768, 768, 256, 6, 0), "NVIDIA H200", path) is None
 
 
 @pytest.mark.parametrize("kernel,per_sm", [("ptr", 0), ("ptr", 2), ("tma", 0), ("tma", 2)])

@@ -236,13 +236,6 @@ def table_decision(key: ProblemKey, device_name: str | None, path: Path | None =
     return by_arch.get((arch, *problem)) if arch else None
 
 
-def table_choice(key: ProblemKey, device_name: str | None, path: Path | None = None, *,
-                 arch: str | None = None) -> TileConfig | None:
-    """:func:`table_decision`'s choice alone."""
-    got = table_decision(key, device_name, path, arch=arch)
-    return got[0] if got else None
-
-
 def table_entries(records: list[dict], device_name: str, arch: str | None = None) -> list[dict]:
     """The tuned decisions of ``records`` whose choice was bit-identical to v1 there (not shipped ones,
     not cuBLAS) as :data:`TUNED_FILE` entries, each with its time and v1's on the device that made it

@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,7 +95,14 @@ def _unlock_retired() -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | None:
+class _Keeper:
+    """What keeps a :func:`host_status_buffer` alive: its collection retires the mapping."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, _Keeper] | None:
     """``n`` int32 of page-locked host memory a CUDA graph on device ``device_index`` may copy into,
     and what keeps it alive; None where the driver refuses to lock it.
 
@@ -103,9 +112,6 @@ def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | Non
     step). An anonymous page-aligned mapping locked with ``cudaHostRegister`` is pinned memory the
     allocator does not own: the copy becomes a node of the step's graph. Once the returned keeper is
     collected, the mapping waits in :data:`_RETIRED` for the next call, which unlocks it."""
-    import mmap
-    import weakref
-
     _unlock_retired()
     size = max(mmap.PAGESIZE, -(-4 * n // mmap.PAGESIZE) * mmap.PAGESIZE)
     mem = mmap.mmap(-1, size)
@@ -118,11 +124,7 @@ def host_status_buffer(n: int, device_index: int) -> tuple[Tensor, object] | Non
     if int(err) != 0:
         return None
 
-    class _Keeper:
-        pass
-
-    keeper = _Keeper()
-    keeper.array = arr
+    keeper = _Keeper(arr)
     # (the mapping, held here, outlives its lock; list.append is safe inside a collection)
     weakref.finalize(keeper, _RETIRED.append, (device_index, ptr, mem))
     return torch.from_numpy(arr), keeper
