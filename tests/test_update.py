@@ -210,3 +210,93 @@ def test_fast_update_equalizer_bad_input():
     with pytest.raises(ValueError, match="int32 verdicts"):
         sign_aligned_update(w, None, v, gate=gate, **rates, equalizer=SimpleNamespace(gain=work.gain, ok=work.ok.bool()),
                             red_dim=-1)
+
+
+# The Triton update kernel (fused=True, SAFE where Triton runs) against the torch functions it replaces, bit for
+# bit: in the interpreter (NumPy, one rounding per operation) against the eager functions; on CUDA against their
+# torch.compile form, which is what it replaces there (both let the compiler contract a multiply into the next
+# subtraction). Every storage form, with and without the equalizer's gains and the active mask, on shapes that
+# leave partial tiles, with the values that break a careless bit form: signed zeros, subnormals, infinities, NaN,
+# products that round at bf16 ties or overflow.
+
+def _update_case(shape, seed, device):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    chunk, rows, cols = shape
+    w = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-130, 100, shape, generator=g).float())
+    gate = torch.randn(shape, generator=g)
+    flat_w, flat_gate = w.view(-1), gate.view(-1)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-42, -1e-42, 3.4e38])
+    flat_w[:8], flat_gate[8:16] = specials, specials
+    flat_gate[16:24] = 0.0
+    u = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-140, 120, shape, generator=g).float()))
+    rates = dict(eff_lr=torch.rand((chunk, 1, 1), generator=g) * 0.05, eff_wd=torch.tensor(0.7))
+    active = torch.tensor([1, 0, 1][:chunk], dtype=torch.int32).reshape(chunk, 1, 1)
+    return tuple(t.to(device) for t in (w, gate, u, active)), {k: t.to(device) for k, t in rates.items()}
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 200), (3, 16, 128), (2, 5, 3)], ids=["partial", "whole", "tiny"])
+@pytest.mark.parametrize("master", ["fp32", "bf16+mantissa"])
+@pytest.mark.parametrize("extras", ["plain", "active", "equalizer", "fp32-update"])
+def test_triton_update_writes_the_torch_functions_bits(shape, master, extras, triton_dev):
+    import torch
+    from types import SimpleNamespace
+
+    from anvil_fast.kernels.update import sign_aligned_update, split_fp32_
+
+    (w, gate, u, active), rates = _update_case(shape, seed=sum(shape), device=triton_dev)
+    kw = dict(gate=gate, **rates)
+    if extras == "active":
+        kw["active"] = active
+    if extras == "fp32-update":
+        u = u.float()
+    else:
+        u = u.bfloat16()
+    if extras == "equalizer":
+        chunk, rows, cols = shape
+        red_dim = -1 if rows >= cols else -2
+        lanes = rows if red_dim == -1 else cols
+        gain = (torch.rand((chunk, lanes), generator=torch.Generator().manual_seed(5)) * 4).bfloat16().to(triton_dev)
+        ok = torch.tensor([1, 0, 1][:chunk], dtype=torch.int32, device=triton_dev)
+        u[1].view(-1)[:2] = torch.tensor([float("nan"), float("inf")], device=triton_dev)  # refused: no NaN through
+        kw.update(equalizer=SimpleNamespace(gain=gain, ok=ok), red_dim=red_dim)
+    compiled = triton_dev == "cuda"
+    if compiled:
+        torch._dynamo.reset()
+    if master == "fp32":
+        a, b = w.clone(), w.clone()
+        sign_aligned_update(a, None, u, **kw, fused=True, backend="triton")
+        sign_aligned_update(b, None, u, **kw, fused=False, compile=compiled)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert not torch.equal(a.view(torch.int32), w.view(torch.int32))
+    else:
+        pa, ma = (torch.empty(shape, dtype=dt, device=triton_dev) for dt in (torch.bfloat16, torch.uint16))
+        split_fp32_(w, pa, ma)
+        pb, mb, p0, m0 = pa.clone(), ma.clone(), pa.clone(), ma.clone()
+        sign_aligned_update(pa, ma, u, **kw, fused=True, backend="triton")
+        sign_aligned_update(pb, mb, u, **kw, fused=False, compile=compiled)
+        assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)) and torch.equal(ma, mb)
+        assert not (torch.equal(pa.view(torch.int16), p0.view(torch.int16)) and torch.equal(ma, m0))
+    if extras == "active":  # matrix 1 is inactive: its master kept bit for bit
+        got = a[1] if master == "fp32" else torch.stack([pa[1].view(torch.int16), ma[1].view(torch.int16)])
+        want = w[1] if master == "fp32" else torch.stack([p0[1].view(torch.int16), m0[1].view(torch.int16)])
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_triton_update_falls_back_where_its_kernel_does_not_fit():
+    # a non-contiguous parameter runs the torch functions (same values), never a wrong stride in the kernel
+    import torch
+
+    from anvil_fast.kernels import update as F
+
+    (w, gate, u, _), rates = _update_case((3, 16, 40), seed=2, device="cpu")
+    base = torch.zeros(3, 40, 16)
+    p = base.transpose(1, 2)
+    p.copy_(w)
+    q = w.clone()
+    F.sign_aligned_update(p, None, u.bfloat16(), gate=gate, **rates, fused=True)  # auto: CPU tensors run torch
+    F.sign_aligned_update(q, None, u.bfloat16(), gate=gate, **rates)
+    assert torch.equal(p.contiguous().view(torch.int32), q.view(torch.int32))
+    assert not F._fusable(p, None, u.bfloat16(), gate, rates["eff_lr"], rates["eff_wd"], None)
+    assert F._fusable(q, None, u.bfloat16(), gate, rates["eff_lr"], rates["eff_wd"], None)

@@ -16,8 +16,9 @@ The update, in the seed's order::
     cascade           normalization + Gram kernels + maps on the workspace (Triton; FAITHFUL: compiled normalize)
     equalize          lane-energy equalizer (+ guard in SAFE)            (SAFE: Triton, its gains applied by
                                                                         the update; FAITHFUL: compiled)
-    decay + update    sign-aligned decay on the fp32 master             (compiled; in place: the float32
-                                                                        parameter, or bf16 p + mantissa)
+    decay + update    sign-aligned decay on the fp32 master             (SAFE: Triton; FAITHFUL: compiled;
+                                                                        in place: the float32 parameter,
+                                                                        or bf16 p + mantissa)
 
 On a machine without CUDA or Triton the same code runs with plain-torch kernels, eagerly (see
 :mod:`anvil_fast.kernels.gram` and :mod:`anvil_fast.kernels.compiled`).
@@ -229,4 +230,5 @@ def equalize_and_update(bank: AnvilBank, v: Tensor, ws: CascadeWorkspace, *, bac
     # 4. Sign-aligned decay + update on the fp32 master, gated on the slow rail after this step
     sign_aligned_update(bank.p_slice, bank.mantissa, v, gate=bank.velocity[1], eff_lr=bank.eff_lr,
                         eff_wd=bank.eff_wd, active=None if active is None else active.reshape(-1, 1, 1),
-                        equalizer=ws.equalizer if defer else None, red_dim=bank.red_dim, compile=compile)
+                        equalizer=ws.equalizer if defer else None, red_dim=bank.red_dim, compile=compile,
+                        fused=cfg.triton_elementwise, backend=backend)

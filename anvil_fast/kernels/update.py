@@ -24,6 +24,18 @@ arithmetic that both devices implement and that cannot overflow::
 ``raw`` is the two's-complement int32 whose bits are ``(p << 16) | mantissa``; viewing it as float32
 gives the master. Tests check it against :func:`anvil_ref.storage.join_fp32` / ``split_fp32`` on all
 16-bit halves that matter (signs, zeros, subnormals, infinities, NaN payloads).
+
+Two implementations of the same operations, chosen by ``fused``:
+
+* ``fused=False``: the functions below through torch.compile (the FAITHFUL configuration, as the seed).
+* ``fused=True`` (the SAFE configuration) where Triton runs: :func:`_update_kernel`, one program per
+  tile of one matrix. Why a hand-written kernel for an element-wise pass Inductor fuses well: it is the
+  step's only torch.compile'd function, so with it the drop-in's first step never imports or runs
+  Dynamo and Inductor (their import, tracing, code generation and one compile per bank shape); the
+  kernel takes the shape as arguments and compiles once per storage form. It writes the same bits:
+  the same fp32 operations in the same order, the joins, splits and the bf16 rounding on the bits,
+  and the compiler's contraction of a multiply into the following subtraction left on, as Inductor
+  leaves it (``enable_fp_fusion``); the tests compare both forms bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +45,16 @@ import sys
 import torch
 from torch import Tensor
 
+from .backend import matrix_slices, triton_available, use_triton
 from .compiled import maybe_compiled, want_compile
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .backend import from_bf16
+else:  # pragma: no cover - exercised only where triton is absent
+    triton = None
 
 
 def join_fp32(p16: Tensor, m16: Tensor) -> Tensor:
@@ -137,6 +158,93 @@ def _sign_aligned_decay_update_fp32(w32: Tensor, update: Tensor, wd_tensor: Tens
     w32.copy_(w_new if active is None else torch.where(active != 0, w_new, w32))
 
 
+
+#: Rows x columns of one matrix per program of :func:`_update_kernel` (2048 elements, 16 per thread at
+#: 4 warps: 16-byte loads of the 16-bit halves along a row, and the lane index is the tile's own row or
+#: column, no division per element).
+_TILE_ROWS, _TILE_COLS, _UPDATE_WARPS = 16, 128, 4
+
+if triton is not None:
+
+    @triton.jit
+    def _update_kernel(p_ptr, m_ptr, u_ptr, gate_ptr, lr_ptr, wd_ptr, act_ptr, gain_ptr, ok_ptr, rows, cols,
+                       col_tiles, MANTISSA: tl.constexpr, U_BF16: tl.constexpr, ACTIVE: tl.constexpr,
+                       EQ: tl.constexpr, LANE_IS_ROW: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+        # The expressions of _sign_aligned_decay_update(_fp32) with _equalized, in their order.
+        t = tl.program_id(0)
+        c = tl.program_id(1).to(tl.int64)
+        r = (t // col_tiles) * TR + tl.arange(0, TR)
+        k = (t % col_tiles) * TC + tl.arange(0, TC)
+        m = (r[:, None] < rows) & (k[None, :] < cols)
+        off = c * rows * cols + r.to(tl.int64)[:, None] * cols + k[None, :]
+        if MANTISSA:
+            # join_fp32: the int16 halves as the int32 pattern (p << 16) | mantissa
+            hi = tl.load(p_ptr + off, mask=m, other=0).to(tl.int32)
+            lo = tl.load(m_ptr + off, mask=m, other=0).to(tl.int32)
+            w = (hi * 65536 + (lo & 0xFFFF)).to(tl.float32, bitcast=True)
+        else:
+            w = tl.load(p_ptr + off, mask=m, other=0.0)
+        if U_BF16:
+            u = from_bf16(tl.load(u_ptr + off, mask=m, other=0.0), True)
+        else:
+            u = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if EQ:
+            # _equalized: bf16(u * gain[lane]) on the bits where the guard passed, else 0
+            if LANE_IS_ROW:
+                lane = r[:, None]
+                lanes = rows
+            else:
+                lane = k[None, :]
+                lanes = cols
+            g = from_bf16(tl.load(gain_ptr + c * lanes + lane, mask=m, other=0.0), True)
+            bits = (u * g).to(tl.int32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+            ok = tl.load(ok_ptr + c) != 0
+            u = tl.where(ok, bits.to(tl.float32, bitcast=True), 0.0)
+        gate = tl.load(gate_ptr + off, mask=m, other=0.0)
+        lr = tl.load(lr_ptr + c)
+        wd = tl.load(wd_ptr)
+        aligned = (gate * w >= 0).to(tl.float32)
+        w_new = w - w * aligned * wd * lr - u * lr
+        if ACTIVE:
+            w_new = tl.where(tl.load(act_ptr + c) != 0, w_new, w)
+        if MANTISSA:
+            # split_fp32: the high half (arithmetic shift) and the low half (int32 -> int16 keeps the low bits)
+            raw = w_new.to(tl.int32, bitcast=True)
+            tl.store(p_ptr + off, (raw >> 16).to(tl.int16), mask=m)
+            tl.store(m_ptr + off, raw.to(tl.int16), mask=m)
+        else:
+            tl.store(p_ptr + off, w_new, mask=m)
+
+
+def _fusable(p: Tensor, mantissa: Tensor | None, update: Tensor, gate: Tensor, eff_lr: Tensor, eff_wd: Tensor,
+             active: Tensor | None) -> bool:
+    """Whether :func:`_update_kernel` takes these tensors: [chunk, rows, cols] contiguous, a bf16 or
+    fp32 update, fp32 gate and rates on the parameter's device, an int32 ``active``. Anything else runs
+    the compiled functions (same values)."""
+    ts = [p, update, gate, eff_lr, eff_wd] + [t for t in (mantissa, active) if t is not None]
+    return (p.dim() == 3 and all(t.is_contiguous() and t.device == p.device for t in ts)
+            and update.dtype in (torch.bfloat16, torch.float32) and gate.dtype == torch.float32
+            and eff_lr.dtype == torch.float32 and eff_lr.numel() == p.shape[0]
+            and eff_wd.dtype == torch.float32 and eff_wd.numel() == 1
+            and (active is None or (active.dtype == torch.int32 and active.numel() == p.shape[0])))
+
+
+def _update_fused(p: Tensor, m16: Tensor | None, update: Tensor, gate: Tensor, eff_lr: Tensor, eff_wd: Tensor,
+                  active: Tensor | None, gain: Tensor | None = None, ok: Tensor | None = None,
+                  lanes_are_rows: bool = True) -> None:
+    chunk, rows, cols = p.shape
+    col_tiles = triton.cdiv(cols, _TILE_COLS)
+    tiles = triton.cdiv(rows, _TILE_ROWS) * col_tiles
+    for s, e in matrix_slices(chunk):
+        _update_kernel[(tiles, e - s)](
+            p[s:e], p[s:e] if m16 is None else m16[s:e], update[s:e], gate[s:e], eff_lr.reshape(-1)[s:e], eff_wd,
+            p if active is None else active.reshape(-1)[s:e], p if gain is None else gain[s:e],
+            p if ok is None else ok[s:e], rows, cols, col_tiles, MANTISSA=m16 is not None,
+            U_BF16=update.dtype == torch.bfloat16, ACTIVE=active is not None, EQ=gain is not None,
+            LANE_IS_ROW=lanes_are_rows, TR=_TILE_ROWS, TC=_TILE_COLS, num_warps=_UPDATE_WARPS)
+
+
 def _int16_view(t: Tensor, name: str) -> Tensor:
     if t.dtype not in (torch.bfloat16, torch.uint16, torch.int16, torch.float16):
         raise ValueError(f"{name}: expected a 16-bit tensor (bf16 parameter / uint16 mantissa), got {t.dtype}")
@@ -145,7 +253,7 @@ def _int16_view(t: Tensor, name: str) -> Tensor:
 
 def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, gate: Tensor, eff_lr: Tensor,
                         eff_wd: Tensor, active: Tensor | None = None, equalizer=None, red_dim: int | None = None,
-                        compile: bool | None = None) -> None:
+                        compile: bool | None = None, fused: bool = False, backend: str = "auto") -> None:
     """:func:`anvil_ref.update.sign_aligned_update` in place on the fp32 master ``W``:
     ``W' = W - W*[gate*W >= 0]*eff_wd*eff_lr - update*eff_lr``. The master is either ``p`` itself
     (a float32 parameter slice, ``mantissa=None``) or the pair ``p`` (the bf16 parameter slice, or
@@ -161,19 +269,26 @@ def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, g
     bf16 cascade output and the update applied is ``bf16(update * gain[lane])`` where the guard passed
     and 0 where it did not, the same values the equalizer's own application writes; ``red_dim`` is the
     equalization's reduction axis (lanes are rows for -1, columns for -2). Why here: the update reads
-    every element of ``update`` anyway, so the application costs no pass of its own over it."""
+    every element of ``update`` anyway, so the application costs no pass of its own over it.
+
+    ``fused``: :func:`_update_kernel` where Triton runs (:func:`anvil_fast.kernels.backend.use_triton`
+    with ``backend``) and the tensors suit it (contiguous, fp32 gate and rates, a bf16 or fp32
+    update), else the compiled functions; both write the same bits (module docstring)."""
     if p.shape != update.shape or p.shape != gate.shape or (mantissa is not None and p.shape != mantissa.shape):
         raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa "
                          f"{None if mantissa is None else tuple(mantissa.shape)}, update {tuple(update.shape)}, "
                          f"gate {tuple(gate.shape)}")
     eq = {} if equalizer is None else _equalizer_args(update, equalizer, red_dim)
+    if mantissa is None and p.dtype != torch.float32:
+        raise ValueError(f"p: without a mantissa the master must be the float32 parameter itself, got {p.dtype}")
+    p16, m16 = (p, None) if mantissa is None else (_int16_view(p, "p"), _int16_view(mantissa, "mantissa"))
+    if fused and use_triton(p, backend) and _fusable(p16, m16, update, gate, eff_lr, eff_wd, active):
+        _update_fused(p16, m16, update, gate, eff_lr, eff_wd, active, **eq)
+        return
     c = want_compile(compile, p)
     if mantissa is None:
-        if p.dtype != torch.float32:
-            raise ValueError(f"p: without a mantissa the master must be the float32 parameter itself, got {p.dtype}")
         maybe_compiled(_sign_aligned_decay_update_fp32, c)(p, update, eff_wd, eff_lr, gate, active, **eq)
         return
-    p16, m16 = _int16_view(p, "p"), _int16_view(mantissa, "mantissa")
     maybe_compiled(_sign_aligned_decay_update, c)(p16, m16, update, eff_wd, eff_lr, gate, active, **eq)
 
 
