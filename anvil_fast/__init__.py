@@ -48,7 +48,8 @@ module                         concept
 ``kernels.normalize``          SAFE's Frobenius normalization from per-block partials
 ``kernels.rails``              twin-rail momentum + Nesterov lookahead (element-wise kernel)
 ``kernels.equalizer``          ``equalize``: the lane-energy equalizer and SAFE's guard
-``kernels.update``             ``sign_aligned_update`` on the bf16 + mantissa master; the fp32 split/join
+``kernels.update``             ``sign_aligned_update`` on the bf16 + mantissa or fp32 master (SAFE: one
+                               Triton kernel; FAITHFUL: compiled); the fp32 split/join
 ``kernels.adam``               Adam's kernels (one tensor, flat buffers, many tensors through address
                                tables)
 ``kernels.transpose``          the tied embedding's tiled transposes
