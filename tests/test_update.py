@@ -97,6 +97,19 @@ def test_fast_update_matches_reference():
     assert check("update", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
 
 
+def test_triton_update_matches_reference(triton_dev):
+    # SAFE's update as the bank runs it where Triton runs: the kernel, judged by the same rule
+    import torch
+
+    from anvil_fast.studies import difftest as D
+    from anvil_fast.core.cascade import SAFE
+    from anvil_fast.core.tolerances import check
+
+    u = torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(101))
+    row = D.update_row(u, (3, 40, 24), "gaussian", SAFE, device=triton_dev, compile=False, backend="triton")
+    assert check("update", fast=row.fast, eager=row.eager, floor=row.floor), D.format_table([row])
+
+
 def test_fast_master_join_split_is_bit_exact():
     import torch
 

@@ -234,6 +234,8 @@ def _update_fused(p: Tensor, m16: Tensor | None, update: Tensor, gate: Tensor, e
                   active: Tensor | None, gain: Tensor | None = None, ok: Tensor | None = None,
                   lanes_are_rows: bool = True) -> None:
     chunk, rows, cols = p.shape
+    if p.numel() == 0:  # nothing to update, and CUDA refuses an empty grid
+        return
     col_tiles = triton.cdiv(cols, _TILE_COLS)
     tiles = triton.cdiv(rows, _TILE_ROWS) * col_tiles
     for s, e in matrix_slices(chunk):

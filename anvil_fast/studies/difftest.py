@@ -249,7 +249,9 @@ def equalizer_row(v: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0,
     return row, vf.cpu()
 
 
-def update_row(u: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None) -> Row:
+def update_row(u: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu", compile=None,
+               backend="auto") -> Row:
+    """The parameter update as ``cfg`` runs it (SAFE: the Triton kernel where ``backend`` runs Triton)."""
     cfg = get_config(cfg)
     gen = torch.Generator().manual_seed(seed + 3)
     master = (0.02 * torch.randn(shape, generator=gen)).float()
@@ -266,7 +268,8 @@ def update_row(u: Tensor, shape, family, cfg: CascadeConfig | str, *, seed=0, de
     ref_hi, ref_lo = R.store(ref_w)
     ref_bits = R.join_fp32(ref_hi, ref_lo)
     pd, md, ud, gd, ld, wd = _to(device, p.clone(), mant.clone(), u, gate, eff_lr, eff_wd)
-    sign_aligned_update(pd, md, ud, gate=gd, eff_lr=ld, eff_wd=wd, compile=compile)
+    sign_aligned_update(pd, md, ud, gate=gd, eff_lr=ld, eff_wd=wd, compile=compile, fused=cfg.triton_elementwise,
+                        backend=backend)
     fast_bits = R.join_fp32(pd.cpu(), md.cpu())
     ep, em = eager_update(p, mant, u, gate, eff_wd=eff_wd, eff_lr=eff_lr)
     eager_bits = R.join_fp32(ep, em)
@@ -290,7 +293,7 @@ def run(shape, family, config: CascadeConfig | str, *, seed=0, device="cpu", com
     rows.append(crow)
     erow, v_eq = equalizer_row(ref_y, shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend)
     rows.append(erow)
-    rows.append(update_row(v_eq, shape, family, cfg, seed=seed, device=device, compile=compile))
+    rows.append(update_row(v_eq, shape, family, cfg, seed=seed, device=device, compile=compile, backend=backend))
     return rows
 
 
