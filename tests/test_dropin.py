@@ -842,6 +842,24 @@ def test_grad_scaler_fp16_autocast_on_cuda():
 
 
 @pytest.mark.gpu
+def test_default_step_on_cuda_compiles_nothing_through_inductor(monkeypatch):
+    # The default (SAFE) step runs Triton kernels only: no torch.compile'd function, so a first step never
+    # pays Dynamo's tracing and Inductor's code generation. Twins that other tests compiled are hidden.
+    import anvil_fast.kernels.compiled as C
+
+    def refuse(fn, *a, **k):
+        raise AssertionError(f"the default step compiled {getattr(fn, '__qualname__', fn)} through torch.compile")
+
+    monkeypatch.setattr(C, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", refuse)
+    m = gpt.build("tiny", device="cuda")
+    opt = ANVIL(m)
+    x = _gpt_batch(0).cuda()
+    losses = [_gpt_step(m, opt, x) for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.gpu
 def test_inductor_compiled_model_on_cuda():
     m = gpt.build("tiny", device="cuda")
     compiled = torch.compile(m)
