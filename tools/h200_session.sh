@@ -17,6 +17,10 @@
 #           clipping (the setup of ANVIL's configurations in results/train/small; runs that exist are skipped)
 #   engine  the one-process device-decided step first: graphed against eager on the small GPT, bit for
 #           bit, then the gpu-marked tests of its kernels and of the drop-in (fail fast)
+#   warmup_ab  the drop-in's first step on the small GPT from fresh compiler cache folders (the default tuning), in
+#           BASE (as fingerprint_base) and here, alternating, WARMUP_ROUNDS rounds (default 2), each in a fresh
+#           process; here with dion's graphed Muon in the same run (.peers carried): warm_<side>_<i>/ (peers.md's
+#           "first step s")
 #   fingerprint_base  tools/fingerprint.py (tuner off) in BASE (a git archive of the commit to compare
 #           with, carried as a folder) and here, and their diff
 #   ab      python -m anvil_fast.bench dropin (AB_ARGS, default: small and medium GPT, ANVIL and AdamW, no phase
@@ -173,6 +177,18 @@ for stage in ${STAGES:-suite bench}; do
                (cd "$dir" && timeout "${T_AB:-150}" python3 -m anvil_fast.bench dropin \
                  ${AB_ARGS:---sizes small,medium --variants anvil,adamw --no-phases} > "$OUT/ab_${side}_$i.log" 2>&1)
                echo "== $side $i"; grep -E "^\| (small|medium|gpt2medium|small-bf16) " "$OUT/ab_${side}_$i.log"
+             done
+           done ;;
+    warmup_ab) install_peers
+           for i in $(seq "${WARMUP_ROUNDS:-2}"); do
+             for side in base head; do
+               dir=.; who=anvil,dion_graphed; [ "$side" = base ] && { dir="${BASE:-.base}"; who=anvil; }
+               cold=$(mktemp -d)
+               (cd "$dir" && TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor \
+                 timeout "${T_WARMUP:-150}" python3 -m anvil_fast.bench peers --sizes small --contenders $who \
+                 --out "$OUT/warm_${side}_$i" --no-progress --budget-s $(( ${T_WARMUP:-150} - 20 )) \
+                 --note "cold compiler caches, $side, round $i" > "$OUT/warm_${side}_$i.log" 2>&1)
+               echo "== $side $i"; grep -E "^  " "$OUT/warm_${side}_$i.log"
              done
            done ;;
     fingerprint_base) (cd "${BASE:-.base}" && ANVIL_FAST_TUNE=0 timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py \
