@@ -30,8 +30,8 @@ Two implementations of the same operations, chosen by ``fused``:
 * ``fused=False``: the functions below through torch.compile (the FAITHFUL configuration, as the seed).
 * ``fused=True`` (the SAFE configuration) where Triton runs: :func:`_update_kernel`, one program per
   tile of one matrix. Why a hand-written kernel for an element-wise pass Inductor fuses well: it is the
-  step's only torch.compile'd function, so with it the drop-in's first step never imports or runs
-  Dynamo and Inductor (their import, tracing, code generation and one compile per bank shape); the
+  step's only torch.compile'd function, so with it the drop-in's first step traces and generates
+  nothing through Dynamo and Inductor (one trace, code generation and compile per bank shape); the
   kernel takes the shape as arguments and compiles once per storage form. It writes the same bits:
   the same fp32 operations in the same order, the joins, splits and the bf16 rounding on the bits,
   and the compiler's contraction of a multiply into the following subtraction left on, as Inductor
@@ -156,7 +156,6 @@ def _sign_aligned_decay_update_fp32(w32: Tensor, update: Tensor, wd_tensor: Tens
         update = _equalized(update, gain, ok, lanes_are_rows)
     w_new = _decayed(w32, update, wd_tensor, lr_tensor, gate_src)
     w32.copy_(w_new if active is None else torch.where(active != 0, w_new, w32))
-
 
 
 #: Rows x columns of one matrix per program of :func:`_update_kernel` (2048 elements, 16 per thread at
