@@ -69,6 +69,15 @@ pack() {
   fi
 }
 [ "$1" = pack ] && { OUT=${OUT:-/tmp/h200_out}; pack; exit 0; }
+
+# the drop-in's first step on the small GPT from fresh compiler cache folders, in the current folder's tree:
+# cold_first_step NAME CONTENDERS NOTE -> $OUT/NAME/ (peers.md: "first step s") and $OUT/NAME.log
+cold_first_step() {
+  local cold; cold=$(mktemp -d)
+  TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor timeout "${T_WARMUP:-200}" \
+    python3 -m anvil_fast.bench peers --sizes small --contenders "$2" --out "$OUT/$1" --no-progress \
+    --budget-s $(( ${T_WARMUP:-200} - 20 )) --note "cold compiler caches, $3" 2>&1 | tee "$OUT/$1.log" | grep -E "^  |error"
+}
 # the peers' wheels (.whl) and gram-newton-schulz's bundle (.gns, built by tools/gns_bundle.sh: its large
 # libs wheel travels unpacked and xz-compressed) into /tmp/site, once per call
 install_peers() {
@@ -183,12 +192,8 @@ for stage in ${STAGES:-suite bench}; do
            for i in $(seq "${WARMUP_ROUNDS:-2}"); do
              for side in base head; do
                dir=.; who=anvil,dion_graphed; [ "$side" = base ] && { dir="${BASE:-.base}"; who=anvil; }
-               cold=$(mktemp -d)
-               (cd "$dir" && TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor \
-                 timeout "${T_WARMUP:-150}" python3 -m anvil_fast.bench peers --sizes small --contenders $who \
-                 --out "$OUT/warm_${side}_$i" --no-progress --budget-s $(( ${T_WARMUP:-150} - 20 )) \
-                 --note "cold compiler caches, $side, round $i" > "$OUT/warm_${side}_$i.log" 2>&1)
-               echo "== $side $i"; grep -E "^  " "$OUT/warm_${side}_$i.log"
+               echo "== $side $i"
+               (cd "$dir" && cold_first_step "warm_${side}_$i" $who "$side, round $i")
              done
            done ;;
     fingerprint_base) (cd "${BASE:-.base}" && ANVIL_FAST_TUNE=0 timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py \
@@ -267,12 +272,8 @@ for stage in ${STAGES:-suite bench}; do
     warmup) install_peers
            # the default mode's run has dion's graphed Muon beside it (its first step from the same cold caches)
            for mode in fresh 1; do
-             cold=$(mktemp -d)
              who=anvil; [ "$mode" = 1 ] && who=anvil,dion_graphed
-             TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor ANVIL_FAST_TUNE=$mode \
-               timeout "${T_WARMUP:-200}" python3 -m anvil_fast.bench peers --sizes small --contenders $who \
-               --out "$OUT/warmup_tune_$mode" --no-progress --budget-s $(( ${T_WARMUP:-200} - 20 )) \
-               --note "cold compiler caches, ANVIL_FAST_TUNE=$mode" 2>&1 | tee "$OUT/warmup_tune_$mode.log" | grep -E "^  |error"
+             ANVIL_FAST_TUNE=$mode cold_first_step "warmup_tune_$mode" $who "ANVIL_FAST_TUNE=$mode"
            done
            # where the cold first step's time goes (the default tuning): construction, first step, profile
            cold=$(mktemp -d)
