@@ -251,7 +251,7 @@ def _update_case(shape, seed, device):
 
 @pytest.mark.parametrize("shape", [(3, 37, 200), (3, 16, 128), (2, 5, 3)], ids=["partial", "whole", "tiny"])
 @pytest.mark.parametrize("master", ["fp32", "bf16+mantissa"])
-@pytest.mark.parametrize("extras", ["plain", "active", "equalizer", "fp32-update"])
+@pytest.mark.parametrize("extras", ["plain", "active", "equalizer", "fp32-update", "bf16-gate"])
 def test_triton_update_writes_the_torch_functions_bits(shape, master, extras, triton_dev):
     import torch
     from types import SimpleNamespace
@@ -262,10 +262,9 @@ def test_triton_update_writes_the_torch_functions_bits(shape, master, extras, tr
     kw = dict(gate=gate, **rates)
     if extras == "active":
         kw["active"] = active
-    if extras == "fp32-update":
-        u = u.float()
-    else:
-        u = u.bfloat16()
+    u = u.float() if extras == "fp32-update" else u.bfloat16()
+    if extras == "bf16-gate":  # the rails stored in bf16 (the lean state)
+        kw["gate"] = gate.bfloat16()
     if extras == "equalizer":
         chunk, rows, cols = shape
         red_dim = -1 if rows >= cols else -2

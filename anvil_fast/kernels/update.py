@@ -167,8 +167,9 @@ if triton is not None:
 
     @triton.jit
     def _update_kernel(p_ptr, m_ptr, u_ptr, gate_ptr, lr_ptr, wd_ptr, act_ptr, gain_ptr, ok_ptr, rows, cols,
-                       col_tiles, MANTISSA: tl.constexpr, U_BF16: tl.constexpr, ACTIVE: tl.constexpr,
-                       EQ: tl.constexpr, LANE_IS_ROW: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+                       col_tiles, MANTISSA: tl.constexpr, U_BF16: tl.constexpr, GATE_BF16: tl.constexpr,
+                       ACTIVE: tl.constexpr, EQ: tl.constexpr, LANE_IS_ROW: tl.constexpr, TR: tl.constexpr,
+                       TC: tl.constexpr):
         # The expressions of _sign_aligned_decay_update(_fp32) with _equalized, in their order.
         t = tl.program_id(0)
         c = tl.program_id(1).to(tl.int64)
@@ -200,7 +201,10 @@ if triton is not None:
             bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
             ok = tl.load(ok_ptr + c) != 0
             u = tl.where(ok, bits.to(tl.float32, bitcast=True), 0.0)
-        gate = tl.load(gate_ptr + off, mask=m, other=0.0)
+        if GATE_BF16:  # the rails stored in bf16 (rails_dtype): widened exactly, as gate_src.float()
+            gate = from_bf16(tl.load(gate_ptr + off, mask=m, other=0.0), True)
+        else:
+            gate = tl.load(gate_ptr + off, mask=m, other=0.0)
         lr = tl.load(lr_ptr + c)
         wd = tl.load(wd_ptr)
         aligned = (gate * w >= 0).to(tl.float32)
@@ -219,11 +223,11 @@ if triton is not None:
 def _fusable(p: Tensor, mantissa: Tensor | None, update: Tensor, gate: Tensor, eff_lr: Tensor, eff_wd: Tensor,
              active: Tensor | None) -> bool:
     """Whether :func:`_update_kernel` takes these tensors: [chunk, rows, cols] contiguous, a bf16 or
-    fp32 update, fp32 gate and rates on the parameter's device, an int32 ``active``. Anything else runs
+    fp32 update and gate, fp32 rates on the parameter's device, an int32 ``active``. Anything else runs
     the compiled functions (same values)."""
     ts = [p, update, gate, eff_lr, eff_wd] + [t for t in (mantissa, active) if t is not None]
     return (p.dim() == 3 and all(t.is_contiguous() and t.device == p.device for t in ts)
-            and update.dtype in (torch.bfloat16, torch.float32) and gate.dtype == torch.float32
+            and update.dtype in (torch.bfloat16, torch.float32) and gate.dtype in (torch.bfloat16, torch.float32)
             and eff_lr.dtype == torch.float32 and eff_lr.numel() == p.shape[0]
             and eff_wd.dtype == torch.float32 and eff_wd.numel() == 1
             and (active is None or (active.dtype == torch.int32 and active.numel() == p.shape[0])))
@@ -242,7 +246,8 @@ def _update_fused(p: Tensor, m16: Tensor | None, update: Tensor, gate: Tensor, e
             p[s:e], p[s:e] if m16 is None else m16[s:e], update[s:e], gate[s:e], eff_lr.reshape(-1)[s:e], eff_wd,
             p if active is None else active.reshape(-1)[s:e], p if gain is None else gain[s:e],
             p if ok is None else ok[s:e], rows, cols, col_tiles, MANTISSA=m16 is not None,
-            U_BF16=update.dtype == torch.bfloat16, ACTIVE=active is not None, EQ=gain is not None,
+            U_BF16=update.dtype == torch.bfloat16, GATE_BF16=gate.dtype == torch.bfloat16,
+            ACTIVE=active is not None, EQ=gain is not None,
             LANE_IS_ROW=lanes_are_rows, TR=_TILE_ROWS, TC=_TILE_COLS, num_warps=_UPDATE_WARPS)
 
 
@@ -273,8 +278,8 @@ def sign_aligned_update(p: Tensor, mantissa: Tensor | None, update: Tensor, *, g
     every element of ``update`` anyway, so the application costs no pass of its own over it.
 
     ``fused``: :func:`_update_kernel` where Triton runs (:func:`anvil_fast.kernels.backend.use_triton`
-    with ``backend``) and the tensors suit it (contiguous, fp32 gate and rates, a bf16 or fp32
-    update), else the compiled functions; both write the same bits (module docstring)."""
+    with ``backend``) and the tensors suit it (contiguous, fp32 rates, a bf16 or fp32 update and
+    gate), else the compiled functions; both write the same bits (module docstring)."""
     if p.shape != update.shape or p.shape != gate.shape or (mantissa is not None and p.shape != mantissa.shape):
         raise ValueError(f"shapes differ: p {tuple(p.shape)}, mantissa "
                          f"{None if mantissa is None else tuple(mantissa.shape)}, update {tuple(update.shape)}, "

@@ -235,9 +235,8 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
             raise; False: off.
         compile: run the bank update's element-wise phases that have no Triton kernel through
             torch.compile (None: on CUDA). With the default ``bank_config`` (SAFE) on CUDA every phase
-            is a Triton kernel and nothing is compiled; FAITHFUL (the seed's form), the lean state's
-            parameter update (its gate is the bf16 slow rail) and CPU tensors take the compiled or
-            eager functions.
+            is a Triton kernel and nothing is compiled, the lean state's included; FAITHFUL (the
+            seed's form) and CPU tensors take the compiled or eager functions.
         rails_dtype: ``torch.float32`` (default: the seed's rails) or ``torch.bfloat16``, the lean
             state: both rails stored in bf16 (2 x 2 B per banked weight instead of 2 x 4 B), each
             update computed in fp32 and rounded stochastically
