@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import pytest
 import torch
 
 from anvil_fast.kernels import capture as CAP
@@ -58,6 +59,22 @@ def _fake_cuda(monkeypatch, rec: _Recorder):
         rec.current = prev
         rec.log.append(("captured",))
 
+    class Generator:  # the device's default generator: a state object it can swap
+        def __init__(self):
+            self.state = "user's"
+
+        def clone_state(self):
+            rec.log.append(("clone", self.state))
+            g = Generator()
+            g.state = f"copy of {self.state}"
+            return g
+
+        def graphsafe_set_state(self, other):
+            rec.log.append(("set", other.state))
+            self.state = other.state
+
+    monkeypatch.setattr(torch.cuda, "default_generators", (Generator(), Generator()))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", stream)
@@ -72,15 +89,43 @@ def test_warm_up_on_a_side_stream_then_one_capture(monkeypatch):
     g = CAP.capture(lambda: rec.log.append(("run", rec.current)), warmup=3, pool="P",
                     capture_error_mode="thread_local", device="cuda:1")
     assert rec.log == [("wait", "side0", "main"), ("run", "side0"), ("run", "side0"), ("run", "side0"),
-                       ("wait", "main", "side0"), ("capture", "P", "thread_local"), ("run", "capturing"),
-                       ("captured",)]
+                       ("wait", "main", "side0"), ("clone", "user's"), ("capture", "P", "thread_local"),
+                       ("run", "capturing"), ("captured",)]
     assert made == ["cuda:1"] and hasattr(g, "replay")
     rec.log.clear()
     shared = rec.stream_obj("shared")
     CAP.capture(lambda: rec.log.append(("run", rec.current)), warmup=0, side=shared)
-    assert rec.log == [("wait", "shared", "main"), ("wait", "main", "shared"), ("capture", None, "global"),
-                       ("run", "capturing"), ("captured",)]
+    assert rec.log == [("wait", "shared", "main"), ("wait", "main", "shared"), ("clone", "user's"),
+                       ("capture", None, "global"), ("run", "capturing"), ("captured",)]
     assert made == ["cuda:1"]  # a given side stream is used, none made
+
+
+def test_a_failed_capture_puts_the_generator_back(monkeypatch):
+    """torch leaves the capture device's default generator in capture mode when a capture fails; the
+    helper swaps in the state copied before the capture (device 1 here, the current one), then lets
+    the error through."""
+    rec = _Recorder()
+    _fake_cuda(monkeypatch, rec)
+
+    def host_read():
+        if rec.current == "capturing":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        CAP.capture(host_read, warmup=1)
+    assert rec.log[-3:] == [("clone", "user's"), ("capture", None, "global"), ("set", "copy of user's")]
+    assert [g.state for g in torch.cuda.default_generators] == ["user's", "copy of user's"]
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_the_random_stream_where_it_was():
+    x = torch.ones(8, device="cuda")
+    torch.cuda.manual_seed(5)
+    expected = torch.randn(32, device="cuda")
+    torch.cuda.manual_seed(5)
+    with pytest.raises(RuntimeError):
+        CAP.capture(lambda: float(x.sum()), warmup=1)  # a host read: not capturable
+    assert torch.equal(torch.randn(32, device="cuda"), expected)
 
 
 def test_every_warm_up_then_capture_goes_through_the_helper():

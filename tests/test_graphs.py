@@ -351,9 +351,14 @@ def test_failed_capture_restores_state_and_steps_eagerly():
         real(bank)
     graphed.bank_update = syncing
     sg = graphed.capture_step(strict=False)
+    torch.cuda.manual_seed(11)
+    expected = torch.randn(64, device="cuda")  # the user's random stream, with no capture tried
+    torch.cuda.manual_seed(11)
     with pytest.warns(RuntimeWarning, match="capturing the step failed"):
         _run_schedule(eager, graphed, "cuda")
     assert sg.captures == 0 and sg.eager_steps == len(SCHEDULE) and "failed" in sg.off_reason
+    # a failed capture leaves the device's generator usable, where it was
+    assert torch.equal(torch.randn(64, device="cuda"), expected)
 
 
 def test_dropin_refuses_a_broadcastable_gradient_before_writing():

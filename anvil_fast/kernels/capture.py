@@ -5,6 +5,12 @@ allocator's first blocks, autotuning must not happen inside the capture, and tor
 non-default stream for warm-up work that a capture follows); the side stream waits for the
 current stream before and the current stream for it after, so the warm-up sees what was queued
 before it and the capture sees the warm-up's writes.
+
+A capture that fails (a host read, an unjoined stream) must not leave the process broken: torch
+registers the device's default CUDA generator with every capture and ends its capture mode only
+when the capture ends well, so after a failed one every later random draw on that device raises
+("Offset increment outside graph capture"). :func:`capture` puts back a copy of the generator's
+state taken before the capture, so the user's random stream continues as if nothing had been tried.
 """
 
 from __future__ import annotations
@@ -30,8 +36,14 @@ def capture(fn: Callable[[], Any], *, warmup: int, pool: Any = None, capture_err
             fn()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-        fn()
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]  # the capture's device
+    before = generator.clone_state()  # a state of its own, outside any capture
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            fn()
+    except BaseException:
+        generator.graphsafe_set_state(before)
+        raise
     return graph
 
 
