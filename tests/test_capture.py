@@ -119,6 +119,8 @@ def test_a_failed_capture_puts_the_generator_back(monkeypatch):
 
 @pytest.mark.gpu
 def test_a_failed_capture_leaves_the_random_stream_where_it_was():
+    from anvil_fast.kernels.gram_tune import time_us
+
     x = torch.ones(8, device="cuda")
     torch.cuda.manual_seed(5)
     expected = torch.randn(32, device="cuda")
@@ -126,13 +128,21 @@ def test_a_failed_capture_leaves_the_random_stream_where_it_was():
     with pytest.raises(RuntimeError):
         CAP.capture(lambda: float(x.sum()), warmup=1)  # a host read: not capturable
     assert torch.equal(torch.randn(32, device="cuda"), expected)
+    torch.cuda.manual_seed(6)
+    expected = torch.randn(32, device="cuda")
+    torch.cuda.manual_seed(6)
+    assert time_us(lambda: float(x.sum())) > 0  # the timer's capture fails too, and it times eager calls
+    assert torch.equal(torch.randn(32, device="cuda"), expected)
 
 
 def test_every_warm_up_then_capture_goes_through_the_helper():
     """Only anvil_fast.kernels.capture makes a graph, apart from gram_tune.time_us, whose graph holds
-    back-to-back calls after one eager call on the current stream (no side-stream warm-up)."""
+    back-to-back calls after one eager call on the current stream (no side-stream warm-up); both
+    capture inside generator_kept."""
     makers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "anvil_fast").rglob("*.py")
                     if "torch.cuda.CUDAGraph()" in p.read_text())
     assert makers == ["anvil_fast/kernels/capture.py", "anvil_fast/kernels/gram_tune.py"], makers
+    for name in makers:  # each keeps the user's generator through a failed capture
+        assert "with generator_kept(), torch.cuda.graph(" in (ROOT / name).read_text(), name
     for name in ("optim/graphs.py", "optim/device_step.py", "bench/common.py"):
         assert "capture(" in (ROOT / "anvil_fast" / name).read_text(), name

@@ -10,12 +10,14 @@ A capture that fails (a host read, an unjoined stream) must not leave the proces
 registers the device's default CUDA generator with every capture and ends its capture mode only
 when the capture ends well, so after a failed one every later random draw on that device raises
 ("Offset increment outside graph capture"). :func:`capture` puts back a copy of the generator's
-state taken before the capture, so the user's random stream continues as if nothing had been tried.
+state taken before the capture (:func:`generator_kept`), so the user's random stream continues as if
+nothing had been tried.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,15 +38,23 @@ def capture(fn: Callable[[], Any], *, warmup: int, pool: Any = None, capture_err
             fn()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    generator = torch.cuda.default_generators[torch.cuda.current_device()]  # the capture's device
-    before = generator.clone_state()  # a state of its own, outside any capture
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-            fn()
-    except BaseException:
-        generator.graphsafe_set_state(before)
-        raise
+    with generator_kept(), torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        fn()
     return graph
 
 
-__all__ = ["capture"]
+@contextlib.contextmanager
+def generator_kept() -> Iterator[None]:
+    """Around a capture on the current device: if it fails, the device's default CUDA generator gets
+    back a copy of its state from before (enter this before :class:`torch.cuda.graph`, so the copy
+    goes back after the capture has ended)."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = generator.clone_state()  # a state of its own, outside any capture
+    try:
+        yield
+    except BaseException:
+        generator.graphsafe_set_state(before)
+        raise
+
+
+__all__ = ["capture", "generator_kept"]
