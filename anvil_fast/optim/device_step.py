@@ -58,7 +58,6 @@ import mmap
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -69,13 +68,13 @@ from anvil_fast.kernels.bank_scalars import ADAM_COLUMNS, ALIGN, BANK_FIELDS
 from anvil_fast.kernels.capture import capture
 from anvil_fast.kernels.nonfinite import AddressCheck, BufferCheck, check_addresses, check_buffers
 
+from .lanes import MAX_LANES, bank_work, make_lanes, run_on_lanes
+
 #: How the step reads the gradients (:class:`DeviceStep`).
 GRAD_READS = ("in_place", "buffers", "transient")
 #: The hyper-parameters in the inbox, as doubles, in this order.
 HYPER = ("lr", "momentum", "fast_beta", "fast_weight", "weight_decay",
          "adam_lr", "adam_beta1", "adam_beta2", "adam_eps", "adam_weight_decay")
-#: Side streams of the banks (at most this many run concurrently).
-MAX_LANES = 4
 #: Pinned inbox buffers in rotation: deeper than the host's run-ahead in steps.
 INBOX_SLOTS = 4
 #: Counters at the head of the status buffer: taken steps, skipped steps.
@@ -136,12 +135,6 @@ class NonFiniteUpdateWarning(RuntimeWarning):
 
 class NonFiniteUpdateError(ValueError):
     """``nonfinite="raise"``: a matrix's update came out non-finite (or exploded)."""
-
-
-@dataclass
-class _Lane:
-    stream: object | None
-    banks: list
 
 
 def derive_scalars(hyper: Tensor, has: Tensor, flags: Tensor, counters: Tensor, last_bad: Tensor,
@@ -320,15 +313,8 @@ class DeviceStep:
         # ---- the check and Adam launch tables
         self._build_reads()
         # ---- lanes
-        n_lanes = max(1, min(int(lanes), len(bank_order))) if self.cuda else 1
-        self.lanes = [_Lane(torch.cuda.Stream(device=dev) if self.cuda and n_lanes > 1 else None, [])
-                      for _ in range(n_lanes)]
-        work = [0.0] * n_lanes
-        for b in sorted(bank_order, key=lambda b: -b.plan.n_pad * b.plan.rows * b.plan.cols
-                        * min(b.plan.rows, b.plan.cols)):
-            k = work.index(min(work))
-            self.lanes[k].banks.append(inner.banks[b.label])
-            work[k] += b.plan.n_pad * b.plan.rows * b.plan.cols * min(b.plan.rows, b.plan.cols)
+        self.lanes = make_lanes([inner.banks[b.label] for b in bank_order],
+                                [bank_work((b.plan.n_pad, b.plan.rows, b.plan.cols)) for b in bank_order], lanes, dev)
         # ---- graphs and host state
         self.use_graphs = bool(cuda_graphs) and self.cuda
         self.warmup, self.max_graphs = max(1, int(warmup)), int(max_graphs)
@@ -585,21 +571,7 @@ class DeviceStep:
                 finally:
                     bank.grad = None  # freed here: the next bank's gradient reuses the memory
 
-        main = torch.cuda.current_stream(self.device) if self.cuda else None
-        for lane in self.lanes:
-            if lane.stream is None or not on_lanes:
-                for bank in lane.banks:
-                    update(bank)
-                continue
-            lane.stream.wait_stream(main)
-            with torch.cuda.stream(lane.stream):
-                for bank in lane.banks:
-                    update(bank)
-        if then is not None:
-            then()
-        for lane in self.lanes:
-            if lane.stream is not None and on_lanes:
-                main.wait_stream(lane.stream)
+        run_on_lanes(self.lanes, update, self.device, on_lanes=on_lanes, then=then)
 
     def device_part(self) -> None:
         inner = self.inner

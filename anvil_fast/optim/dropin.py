@@ -453,7 +453,8 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         adam_defaults = {k: adam_group[k] for k in ("lr", "eps", "weight_decay")}
         return AnvilAndAdam(named, table, order, order, adam_defaults, anvil_defaults, bank_update,
                             comms=self.comms, check_finite=False, tie_embeddings=False, allow_fp32_banks=True,
-                            bank_config=bank_config, maps=maps, rails_dtype=rails_dtype, grad_in_place=grad_in_place)
+                            bank_config=bank_config, maps=maps, rails_dtype=rails_dtype, grad_in_place=grad_in_place,
+                            lanes=1)  # one process steps through DeviceStep, which has its own lanes
 
     def _local_slots(self, bank: Bank, first: int, count: int) -> slice:
         """A member's matrices within this rank's chunk of the bank's state."""

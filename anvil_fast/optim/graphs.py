@@ -109,18 +109,24 @@ class BankUpdateGraphs:
         self.opt, self.update, self.check = opt, update, check
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.baked: dict[str, dict[str, int]] = {}
-        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()  # one side stream for every bank's warm-up
-        for label, bank in opt.banks.items():
-            saved = {k: v.clone() for k, v in bank.mutated().items()}
-            # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
-            # the default global mode those queries invalidate the capture
-            graph = capture(lambda bank=bank: update(bank), warmup=max(1, warmup), pool=pool,
-                            capture_error_mode="thread_local", side=side)
-            for k, v in bank.mutated().items():
-                v.copy_(saved[k])
-            self.graphs[label] = graph
-            self.baked[label] = baked_addresses(opt, label)
+        # Graphs that share a memory pool may reuse each other's transient blocks, which is safe only if
+        # they never run at once: one pool per lane (its banks replay one after another on its stream,
+        # in the order captured here); every bank in one pool where the banks run on one stream.
+        lanes = getattr(opt, "bank_lanes", None)
+        for labels in ([lane.banks for lane in lanes] if lanes else [list(opt.banks)]):
+            pool = torch.cuda.graph_pool_handle()
+            for label in labels:
+                bank = opt.banks[label]
+                saved = {k: v.clone() for k, v in bank.mutated().items()}
+                # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
+                # the default global mode those queries invalidate the capture
+                graph = capture(lambda bank=bank: update(bank), warmup=max(1, warmup), pool=pool,
+                                capture_error_mode="thread_local", side=side)
+                for k, v in bank.mutated().items():
+                    v.copy_(saved[k])
+                self.graphs[label] = graph
+                self.baked[label] = baked_addresses(opt, label)
         torch.cuda.synchronize()
 
     def check_all(self) -> None:

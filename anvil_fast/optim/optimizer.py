@@ -23,7 +23,11 @@ stream in enqueue order and ``Handle.wait()`` is a stream wait:
    into ``lm_head.grad`` (Triton ``transpose_add``) just before lm_head's reduce.
 2. Work phase, in ``work_order``: wait for the reduce, update (``bank_update(bank)`` or Adam),
    start the gather; at the first replicated label, the fused replicated Adam pass; the sparse
-   update's ``update()`` at its place.
+   update's ``update()`` at its place. On one CUDA process (world size 1: no collective to order)
+   the banks run on side streams instead (``lanes``, :mod:`.lanes`), every one launched before the
+   main stream's Adam updates, replicated pass and sparse update, which run beside them in
+   ``work_order``; the main stream waits for the lanes before phase 3. Each kernel is the same, so
+   the bits are too.
 3. Finish: wait for lm_head's gather, then (tied) ``embed = lm_head^T`` (``transpose_copy``), the
    sparse update's ``finish()``, then wait for every gather not deferred. Deferred gathers come back
    as :class:`~anvil_fast.parallel.comms.Handle` objects the caller waits before reading the parameter.
@@ -78,6 +82,7 @@ from anvil_ref.equalizer import lane_energy_shape
 from anvil_fast.kernels.adam import adam_row, adam_update_
 from anvil_fast.kernels.bank_scalars import ADAM_COLUMNS, BankScalarStaging
 from anvil_fast.parallel.comms import DONE, Comms, Handle, resolve_comms
+from .lanes import MAX_LANES, bank_work, make_lanes, run_on_lanes
 from .replicated_adam import ReplicatedAdam
 from anvil_fast.kernels.transpose import transpose_add, transpose_copy
 
@@ -289,6 +294,10 @@ class AnvilAndAdam:
         grad_in_place: the caller's step reads the gradients without the banks' persistent buffers
             (the drop-in's ``grad_read`` "in_place" and "transient"): each bank holds no gradient
             buffer and takes its cascade workspace per update.
+        lanes: side streams for the banks on one CUDA process (:mod:`.lanes`; the module docstring's
+            phase 2). None: :data:`~anvil_fast.optim.lanes.MAX_LANES` where the world size is 1 and the
+            device is CUDA, else 1; 1: every update on the main stream, in ``work_order``. More than 1
+            needs a world size of 1 (with several ranks the launch order is the comms schedule).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Tensor]], param_table: Mapping[str, Mapping],
@@ -296,7 +305,8 @@ class AnvilAndAdam:
                  adam_defaults: Mapping = ADAM_DEFAULTS, anvil_defaults: Mapping = ANVIL_DEFAULTS,
                  bank_update: Callable | None = None, *, comms: Comms | Any = None, check_finite: bool = False,
                  tie_embeddings: bool | None = None, allow_fp32_banks: bool = False, bank_config: Any = None,
-                 maps: Any = None, rails_dtype: torch.dtype = torch.float32, grad_in_place: bool = False):
+                 maps: Any = None, rails_dtype: torch.dtype = torch.float32, grad_in_place: bool = False,
+                 lanes: int | None = None):
         if rails_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"rails_dtype must be torch.float32 (the seed's rails) or torch.bfloat16 (the lean "
                               f"state), got {rails_dtype!r}")
@@ -331,6 +341,7 @@ class AnvilAndAdam:
             [(l, self.params[l], self.param_states[l], self.adam_row[l]) for l in self.replicated_labels],
             self.device, self.comms) if self.replicated_labels else None
         self._build_banks(bank_config, maps, grad_in_place)
+        self._build_lanes(lanes)
         self._init_step_state()
 
     def _build_banks(self, bank_config: Any, maps: Any, grad_in_place: bool = False) -> None:
@@ -360,6 +371,22 @@ class AnvilAndAdam:
             bank.rail_step = self.rail_step
             bank.first = self.rank * cfg.chunk_size
             self.banks[label] = bank
+
+    def _build_lanes(self, lanes: int | None) -> None:
+        """The banks' side streams (:mod:`.lanes`): :attr:`bank_lanes`, lists of bank labels each on its
+        own stream, or None where every bank runs on the main stream."""
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+            raise ConfigError(f"lanes must be None or an int >= 1 (side streams for the banks), got {lanes!r}")
+        if lanes is not None and lanes > 1 and self.world_size > 1:
+            raise ConfigError(f"lanes={lanes} runs the banks on side streams of one process; with {self.world_size} "
+                              "ranks the launch order is the comms schedule: pass lanes=1 or None")
+        one = self.world_size == 1 and self.device.type == "cuda"
+        n = (MAX_LANES if lanes is None else lanes) if one else 1
+        labels = list(self.bank_labels)
+        plan = make_lanes(labels, [bank_work((self.param_cfgs[l].chunk_size, *self.param_cfgs[l].reshape[1:]))
+                                   for l in labels], n, self.device) if labels else []
+        #: lists of bank labels, each updated in order on its own CUDA stream (None: the main stream)
+        self.bank_lanes = plan if len(plan) > 1 else None
 
     def _init_step_state(self) -> None:
         """The rails before :meth:`set_rails`, and the per-step caches (host tables, index maps)."""
@@ -716,12 +743,16 @@ class AnvilAndAdam:
                 continue
             pending[label] = self._launch_reduce(label, g)
 
-        # ---- phase 2: updates in work_order
+        # ---- phase 2: updates in work_order (on one CUDA process, the banks on their lanes)
         gathers: list[Handle] = []
         deferred_handles: dict[str, Handle] = {}
         lm_gather = None
         replicated_done = False
-        for label in self.work_order:
+
+        def work(label: str, grad_chunk: Tensor | None) -> bool:
+            # one label's piece of phase 2 (the sparse update at its place, the replicated pass at the
+            # first replicated label); whether it updated the label (so its gather starts)
+            nonlocal replicated_done
             if label == SPARSE_UPDATE_LABEL and sparse_update is not None:
                 sparse_update.update()
             cfg = self.param_cfgs[label]
@@ -729,22 +760,45 @@ class AnvilAndAdam:
                 if do_adam and not replicated_done and self.replicated is not None:
                     self.replicated.update(self.adam_table)
                     replicated_done = True
-                continue
-            if label not in pending:
-                continue
-            handle, grad_chunk = pending.pop(label)
-            handle.wait()
+                return False
+            if grad_chunk is None:
+                return False
             if cfg.optim == "adam":
                 self.adam_update(label, grad_chunk)
             else:
                 self.anvil_update(label, grad_chunk, bank_update)
-            g = self.launch_gather(label)
-            if label in deferred:
-                deferred_handles[label] = g
-            elif label == LM_HEAD_LABEL:
-                lm_gather = g
-            else:
-                gathers.append(g)
+            return True
+
+        if self.bank_lanes is None:
+            for label in self.work_order:
+                grad_chunk = None
+                if label in pending:
+                    handle, grad_chunk = pending.pop(label)
+                    handle.wait()
+                if work(label, grad_chunk):
+                    lm_gather = self._start_gather(label, deferred, deferred_handles, gathers) or lm_gather
+        else:
+            # world size 1: the waits complete nothing on a device and the gathers move nothing, so the
+            # banks may all start before any Adam update, and every gather after the last update
+            ready: dict[str, Tensor] = {}
+            for label in self.work_order:
+                if label in pending:
+                    handle, ready[label] = pending.pop(label)
+                    handle.wait()
+
+            def bank_on_lane(label: str) -> None:
+                if label in ready:
+                    self.anvil_update(label, ready[label], bank_update)
+
+            def main_stream_part() -> None:  # Adam, the replicated pass, the sparse update
+                for label in self.work_order:
+                    if label not in self.banks:
+                        work(label, ready.get(label))
+
+            run_on_lanes(self.bank_lanes, bank_on_lane, self.device, then=main_stream_part)
+            for label in self.work_order:
+                if label in ready:
+                    lm_gather = self._start_gather(label, deferred, deferred_handles, gathers) or lm_gather
 
         if self.rails_dtype == torch.bfloat16 and any(l in self.banks for l in plan.read):
             self.rail_step.add_(1)  # the lean rails' next rounding draws new bits
@@ -759,6 +813,19 @@ class AnvilAndAdam:
         for g in gathers:
             g.wait()
         return deferred_handles
+
+    def _start_gather(self, label: str, deferred: frozenset[str], deferred_handles: dict[str, Handle],
+                      gathers: list[Handle]) -> Handle | None:
+        """Phase 2's gather after ``label``'s update: deferred (returned to the caller), lm_head's
+        (returned here: phase 3 waits it first), or one of ``gathers``."""
+        g = self.launch_gather(label)
+        if label in deferred:
+            deferred_handles[label] = g
+        elif label == LM_HEAD_LABEL:
+            return g
+        else:
+            gathers.append(g)
+        return None
 
     # ------------------------------------------------------------------ persistent gradient buffers
     def grad_buffers(self) -> Mapping[str, Tensor]:

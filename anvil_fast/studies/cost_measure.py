@@ -170,7 +170,8 @@ def measure_layout(name: str, layout: dict, worlds: list[int], *, n: int, device
     for w in worlds:
         params = make_params(layout, device)
         comms = LocalComms() if w == 1 else NullComms(w, 0)
-        opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms)
+        # lanes=1: the banks on the main stream at every world size, as the model's schedule runs its pieces
+        opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms, lanes=1)
         opt.copy_lm_state_to_embed()  # untied: every parameter updated, as anvil_fast.studies.scaling times it
         grads = make_grads(params)
         step = step_fn(opt, params, grads, True)

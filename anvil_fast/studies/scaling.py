@@ -72,7 +72,9 @@ def _opt(layout, device, comms, *, graphs: bool, compile_banks, seed=0):
     from anvil_fast.optim.optimizer import AnvilAndAdam
 
     params = make_params(layout, device, seed=seed)
-    opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms,
+    # lanes=1: one rank's step has its banks on the main stream at every world size (several ranks keep the
+    # comms schedule's launch order), so the world sizes compare the same schedule
+    opt = AnvilAndAdam(params, table_of(layout), SCATTER, WORK, comms=comms, lanes=1,
                        bank_update=functools.partial(anvil_bank_update, compile=compile_banks))
     if graphs:
         opt.use_cuda_graphs()
