@@ -74,20 +74,32 @@ def run_on_lanes(lanes: Sequence[Lane], update: Callable[[Any], None], device: t
     work so far; ``then()`` on the main stream meanwhile; then the main stream waits for every lane.
     ``on_lanes=False``: everything on the current stream, in lane order, then ``then()``."""
     main = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    for lane in lanes:
-        if lane.stream is None or not on_lanes:
-            for bank in lane.banks:
-                update(bank)
-            continue
-        lane.stream.wait_stream(main)
-        with torch.cuda.stream(lane.stream):
-            for bank in lane.banks:
-                update(bank)
-    if then is not None:
-        then()
-    for lane in lanes:
-        if lane.stream is not None and on_lanes:
-            main.wait_stream(lane.stream)
+    forked = []
+    try:
+        for lane in lanes:
+            if lane.stream is None or not on_lanes:
+                for bank in lane.banks:
+                    update(bank)
+                continue
+            lane.stream.wait_stream(main)
+            forked.append(lane.stream)
+            with torch.cuda.stream(lane.stream):
+                for bank in lane.banks:
+                    update(bank)
+        if then is not None:
+            then()
+    except BaseException:
+        # Join what was forked before the error propagates: a CUDA graph capture that an update broke
+        # can only end (and release the streams and the generators it holds) with every forked stream
+        # joined back. A join that the broken capture refuses as well changes nothing for the caller.
+        for stream in forked:
+            try:
+                main.wait_stream(stream)
+            except RuntimeError:
+                pass
+        raise
+    for stream in forked:
+        main.wait_stream(stream)
 
 
 __all__ = ["MAX_LANES", "Lane", "bank_work", "plan_lanes", "make_lanes", "run_on_lanes"]

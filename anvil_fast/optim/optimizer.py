@@ -713,7 +713,20 @@ class AnvilAndAdam:
         launch for ``plan``, reading gradients only from ``grads`` (labels ``plan.read``). Nothing
         here inspects ``.grad`` or branches on tensor values, so a CUDA graph of it replays the step.
         ``launched``: label -> :meth:`launch_reduce`'s result for reduces the caller already started
-        (from the backward pass, :mod:`.overlap`); phase 1 takes those instead of launching."""
+        (from the backward pass, :mod:`.overlap`); phase 1 takes those instead of launching. An error
+        on the way (a ``bank_update`` that raises, a capture it breaks) leaves no reduce pending for the
+        next step."""
+        try:
+            return self._body(plan, grads, sparse_update=sparse_update, deferred=deferred, bank_update=bank_update,
+                              launched=launched)
+        except BaseException:
+            if self.replicated is not None:
+                self.replicated.discard_pending()
+            raise
+
+    def _body(self, plan: StepPlan, grads: Mapping[str, Tensor], *, sparse_update: SparseUpdate | None,
+              deferred: frozenset[str], bank_update: Callable | None,
+              launched: Mapping[str, tuple[Handle, Tensor]] | None) -> dict[str, Handle]:
         bank_update = self.update_bank if bank_update is None else bank_update
         do_adam, tied_now = plan.do_adam, plan.tied_now
         lm, embed = grads.get(LM_HEAD_LABEL), grads.get(EMBED_LABEL)

@@ -127,6 +127,11 @@ class ReplicatedAdam:
                 torch._foreach_copy_(dst, src)
             self._handles.append(self.comms.all_reduce_avg(g.grad))
 
+    def discard_pending(self) -> None:
+        """Forget the reduces :meth:`launch_reduce` started, for a step that stopped before its
+        :meth:`update` (an error in the step, or a capture that failed): the next step starts anew."""
+        self._handles = []
+
     @torch.no_grad()
     def update(self, table: Tensor) -> None:
         """Wait for the reduces, then one fused Adam pass per dtype (rows of inactive members are 0)."""
