@@ -146,3 +146,29 @@ def test_banks_on_lanes_write_the_main_stream_steps_bits(mode):
             laned.step(do_adam=do_adam)
         torch.cuda.synchronize()
         _same_state(main, laned, f"{mode}, step {t}")
+
+
+def test_a_step_that_stops_in_a_lane_leaves_no_reduce_pending():
+    # With the banks before Adam, an update that raises stops the step after the replicated reduce was
+    # launched and before its update: the next step must start anew, not find that reduce pending.
+    from anvil_fast.core.bank import anvil_bank_update
+    from anvil_fast.optim.lanes import Lane
+
+    opt = _opt(lanes=1)
+    opt.bank_lanes = [Lane(None, ["mlp_bank"]), Lane(None, ["vo_bank", "qk_bank"])]
+    real = functools.partial(anvil_bank_update, compile=False)
+    failed = []
+
+    def once(bank):
+        if not failed:
+            failed.append(bank.label)
+            raise RuntimeError("a bank update failed")
+        real(bank)
+
+    opt.bank_update = once
+    C.accumulate(opt.params, {l: g for l, g in C.gradients(0).items() if l in C.DENSE})
+    with pytest.raises(RuntimeError, match="a bank update failed"):
+        opt.step(do_adam=True)
+    assert failed == ["mlp_bank"] and not opt.replicated._handles
+    opt.step(do_adam=True)  # the gradients are still there: the step runs whole
+    assert all(p.grad is None for p in opt.params.values())
