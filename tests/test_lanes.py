@@ -17,6 +17,7 @@ from anvil_fast.optim.optimizer import AnvilAndAdam
 from anvil_fast.parallel.comms import NullComms
 from anvil_ref.config import ConfigError
 from tests import optimizer_cases as C
+from tests.test_graphs import _assert_same_state, _run_schedule
 
 
 def test_plan_lanes_gives_the_largest_work_first_to_the_least_loaded_lane():
@@ -94,7 +95,7 @@ def test_the_lanes_branch_writes_the_sequential_bits_on_the_cpu():
             C.accumulate(opt.params, {l: g for l, g in C.gradients(t).items() if l in C.DENSE and l not in dropped})
             ve = C.gradients(t)["value_embeds"]
             opt.step(do_adam, C.ValueEmbedSparse(opt, ve, log) if do_adam else None)
-        _same_state(seq, laned, f"step {t}")
+        _assert_same_state(seq, laned, f"step {t}")
     assert ("sparse", "update") in log
 
 
@@ -104,18 +105,6 @@ SCHEDULE = [(True, set()), (False, {"gates"}), (True, {"vo_bank", "gates"}), (Fa
             (True, {"lm_head"}), (True, set())]
 
 
-def _same_state(a, b, where):
-    for l in a.labels:
-        pa, pb = a.params[l].data, b.params[l].data
-        assert torch.equal(pa.view(torch.uint8), pb.view(torch.uint8)), f"{where}: {l}"
-        for k, v in a.param_states[l].items():
-            w = b.param_states[l][k]
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v.view(torch.uint8), w.view(torch.uint8)), f"{where}: {l}.{k}"
-            else:
-                assert v == w, f"{where}: {l}.{k}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["eager", "bank_graphs", "step_graph"])
 def test_banks_on_lanes_write_the_main_stream_steps_bits(mode):
@@ -123,29 +112,20 @@ def test_banks_on_lanes_write_the_main_stream_steps_bits(mode):
     assert main.bank_lanes is None
     assert laned.bank_lanes is not None and len(laned.bank_lanes) == 3  # one lane per bank of the model
     assert len({lane.stream for lane in laned.bank_lanes}) == 3
+    if mode == "step_graph":
+        # the buffered twin's step from copies of the eager twin's gradients, compared after every step
+        laned.capture_step(max_plans=len(SCHEDULE))
+        _run_schedule(main, laned, "cuda", steps=SCHEDULE)
+        return
     if mode == "bank_graphs":
         laned.use_cuda_graphs()
-    bufs = laned.grad_buffers() if mode == "step_graph" else None
-    if mode == "step_graph":
-        laned.capture_step(max_plans=len(SCHEDULE))
     for t, (do_adam, dropped) in enumerate(SCHEDULE):
+        grads = {l: g for l, g in C.gradients(t, device="cuda").items() if l in C.DENSE and l not in dropped}
         for opt in (main, laned):
             C.set_hyper(opt, t)
-        grads = {l: g for l, g in C.gradients(t, device="cuda").items() if l in C.DENSE and l not in dropped}
-        C.accumulate(main.params, grads)
-        if mode == "step_graph":
-            read = [l for l in main.labels if main.params[l].grad is not None
-                    and (do_adam or main.param_cfgs[l].optim == "anvil")]
-            for l in read:
-                bufs[l].copy_(main.params[l].grad)
-            main.step(do_adam=do_adam)
-            laned.step_from_buffers(read, do_adam=do_adam)
-        else:
-            C.accumulate(laned.params, grads)
-            main.step(do_adam=do_adam)
-            laned.step(do_adam=do_adam)
-        torch.cuda.synchronize()
-        _same_state(main, laned, f"{mode}, step {t}")
+            C.accumulate(opt.params, grads)
+            opt.step(do_adam=do_adam)
+        _assert_same_state(main, laned, f"{mode}, step {t}")
 
 
 def test_a_step_that_stops_in_a_lane_leaves_no_reduce_pending():
