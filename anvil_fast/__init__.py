@@ -86,6 +86,8 @@ module                         concept
                                plan -> build state), its comms schedule and step
 ``optim.replicated_adam``      the replicated Adam parameters on flat buffers
 ``optim.graphs``               the bank updates and the whole step as CUDA graphs, and their staleness check
+``optim.lanes``                the banks' side streams on one process: which bank on which stream, and their
+                               launch beside the main stream's work (AnvilAndAdam and the device step)
 ``optim.device_step``          the drop-in's one-process step decided on the device: gradients read in
                                place, the non-finite verdict, the scalars, banks on side streams, Adam,
                                one graph launch
