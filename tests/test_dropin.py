@@ -479,7 +479,8 @@ def test_a_member_without_grad_after_a_skipped_nan_step_does_not_skip_again(grad
     assert torch.isfinite(m.blocks[1].q.weight).all()
 
 
-@pytest.mark.parametrize("kw", [{}, {"rails": "record", "total_steps": 5}], ids=["nesterov", "record"])
+@pytest.mark.parametrize("kw", [{}, {"rails": "record", "total_steps": 5}, {"rails_dtype": torch.bfloat16}],
+                         ids=["nesterov", "record", "lean_state"])
 def test_nonfinite_step_is_skipped_and_the_run_continues_as_a_twin_that_never_saw_it(kw):
     bad = {2: ("blocks.0.fc1.weight", float("nan")), 4: ("emb.weight", float("inf"))}
     a, b, oa, ob, caught = _nan_twin_run(5, bad, **kw)
@@ -488,7 +489,7 @@ def test_nonfinite_step_is_skipped_and_the_run_continues_as_a_twin_that_never_sa
     assert len(msgs) == 2 and "blocks.0.fc1.weight" in msgs[0] and "emb.weight" in msgs[1], msgs
     assert oa.skipped_steps == 2 and ob.skipped_steps == 0
     assert oa.taken_steps == ob.taken_steps == 5
-    if kw:
+    if "rails" in kw:
         assert oa.param_groups[0]["momentum"] == rail_scalars(4, 5).momentum
 
 
@@ -569,7 +570,8 @@ def test_nesterov_default_uses_the_group_values():
 
 
 # ---------------------------------------------------------------------------------------- torch.optim behaviour
-@pytest.mark.parametrize("kw", [{}, {"rails": "record", "total_steps": 8}], ids=["nesterov", "record"])
+@pytest.mark.parametrize("kw", [{}, {"rails": "record", "total_steps": 8}, {"rails_dtype": torch.bfloat16}],
+                         ids=["nesterov", "record", "lean_state"])
 def test_checkpoint_resumes_bitwise_through_weights_only_load(kw):
     torch.manual_seed(0)
     m = TinyLM().to(torch.bfloat16)
@@ -665,13 +667,14 @@ def test_state_views_are_the_live_state():
     assert opt.state[m.gain]["step"] == 3
 
 
-def test_grad_scaler_on_cpu_matches_the_unscaled_run():
+@pytest.mark.parametrize("kw", [{}, {"rails_dtype": torch.bfloat16}], ids=["fp32_rails", "lean_state"])
+def test_grad_scaler_on_cpu_matches_the_unscaled_run(kw):
     """Scaling by a power of two and unscaling is exact here, so both runs agree bit for bit."""
     torch.manual_seed(0)
     a = TinyLM()
     b = TinyLM()
     b.load_state_dict(a.state_dict())
-    oa, ob = ANVIL(a), ANVIL(b)
+    oa, ob = ANVIL(a, **kw), ANVIL(b, **kw)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     for i in range(3):
         x = _data(i)
@@ -792,13 +795,14 @@ def test_two_ranks_skip_together_and_leave_gradless_members_alone():
 
 # ---------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_one_gpu_default_graphs_match_eager():
+@pytest.mark.parametrize("kw", [{}, {"rails_dtype": torch.bfloat16}], ids=["fp32_rails", "lean_state"])
+def test_one_gpu_default_graphs_match_eager(kw):
     torch.manual_seed(0)
     m = TinyLM().cuda()
     m2 = TinyLM().cuda()
     m2.load_state_dict(m.state_dict())
-    a = ANVIL(m, compile=False, cuda_graphs=False)  # the captured path is the point here, not Inductor
-    b = ANVIL(m2, compile=False)  # cuda_graphs=None: captured on CUDA
+    a = ANVIL(m, compile=False, cuda_graphs=False, **kw)  # the captured path is the point here, not Inductor
+    b = ANVIL(m2, compile=False, **kw)  # cuda_graphs=None: captured on CUDA
     assert not a.engine.use_graphs and b.engine.use_graphs
     la, lb = _train(m, a, 5), _train(m2, b, 5)
     assert la == lb and la[-1] < la[0]
@@ -823,10 +827,11 @@ def test_one_gpu_graphs_follow_a_beta2_change():
 
 
 @pytest.mark.gpu
-def test_grad_scaler_fp16_autocast_on_cuda():
+@pytest.mark.parametrize("kw", [{}, {"rails_dtype": torch.bfloat16}], ids=["fp32_rails", "lean_state"])
+def test_grad_scaler_fp16_autocast_on_cuda(kw):
     torch.manual_seed(0)
     m = gpt.build("tiny", device="cuda")
-    opt = ANVIL(m)
+    opt = ANVIL(m, **kw)
     scaler = torch.amp.GradScaler("cuda")
     losses = []
     x = _gpt_batch(0).cuda()  # one batch, so the loss must fall (random bytes hold nothing else to learn)
@@ -842,7 +847,8 @@ def test_grad_scaler_fp16_autocast_on_cuda():
 
 
 @pytest.mark.gpu
-def test_default_step_on_cuda_compiles_nothing_through_inductor(monkeypatch):
+@pytest.mark.parametrize("kw", [{}, {"rails_dtype": torch.bfloat16}], ids=["fp32_rails", "lean_state"])
+def test_default_step_on_cuda_compiles_nothing_through_inductor(monkeypatch, kw):
     # The default (SAFE) step runs Triton kernels only: no torch.compile'd function, so a first step never
     # pays Dynamo's tracing and Inductor's code generation. Twins that other tests compiled are hidden.
     import anvil_fast.kernels.compiled as C
@@ -853,17 +859,18 @@ def test_default_step_on_cuda_compiles_nothing_through_inductor(monkeypatch):
     monkeypatch.setattr(C, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", refuse)
     m = gpt.build("tiny", device="cuda")
-    opt = ANVIL(m)
+    opt = ANVIL(m, **kw)
     x = _gpt_batch(0).cuda()
     losses = [_gpt_step(m, opt, x) for _ in range(3)]
     assert losses[-1] < losses[0]
 
 
 @pytest.mark.gpu
-def test_inductor_compiled_model_on_cuda():
+@pytest.mark.parametrize("kw", [{}, {"rails_dtype": torch.bfloat16}], ids=["fp32_rails", "lean_state"])
+def test_inductor_compiled_model_on_cuda(kw):
     m = gpt.build("tiny", device="cuda")
     compiled = torch.compile(m)
-    opt = ANVIL(compiled)
+    opt = ANVIL(compiled, **kw)
     assert "_orig_mod" not in opt.describe()
     x = _gpt_batch(0).cuda()  # one batch, so the loss must fall (random bytes hold nothing else to learn)
     losses = [_gpt_step(compiled, opt, x) for _ in range(10)]
