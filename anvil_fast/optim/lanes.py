@@ -90,8 +90,9 @@ def run_on_lanes(lanes: Sequence[Lane], update: Callable[[Any], None], device: t
             then()
     except BaseException:
         # Join what was forked before the error propagates: a CUDA graph capture that an update broke
-        # can only end (and release the streams and the generators it holds) with every forked stream
-        # joined back. A join that the broken capture refuses as well changes nothing for the caller.
+        # ends on its stream only with every forked stream joined back (the generator it held is put
+        # back by anvil_fast.kernels.capture.generator_kept). A join that the broken capture refuses as
+        # well changes nothing for the caller.
         for stream in forked:
             try:
                 main.wait_stream(stream)
