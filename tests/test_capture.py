@@ -5,6 +5,7 @@ package's CUDA graphs are captured through it."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,98 @@ def test_a_failed_capture_puts_the_generator_back(monkeypatch):
     assert [g.state for g in torch.cuda.default_generators] == ["user's", "copy of user's"]
 
 
+class _DiesInACycle:
+    """An object kept alive only by a reference cycle: the cyclic collector destroys it, whenever it runs."""
+
+    def __init__(self, log, rec):
+        self.me, self.log, self.rec = self, log, rec
+
+    def __del__(self):
+        self.log.append(("destroyed", self.rec.current))
+
+
+def _churn() -> None:
+    junk = [[] for _ in range(50_000)]  # container allocations past any collector threshold
+    del junk
+
+
+def test_the_collector_is_paused_for_the_capture_alone(monkeypatch):
+    """Inside the capture the collector is off (a dead cycle holding an old CUDA graph would be
+    destroyed there, which a capture does not permit); during the warm-ups and after it is on; a
+    capture that fails turns it back on; a collector the caller had turned off stays off."""
+    rec = _Recorder()
+    _fake_cuda(monkeypatch, rec)
+    assert gc.isenabled()
+    CAP.capture(lambda: rec.log.append(("run", rec.current, gc.isenabled())), warmup=1)
+    assert [e for e in rec.log if e[0] == "run"] == [("run", "side0", True), ("run", "capturing", False)]
+    assert gc.isenabled()
+
+    def fails():
+        if rec.current == "capturing":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError):
+        CAP.capture(fails, warmup=0)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        CAP.capture(lambda: None, warmup=0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_an_object_dead_in_a_cycle_is_not_destroyed_mid_capture(monkeypatch):
+    """The case itself: an object that died in a reference cycle just before a capture whose body
+    allocates enough for the collector to run is destroyed after the capture, not inside it."""
+    rec = _Recorder()
+    _fake_cuda(monkeypatch, rec)
+    log: list[tuple] = []
+    fake_graph = torch.cuda.graph
+
+    @contextlib.contextmanager
+    def graph(*args, **kwargs):
+        _DiesInACycle(log, rec)  # dies as the capture begins: young, so the next collection takes it
+        with fake_graph(*args, **kwargs):
+            yield
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    CAP.capture(_churn, warmup=0)
+    gc.collect()
+    assert log == [("destroyed", "main")]  # after the capture (its first collection), not "capturing"
+
+
+@pytest.mark.gpu
+def test_a_graph_dead_in_a_cycle_does_not_break_a_capture(monkeypatch):
+    """A CUDA graph destroyed inside another capture (cudaGraphExecDestroy) invalidates that capture;
+    one held by a cycle that dies as a capture begins (an optimizer built and dropped) waits for the
+    collector, which the capture pauses: the new graph captures and replays."""
+    x = torch.zeros(4, device="cuda")
+    old = [CAP.capture(lambda: x.add_(1), warmup=1)]
+    real = torch.cuda.graph
+
+    @contextlib.contextmanager
+    def graph(*args, **kwargs):
+        with real(*args, **kwargs):
+            holder = {"graph": old.pop()}
+            holder["me"] = holder
+            del holder  # the old graph now lives only in a dead cycle
+            yield
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    def body():
+        x.add_(1)
+        _churn()
+
+    g = CAP.capture(body, warmup=0)
+    before = x.clone()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before + 1)
+    gc.collect()
+
+
 @pytest.mark.gpu
 def test_a_failed_capture_leaves_the_random_stream_where_it_was():
     from anvil_fast.kernels.gram_tune import time_us
@@ -138,11 +231,11 @@ def test_a_failed_capture_leaves_the_random_stream_where_it_was():
 def test_every_warm_up_then_capture_goes_through_the_helper():
     """Only anvil_fast.kernels.capture makes a graph, apart from gram_tune.time_us, whose graph holds
     back-to-back calls after one eager call on the current stream (no side-stream warm-up); both
-    capture inside generator_kept."""
+    capture inside generator_kept with the collector paused."""
     makers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "anvil_fast").rglob("*.py")
                     if "torch.cuda.CUDAGraph()" in p.read_text())
     assert makers == ["anvil_fast/kernels/capture.py", "anvil_fast/kernels/gram_tune.py"], makers
     for name in makers:  # each keeps the user's generator through a failed capture
-        assert "with generator_kept(), torch.cuda.graph(" in (ROOT / name).read_text(), name
+        assert "with collector_paused(), generator_kept(), torch.cuda.graph(" in (ROOT / name).read_text(), name
     for name in ("optim/graphs.py", "optim/device_step.py", "bench/common.py"):
         assert "capture(" in (ROOT / "anvil_fast" / name).read_text(), name

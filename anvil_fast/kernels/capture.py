@@ -12,11 +12,21 @@ when the capture ends well, so after a failed one every later random draw on tha
 ("Offset increment outside graph capture"). :func:`capture` puts back a copy of the generator's
 state taken before the capture (:func:`generator_kept`), so the user's random stream continues as if
 nothing had been tried.
+
+Python's cyclic garbage collector must not run during a capture: an object that died in a reference
+cycle (an optimizer built and dropped earlier, holding its own CUDA graphs) is destroyed whenever the
+collector next runs, and a CUDA graph destroyed mid-capture calls ``cudaGraphExecDestroy``, which a
+capture does not permit: torch warns "operation not permitted when stream is capturing (function
+reset)" and the capture being made fails at its next launch ("operation failed due to a previous
+error during capture"). torch's ``torch.cuda.graph`` no longer collects before a capture (unless
+``torch.compiler.config.force_cudagraph_gc``), so every capture of the package runs with the
+collector paused (:func:`collector_paused`); what died is collected after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +48,8 @@ def capture(fn: Callable[[], Any], *, warmup: int, pool: Any = None, capture_err
             fn()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with generator_kept(), torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+    with collector_paused(), generator_kept(), torch.cuda.graph(graph, pool=pool,
+                                                                capture_error_mode=capture_error_mode):
         fn()
     return graph
 
@@ -57,4 +68,17 @@ def generator_kept() -> Iterator[None]:
         raise
 
 
-__all__ = ["capture", "generator_kept"]
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (module docstring), back as it was after, on an
+    error too (a collector the caller had turned off stays off)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+__all__ = ["capture", "collector_paused", "generator_kept"]

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .backend import num_sms
-from .capture import generator_kept
+from .capture import collector_paused, generator_kept
 from .timing import median_ms, timer
 
 
@@ -313,7 +313,8 @@ def time_us(fn: Callable[[], None], *, target_ms: float = 2.0) -> float:
     run: Callable[[], None]
     try:
         g = torch.cuda.CUDAGraph()
-        with generator_kept(), torch.cuda.graph(g):  # a failed capture leaves the user's generator usable
+        # no collection mid-capture, and a failed capture leaves the user's generator usable
+        with collector_paused(), generator_kept(), torch.cuda.graph(g):
             for _ in range(reps):
                 fn()
         run = g.replay
