@@ -74,6 +74,37 @@ def _train(model, opt, steps, sched=None):
     return losses
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"rails": "record", "total_steps": 10}, {"rails_dtype": torch.bfloat16}],
+                         ids=["defaults", "record_rails", "lean_state"])
+@pytest.mark.parametrize("with_scheduler", [False, True], ids=["alone", "lr_scheduler"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_dropped_optimizer_is_freed_without_the_collector(kwargs, with_scheduler, device):
+    """``del opt`` frees the drop-in, its engine and its state at once: nothing of it sits in a
+    reference cycle, which only Python's cyclic collector would free, whenever it next runs. On CUDA
+    that collection destroys the step's CUDA graphs, and inside a capture (the user's, torch.compile's)
+    a destroyed graph breaks the capture."""
+    import gc
+    import weakref
+
+    import torch._dynamo  # noqa: F401  (its first import, from inside torch.optim, keeps the caller's frames in a cycle)
+
+    model = TinyLM().to(device)
+    opt = ANVIL(model, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if with_scheduler else None
+    _train(model, opt, 4, sched)  # on CUDA: the step captured and replayed
+    if device == "cuda":
+        assert opt.engine.graphs, "the CUDA case is meant to hold a captured step"
+    refs = [weakref.ref(o) for o in (opt, opt.inner, opt.engine)]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del opt, sched
+        assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_grouping_rules():
     torch.manual_seed(0)
     m = TinyLM()

@@ -217,7 +217,7 @@ class DeviceStep:
         if grad_read not in GRAD_READS:
             raise ValueError(f"grad_read must be one of {GRAD_READS}, got {grad_read!r}")
         inner = opt.inner
-        self.opt, self.inner, self.grad_read = opt, inner, grad_read
+        self.inner, self.grad_read = inner, grad_read  # not the drop-in itself: a cycle would outlive a `del`
         dev = self.device = inner.device
         self.cuda = dev.type == "cuda"
         if grad_read == "transient" and self.cuda:
@@ -311,7 +311,7 @@ class DeviceStep:
         self.record = None if record is None else torch.tensor(np.asarray(record, dtype=np.float32), device=dev)
         self.gather = self._gather_index()
         # ---- the check and Adam launch tables
-        self._build_reads()
+        self._build_reads(opt)
         # ---- lanes
         self.lanes = make_lanes([inner.banks[b.label] for b in bank_order],
                                 [bank_work((b.plan.n_pad, b.plan.rows, b.plan.cols)) for b in bank_order], lanes, dev)
@@ -365,7 +365,7 @@ class DeviceStep:
                 4 * n_bank + self.n_mat + 8 * j + np.arange(len(ADAM_COLUMNS))
         return torch.tensor(idx, dtype=torch.int64, device=self.device)
 
-    def _build_reads(self) -> None:
+    def _build_reads(self, opt) -> None:
         inner, dev = self.inner, self.device
         self.addr_checks: list[tuple[AddressCheck, slice]] = []
         self.adam_groups: list[tuple[Tensor, Tensor, Tensor, slice, bool]] = []
@@ -417,7 +417,7 @@ class DeviceStep:
             self._grads: list[Tensor | None] = []
         else:
             bufs = inner.grad_buffers()
-            slots = {id(p): dst for _, p, dst, *_ in self.opt.grad_slots()}
+            slots = {id(p): dst for _, p, dst, *_ in opt.grad_slots()}
             self.buffer_check = BufferCheck([slots[id(p)] for p in self.params], dev)
             self.grad_bufs = bufs
 
