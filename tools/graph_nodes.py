@@ -7,7 +7,9 @@ dropin`` does, with every CUDA graph in debug mode, takes ``--warmup`` steps, th
 
 * the host time of each part of ``opt.step()`` (median over ``--steps`` steps, each begun on an idle
   device so that no part waits on it; once for each way of waiting, ``--waits``: blocked in a
-  synchronize, or polling an event, where the host thread stays awake): the whole call; the drop-in's storage check, report of earlier
+  synchronize, or polling an event, where the host thread stays awake; or ``none``: back to back, the
+  gradients copied in again between steps, as ``bench peers`` times its host column, so that a part
+  which waits on earlier steps' device work shows it): the whole call; the drop-in's storage check, report of earlier
   steps, param-group hand-over and engine call; the gradient collection, the upload of the inbox,
   the graph's replay (``cudaGraphLaunch``) and the engine's step (those and the status copy);
 * the graph's nodes by kind (kernel, memcpy, memset, event record / wait, empty) and the kernels by
@@ -82,8 +84,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--waits", default="sync,spin", help="how each step waits for an idle device: sync, spin "
-                    "(a comma list: one table each)")
+    ap.add_argument("--waits", default="sync,spin", help="how each step waits for an idle device: sync, spin, "
+                    "or none (back to back, as bench peers' host column; a comma list: one table each)")
+    ap.add_argument("--variant", default="anvil", choices=("anvil", "anvil_lean"),
+                    help="the drop-in's configuration (bench dropin's variants): defaults, or rails in bf16")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tools/graph_nodes.py needs CUDA")
@@ -96,12 +100,13 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     model = _model(a.size, dev)
     _set_grads(model, dev)
-    opt = make_variant("anvil", model, dev)
+    opt = make_variant(a.variant, model, dev)
+    fixed = [p.grad.clone() for p in model.parameters()]
     for _ in range(a.warmup):
         opt.step()
     torch.cuda.synchronize()
     eng = opt.engine
-    print(f"{a.size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, engine "
+    print(f"{a.size} ({a.variant}): {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, engine "
           f"{type(eng).__name__ if eng is not None else None}, graphs made {len(made)} (the tuner's among them), "
           f"use_graphs {getattr(eng, 'use_graphs', None)}", flush=True)
 
@@ -132,7 +137,13 @@ def main(argv=None) -> int:
     def idle(wait: str) -> None:
         """Wait until the device is idle: ``sync`` blocks in cudaDeviceSynchronize (the host thread may
         sleep, and wake on a colder, slower core), ``spin`` polls an event from Python, so the thread
-        stays on a running core, as it would while a training loop's host works ahead."""
+        stays on a running core, as it would while a training loop's host works ahead. ``none`` does not
+        wait: it copies the gradients in again, as bench peers does between its timed steps."""
+        if wait == "none":
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), fixed):
+                    p.grad.copy_(g)
+            return
         if wait == "sync":
             torch.cuda.synchronize()
             return
@@ -143,9 +154,12 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()  # (returns at once)
 
     for wait in a.waits.split(","):
+        if wait not in ("sync", "spin", "none"):
+            raise SystemExit(f"--waits: {wait!r} is not one of sync, spin, none")
+        torch.cuda.synchronize()
         parts.clear()
         totals = []
-        # each step from an idle device: no part of the host's work waits on the device (the upload's
+        # from an idle device (sync, spin) no part of the host's work waits on the device (the upload's
         # pinned slot and the status event are free), so the times are the host's own
         for _ in range(a.steps):
             idle(wait)
@@ -166,7 +180,9 @@ def main(argv=None) -> int:
             hooked.append(time.perf_counter() - t)
         handle.remove()
         torch.cuda.synchronize()
-        print(f"host us per step, median of {a.steps} (each from an idle device, waited for by {wait}):")
+        how = ("back to back, the gradients copied in between (bench peers' host column)" if wait == "none"
+               else f"each from an idle device, waited for by {wait}")
+        print(f"host us per step, median of {a.steps} ({how}):")
         print(f"  opt.step() total: {statistics.median(totals) * 1e6:.1f}")
         for k, v in plain.items():
             print(f"  {k}: {v * 1e6:.1f}")
