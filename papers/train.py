@@ -247,6 +247,7 @@ def train_run(contender: K.Contender, *, size: str, seed: int, data_seed: int, s
                 break
             _sync(device)
             t_seg = time.perf_counter()
+    guard = guard_record(opts)
     del model, opts, scheds
     return {
         "contender": contender.name, "description": contender.description,
@@ -260,8 +261,18 @@ def train_run(contender: K.Contender, *, size: str, seed: int, data_seed: int, s
         "clip": clip, "eval_every": eval_every, "val_windows": int(val.shape[0]),
         "batches_sha256": C.batches_sha256(cpu_batches),
         "curve": curve, "final_val_loss": curve[-1]["val_loss"], "diverged": diverged,
-        "train_time_s": train_time, "timing": timing,
+        "train_time_s": train_time, "timing": timing, "guard": guard,
     }
+
+
+def guard_record(opts) -> dict | None:
+    """What ANVIL refused during a run: the matrix updates per bank whose cascade output came out
+    non-finite or exploded (``refused_updates``) and the steps skipped for non-finite gradients; None
+    for a contender without ANVIL."""
+    for o in opts:
+        if getattr(type(o), "refused_updates", None) is not None:
+            return {"refused_updates": o.refused_updates, "skipped_steps": int(o.skipped_steps)}
+    return None
 
 
 def environment(device: torch.device) -> dict:

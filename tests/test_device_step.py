@@ -205,6 +205,8 @@ def test_faithful_nonfinite_update_is_refused_and_named():
         opt.step()
     msgs = [str(w.message) for w in caught if issubclass(w.category, NonFiniteUpdateWarning)]
     assert len(msgs) == 1 and label in msgs[0] and "faithful" in msgs[0], msgs
+    # the count per bank: the one refused matrix in its bank, none elsewhere
+    assert opt.refused_updates == {l: int(l == label) for l in opt.banks}, opt.refused_updates
     # the update was not applied: the guard's zero update leaves the sign-aligned decay alone
     bank = opt.inner.banks[label]
     decay = float(bank.eff_wd) * float(bank.eff_lr.max())
@@ -212,6 +214,13 @@ def test_faithful_nonfinite_update_is_refused_and_named():
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert all(torch.isfinite(v).all() for st in opt.inner.param_states.values() for v in st.values()
                if isinstance(v, torch.Tensor))
+    # a count of the run so far: the rails took the huge gradient, so the next step's FAITHFUL cascade
+    # overflows on the same matrix again and the count goes to 2
+    _fixed_grads(m, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteUpdateWarning)
+        opt.step()
+    assert opt.refused_updates == {l: 2 * int(l == label) for l in opt.banks}, opt.refused_updates
 
 
 def test_faithful_nonfinite_update_raises_with_nonfinite_raise():
@@ -232,6 +241,7 @@ def test_safe_takes_the_same_gradients_without_a_refusal():
     with warnings.catch_warnings():
         warnings.simplefilter("error", NonFiniteUpdateWarning)
         opt.step()
+        assert opt.refused_updates == dict.fromkeys(opt.banks, 0)
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 

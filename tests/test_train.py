@@ -484,6 +484,7 @@ def test_gram_side_contender_trains_the_tiny_model(stdlib):
     assert g["batches_sha256"] == a["batches_sha256"]
     assert math.isfinite(g["final_val_loss"]) and g["final_val_loss"] < g["curve"][0]["val_loss"] - 0.5
     assert abs(g["final_val_loss"] - a["final_val_loss"]) < 0.1, (g["final_val_loss"], a["final_val_loss"])
+    assert set(g["guard"]["refused_updates"]) == set(opt.banks) and not any(g["guard"]["refused_updates"].values())
 
 
 # ------------------------------------------------------------------------ the tiny training
@@ -510,6 +511,10 @@ def test_tiny_model_learns_with_adamw_and_anvil_on_identical_batches(stdlib):
         assert r["final_val_loss"] < h, (n, r["final_val_loss"], h)
         assert 0 <= r["curve"][1]["clipped_frac"] <= 1 and r["clip"] == 1.0, n
     assert recs["adamw"]["curve"][0] == recs["anvil_defaults"]["curve"][0]  # same initial weights
+    # what ANVIL refused, recorded with the run: nothing here, on every bank of the drop-in; AdamW has no guard
+    labels = K.get("anvil_defaults").make(gpt.build("tiny"), total_steps=1, device=torch.device("cpu"))[0].banks
+    assert recs["anvil_defaults"]["guard"] == {"refused_updates": dict.fromkeys(labels, 0), "skipped_steps": 0}
+    assert recs["adamw"]["guard"] is None
 
 
 TINY = ["--size", "tiny", "--batch", "2", "--eval-every", "2", "--val-windows", "4", "--seeds", "0"]

@@ -558,6 +558,20 @@ class DropInAnvil(TorchContract, AnvilFrontend):
         else:
             self._skipped = int(v)
 
+    @property
+    def refused_updates(self) -> dict[str, int]:
+        """Matrix updates refused so far, per bank label: cascade outputs that came out non-finite (or,
+        with SAFE's guard, exploded), so that their matrices took only the sign-aligned weight decay
+        (the warnings say the same, step by step). This process's matrices; a bank that refused none
+        has 0. On CUDA reading it waits for the device and reports (warns about) what is not reported
+        yet."""
+        self._report(wait=True, stacklevel=3)
+        out = {}
+        for label, bank in self.inner.banks.items():
+            trips = getattr(bank, "guard_trips", None)
+            out[label] = int(trips.sum()) if trips is not None else 0
+        return out
+
     # ------------------------------------------------------------------ introspection
     @property
     def banks(self) -> dict[str, list[str]]:

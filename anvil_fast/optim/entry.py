@@ -166,7 +166,7 @@ def ANVIL(params, *args, **kwargs) -> AnvilFrontend:
       only takes its sign-aligned decay, and a :class:`anvil_fast.optim.device_step.NonFiniteUpdateWarning`
       names the bank and the configuration (``nonfinite="raise"``:
       :class:`~anvil_fast.optim.device_step.NonFiniteUpdateError`); no NaN or inf reaches a weight or
-      the lane energies;
+      the lane energies. ``refused_updates`` counts them per bank over the run;
     * a step in which no parameter has a ``.grad`` does nothing and counts nothing;
     * a parameter whose storage, dtype or device changed since construction (``model.to(dtype)``,
       ``model.double()``, ``p.data = ...``) raises :class:`StaleParameterError`: build a new optimizer;
