@@ -4,7 +4,9 @@
 
 eager: the drop-in without CUDA graphs, every Gram-side call wrapped: an output whose Frobenius norm over
 sqrt(min side) passes GUARD_NORM_RATIO (or is non-finite) is reported, and its bf16 input saved to OUT.
-graphs: the drop-in as shipped; only the warnings are counted."""
+graphs: the drop-in as shipped; only the warnings are counted.
+DIAG_DEVICE=cpu: the same on the CPU, with bank_config="gram_side" in place of cuda_graphs=False (the CPU's
+default configuration is SAFE)."""
 import math, os, sys, warnings
 import torch
 sys.path.insert(0, os.getcwd())
@@ -20,10 +22,14 @@ os.makedirs(out, exist_ok=True)
 found = []
 if mode == "eager":
     orig_anvil = anvil_fast.ANVIL
-    anvil_fast.ANVIL = lambda model, *a, **k: orig_anvil(model, *a, **{**k, "cuda_graphs": False})
+    extra = {"cuda_graphs": False} if os.environ.get("DIAG_DEVICE", "cuda") == "cuda" else {"bank_config": "gram_side"}
+    anvil_fast.ANVIL = lambda model, *a, **k: orig_anvil(model, *a, **{**k, **extra})
     orig = CC.gram_side_workspace
 
+    calls = [0]
+
     def wrapped(ws, **kw):
+        calls[0] += 1
         x_in = ws.X.detach().clone()
         res = orig(ws, **kw)
         y = res.float()
@@ -47,9 +53,9 @@ for n in names:
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         r = T.train_run(c, size="small", seed=0, data_seed=0, steps=30, batch=8, warmup=3, eval_every=30,
-                        corpus=stdlib, val=val, device=torch.device("cuda"), clip=1.0, timing_warmup=2, timing_steps=3)
+                        corpus=stdlib, val=val, device=torch.device(os.environ.get("DIAG_DEVICE", "cuda")), clip=1.0, timing_warmup=2, timing_steps=3)
     refused = [str(x.message) for x in w if "NonFiniteUpdate" in type(x.message).__name__]
     print(f"{mode} {n}: final val {r['final_val_loss']:.4f}, {len(refused)} refusal warning(s)", flush=True)
     for m in refused[:5]:
         print("   ", m[:200], flush=True)
-print(f"{mode}: {len(found)} exploded call(s) seen by the wrapper")
+print(f"{mode}: {len(found)} exploded call(s) seen by the wrapper, of {calls[0] if mode == 'eager' else '?'} calls")
