@@ -372,6 +372,24 @@ def test_gram_side_gpu():
     assert top_singular_value(fast_cascade(x, config=GRAM_SIDE)).max() <= EXPLODED
 
 
+@pytest.mark.gpu
+def test_gram_side_gpu_at_a_short_side_of_384():
+    """The Gram side forced (no dispatch rule) on the small GPT's bank shapes, short side 384, where
+    training on the GPU had Gram-side updates refused: within the bf16 bound of the eager path and of
+    its own torch fallback, and no explosion on near-rank-1 input."""
+    from anvil_fast.core.tolerances import bf16_bound
+    for shape in [(6, 1536, 384), (6, 384, 1536), (6, 1152, 384)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(10)).cuda()
+        y = fast_gram_side(x)
+        ref = A.cascade(x.cpu().bfloat16(), margin=GRAM_SIDE.margin())
+        e = eager_gram_side_cascade(x, margin=GRAM_SIDE.margin())
+        assert D.rel_err(y, ref) <= bf16_bound(D.rel_err(e, ref)), shape
+        t = fast_gram_side(x, backend="torch")
+        assert D.rel_err(y, ref) <= bf16_bound(D.rel_err(t, ref)), shape
+        x1 = near_rank1(64, *shape[1:], seed=11, device="cuda")
+        assert top_singular_value(fast_gram_side(x1)).max() <= EXPLODED, shape
+
+
 # ------------------------------------------------------------------ the study's rule and the default
 def test_choose_schedule_rule():
     rows = [{"restarts": [], "excess_max": 0.0, "exploded": 3},
