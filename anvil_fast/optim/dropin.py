@@ -562,9 +562,10 @@ class DropInAnvil(TorchContract, AnvilFrontend):
     def refused_updates(self) -> dict[str, int]:
         """Matrix updates refused so far, per bank label: cascade outputs that came out non-finite (or,
         with SAFE's guard, exploded), so that their matrices took only the sign-aligned weight decay
-        (the warnings say the same, step by step). This process's matrices; a bank that refused none
-        has 0. On CUDA reading it waits for the device and reports (warns about) what is not reported
-        yet."""
+        (the warnings say the same, step by step). This process's matrices, counted by this optimizer
+        object: a state dict does not carry the count (an optimizer that loads one, or a deep copy,
+        starts at 0), while ``skipped_steps`` is restored. A bank that refused none has 0. On CUDA
+        reading it waits for the device and reports (warns about) what is not reported yet."""
         self._report(wait=True, stacklevel=3)
         out = {}
         for label, bank in self.inner.banks.items():
