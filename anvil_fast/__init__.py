@@ -60,8 +60,9 @@ module                         concept
 **core**
 ``core.cascade``               the cascade (normalization + Gram kernels + maps), ``CascadeConfig`` (SAFE,
                                FAITHFUL, GRAM_SIDE) and both drivers: the standard one and the Gram side's
-``core.gram_side``             the Gram-side cascade's own parts: restart schedule, dispatch rule by bank
-                               shape, eager form; the one FLOP count of a map and a cascade (``map_flops``)
+``core.gram_side``             the Gram-side cascade's own parts: restart schedules (per map set, the study's:
+                               ``gram_side_schedules.json``), dispatch rule by bank shape, eager form; the one
+                               FLOP count of a map and a cascade (``map_flops``)
 ``core.bank``                  ``AnvilBank``, ``anvil_bank_update``: one bank's update (rails, cascade,
                                equalizer, update, in the seed's order)
 ``core.eager``                 the seed's math in eager bf16 torch (the difftest's second floor)
@@ -113,7 +114,7 @@ module                         concept
 ``studies.field_examples``     the field's Newton-Schulz and Polar Express written as the field writes
                                them, and the mutation set of slips the harness must catch
 ``studies.near_rank1``         the near-rank-1 study (SAFE's headroom under bf16, measured)
-``studies.gram_side_study``    the Gram side's error study (its schedule)
+``studies.gram_side_study``    the Gram side's error study (its schedule for each map set)
 ``studies.scaling``            equivalence and step time of the optimizer step at several ranks
 ``studies.train_step``         forward + backward + step at several ranks, each reduce-scatter launched
                                from the backward pass, checked bit for bit against the sequential step

@@ -192,11 +192,16 @@ def run_commit(folder: Path) -> str | None:
 PEERS_RUNS = ("h200_peers/small_all", "h200_peers/medium_all")
 
 
-def peers_runs() -> str:
+#: Stored peers runs at the sizes beyond the small and medium GPT: the package's GPT-2-medium-sized model
+#: and the small GPT with bf16 parameters, with the fastest peers of PEERS_RUNS and AdamW.
+PEERS_LARGER_RUNS = ("h200_peers/gpt2medium_bf16",)
+
+
+def peers_runs(folders=None) -> str:
     """Each stored peers run's tables verbatim (ratios within a table come from that one run), headed
     by the run's command and commit; the runs are not merged, since each measured its own set."""
     out = []
-    for folder in PEERS_RUNS:
+    for folder in (PEERS_RUNS if folders is None else folders):
         d = RESULTS / folder
         text = (d / "peers.md").read_text()
         first, _, body = text.partition("\n")
@@ -214,7 +219,7 @@ def peers_runs() -> str:
 #: Bench peers runs of one command repeated in a row, each its own set of fresh processes: the spread
 #: of a contender's step time between processes, which a single run cannot show.
 #: One folder per repeated command (a size each); a folder without runs yet is left out.
-PEERS_REPEATS = ("h200_peers/repeats_small_dd58493", "h200_peers/repeats_medium")
+PEERS_REPEATS = ("h200_peers/repeats_small_1643d81", "h200_peers/repeats_medium")
 
 
 def peers_repeats() -> str:
@@ -390,7 +395,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "scaling_cpu": lambda: include_markdown("scaling_cpu_8ranks.md"),
     "scaling_gpu": scaling_gpu,
     "gram_side_study": lambda: include_markdown("gram_side_study.md"),
+    "gram_side_schedules": lambda: include_markdown("gram_side_schedules.md"),
     "peers_runs": peers_runs,
+    "peers_larger": lambda: peers_runs(PEERS_LARGER_RUNS),
     "peers_repeats": peers_repeats,
     "warmup": warmup_table,
     "host_parts": host_parts,

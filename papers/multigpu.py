@@ -97,9 +97,20 @@ def table_prediction() -> str:
 
     data = _pieces()
     if data is not None:
-        train = C.training_table(data, list(PREDICT_WORLDS))
-        return "\n".join(C.prediction_table(data, list(PREDICT_WORLDS)) + ([""] + train if train else [])) + \
-            f"\n\n*Source: `papers/data/{PIECES}`, `{data.get('generated_by', MEASURE_CMD)}`.*"
+        fallback, note = None, ""
+        if not data.get("collectives"):
+            # One GPU cannot time a collective: one bandwidth, calibrated on the latest two-rank run's
+            # collectives alone (as the check above does), stands in for every kind at every size.
+            run = _runs()[-1]
+            fallback = C.calibrated_fits(run["rows"][2]["comm_ms"], C.ring_bytes(C.pieces_of(data, "gpt2small", 2), 2))
+            bw = next(iter(fallback.values())).bw_gbs
+            note = (f" Collectives: none measured on one GPU; every kind at {bw:.1f} GB/s and no latency, the "
+                    f"bandwidth at which `{run['path']}`'s two-rank collectives alone take its measured "
+                    f"{run['rows'][2]['comm_ms']:.3f} ms.")
+        train = C.training_table(data, list(PREDICT_WORLDS), fallback_fits=fallback)
+        return "\n".join(C.prediction_table(data, list(PREDICT_WORLDS), fallback_fits=fallback)
+                         + ([""] + train if train else [])) + \
+            f"\n\n*Source: `papers/data/{PIECES}`, `{data.get('generated_by', MEASURE_CMD)}`.{note}*"
     run = _runs()[-1]
     lines = ["| layout | ranks | compute ms | collectives ms | predicted step ms, collectives fully hidden | "
              "predicted step ms, none hidden |", "|---|---:|---:|---:|---:|---:|"]

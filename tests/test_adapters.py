@@ -93,10 +93,10 @@ def test_every_available_cpu_adapter_runs_through_the_harness_without_a_false_al
 
 
 def test_the_gram_forms_declare_their_restarts_and_dtype():
-    from anvil_fast.core.cascade import CONFIGS
+    from anvil_fast.core.cascade import GRAM_SIDE_RESTARTS
 
     m = A.build("anvil-gram-side").math
-    assert m.restarts == tuple(k - 1 for k in CONFIGS["gram_side"].gram_side)
+    assert m.restarts == tuple(k - 1 for k in GRAM_SIDE_RESTARTS)  # ANVIL_MAPS' studied schedule
     assert m.forms() == H.GRAM_FORMS and A.build("anvil-safe").math.forms() == H.FORMS
     pytest.importorskip("pytorch_optimizer.optimizer.utils.matrix", reason="pytorch-optimizer (test extra)")
     m = A.build("pytorch-optimizer-gram-ns").math

@@ -157,6 +157,19 @@ def test_validate_scales_pieces_to_the_runs_one_rank_row():
     assert w["calibrated"] and w["predicted"].comm_ms == pytest.approx(6.0)
 
 
+def test_prediction_table_takes_fallback_fits_where_the_data_has_none():
+    data = _data(collectives=False)
+    assert [line.split("|")[2].strip() for line in C.prediction_table(data, [1, 2])[2:]] == ["1"]
+    fits = C.calibrated_fits(6.0, C.ring_bytes(C.pieces_of(data, "gpt2small", 2), 2))
+    rows = C.prediction_table(data, [1, 2], fallback_fits=fits)[2:]
+    assert [r.split("|")[2].strip() for r in rows] == ["1", "2"]
+    # calibrated on 6 ms of collectives at two ranks: the two-rank row's collectives alone are those 6 ms
+    assert float(rows[1].split("|")[4]) == pytest.approx(6.0)
+    # measured fits win over the fallback
+    with_fits = C.prediction_table(_data(), [2], fallback_fits=fits)[2:]
+    assert with_fits == C.prediction_table(_data(), [2])[2:]
+
+
 def test_bracket_from_totals():
     run = dict(rows={1: dict(step_ms=8.0, nocomm_ms=8.0, comm_ms=0.0), 2: dict(step_ms=6.0, nocomm_ms=4.0, comm_ms=2.0)})
     b = C.bracket(run, 8)

@@ -117,7 +117,12 @@ def _bf16(shape, seed):
 
 
 def test_config_is_registered_and_validated():
-    assert get_config("gram_side") is GRAM_SIDE and GRAM_SIDE.gram_side == GRAM_SIDE_RESTARTS
+    from anvil_fast.core.cascade import restarts_of
+    from anvil_fast.core.gram_side import STUDIED
+
+    assert get_config("gram_side") is GRAM_SIDE and GRAM_SIDE.gram_side == STUDIED
+    assert restarts_of(GRAM_SIDE) == GRAM_SIDE_RESTARTS and restarts_of(SAFE) is None
+    assert restarts_of(dataclasses.replace(GRAM_SIDE, gram_side=(3, 5)), "polar_express_paper6") == (3, 5)
     # SAFE's normalization, margin and guard are kept
     assert (GRAM_SIDE.fp32_trace, GRAM_SIDE.prescale, GRAM_SIDE.margin(), GRAM_SIDE.guard) == \
         (SAFE.fp32_trace, SAFE.prescale, SAFE.margin(), SAFE.guard)
@@ -400,14 +405,109 @@ def test_choose_schedule_rule():
     assert choose_schedule(rows) == (5,)  # fewest restarts first, then the smallest excess
     assert choose_schedule(rows[:3] + rows[4:]) == (4,)
     assert choose_schedule([rows[0], rows[1], rows[4]]) == (2, 4)
-    with pytest.raises(RuntimeError, match="no restart schedule"):
-        choose_schedule(rows[:2])
+    assert choose_schedule(rows[:2]) is None  # none qualifies: that map set keeps the standard cascade
 
 
 def test_default_schedule_is_the_studys_choice():
     res = json.loads(STUDY_JSON.read_text())
     assert tuple(res["chosen"]) == GRAM_SIDE_RESTARTS
     assert tuple(choose_schedule(res["schedules"])) == GRAM_SIDE_RESTARTS
+
+
+SCHEDULES_JSON = Path(__file__).resolve().parents[1] / "anvil_fast" / "core" / "gram_side_schedules.json"
+
+
+def _power_law(shape, p, seed=0):
+    from anvil_fast.studies.gram_side_study import study_input
+
+    return study_input(f"power_law_{p}", shape, seed=seed)
+
+
+def test_every_named_map_set_has_the_schedule_its_study_chose():
+    from anvil_fast.core.gram_side import studied_restarts
+    from anvil_fast.studies.gram_side_study import STUDY_INPUTS, named_map_sets
+
+    doc = json.loads(SCHEDULES_JSON.read_text())
+    assert doc["generated_by"].startswith("python -m anvil_fast.studies.gram_side_study --schedules")
+    assert doc["inputs"] == [n for n, _, _ in STUDY_INPUTS] and doc["allowance"] == STUDY_ALLOWANCE
+    sets = named_map_sets()
+    assert [e["name"] for e in doc["map_sets"]] == list(sets)  # every named map set, none stale
+    for e in doc["map_sets"]:
+        assert [tuple(t) for t in e["maps"]] == [tuple(map(float, t)) for t in A.load_maps(sets[e["name"]])], e["name"]
+        chosen = choose_schedule(e["schedules"])  # the rule applied to the stored rows gives the stored choice
+        assert (None if chosen is None else list(chosen)) == e["restarts"], e["name"]
+        assert studied_restarts(sets[e["name"]]) == (None if chosen is None else chosen), e["name"]
+    # ANVIL_MAPS' entry is the default schedule, and Polar Express's six maps need another one
+    assert studied_restarts(A.ANVIL_MAPS) == GRAM_SIDE_RESTARTS
+    assert studied_restarts("polar_express_paper6") not in (None, GRAM_SIDE_RESTARTS)
+
+
+def test_each_map_set_runs_its_own_schedule_and_does_not_explode():
+    # Polar Express's first map has slope 8.2 at 0 (ANVIL's: 3.9): between ANVIL's restarts the Gram's
+    # rounding grows ~4.4x more, and on a power-law spectrum (a small GPT's momentum) the output explodes.
+    from anvil_fast.core.gram_side import studied_restarts
+    from anvil_fast.core.tolerances import exploded_sigma
+    from anvil_ref.polar import composite_max, spectrum_top
+
+    maps = "polar_express_paper6"
+    x = _power_law((2, 2048, 512), 1.4)  # the study's input: a CUDA-dispatched short side
+    limit = exploded_sigma(composite_max(maps=maps, top=spectrum_top(normalization="frobenius",
+                                                                      margin=GRAM_SIDE.margin())))
+    own = studied_restarts(maps)
+    got = fast_cascade(x, maps=maps, config=GRAM_SIDE, backend="torch")  # the dispatch (aspect 4: Gram side)
+    assert torch.equal(got, fast_gram_side(x, maps=maps, restarts=own, backend="torch"))
+    assert torch.equal(got, fast_gram_side(x, maps=maps, backend="torch"))  # the driver's default is the same
+    assert top_singular_value(got).max() <= limit
+    ref = A.cascade(x.bfloat16(), maps=maps, margin=GRAM_SIDE.margin())
+    safe = fast_cascade(x, maps=maps, config=SAFE, backend="torch")
+    assert D.rel_err(got, ref) <= D.rel_err(safe, ref) + STUDY_ALLOWANCE
+    # the input tells the schedules apart: ANVIL's on these maps explodes
+    assert top_singular_value(fast_gram_side(x, maps=maps, restarts=GRAM_SIDE_RESTARTS, backend="torch")).max() > limit
+
+
+def test_a_map_set_the_study_has_not_seen_keeps_the_standard_cascade():
+    from anvil_fast.core.gram_side import studied_restarts
+
+    mine = tuple((a * (1 + 1e-9), b, c) for a, b, c in A.load_maps(A.ANVIL_MAPS))  # not a studied set
+    assert studied_restarts(mine) is None
+    x = torch.randn(2, 96, 24, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(fast_cascade(x, maps=mine, config=GRAM_SIDE, backend="torch"),
+                       fast_cascade(x, maps=mine, config=SAFE, backend="torch"))
+    with pytest.raises(ValueError, match="no restart schedule for these maps"):
+        fast_gram_side(x, maps=mine, backend="torch")
+    with pytest.raises(ValueError, match="no schedule for these maps"):
+        eager_gram_side_cascade(x, maps=mine)
+    y = fast_gram_side(x, maps=mine, restarts=(4,), backend="torch")  # a schedule asked for is run
+    from anvil_fast.core.tolerances import bf16_bound
+
+    ref = A.cascade(x.bfloat16(), maps=mine, margin=GRAM_SIDE.margin())
+    e = eager_gram_side_cascade(x, maps=mine, restarts=(4,), margin=GRAM_SIDE.margin())
+    assert D.rel_err(y, ref) <= bf16_bound(D.rel_err(e, ref))
+    assert not torch.equal(y, fast_cascade(x, maps=mine, config=SAFE, backend="torch"))
+
+
+def test_the_papers_schedule_table_is_rendered_from_the_json():
+    from anvil_fast.studies.gram_side_study import schedules_markdown
+
+    doc = json.loads(SCHEDULES_JSON.read_text())
+    md = Path(__file__).resolve().parents[1] / "papers" / "data" / "gram_side_schedules.md"
+    assert md.read_text() == schedules_markdown(doc, doc.pop("generated_by"))
+
+
+@pytest.mark.slow
+def test_regenerating_a_map_sets_schedule_changes_nothing():
+    # The whole table takes ~20 min on 2 cores; one five-map entry ~2 min: its choice and its rows'
+    # explosion counts must come out as stored, its errors to within the CPU's summation order.
+    from anvil_fast.studies.gram_side_study import named_map_sets, schedule_entry, study
+
+    name = "polar_express_nanogpt5"
+    stored = next(e for e in json.loads(SCHEDULES_JSON.read_text())["map_sets"] if e["name"] == name)
+    fresh = schedule_entry(name, study(maps=named_map_sets()[name], r_precision=False))
+    assert fresh["restarts"] == stored["restarts"] and fresh["maps"] == stored["maps"]
+    for f, s_ in zip(fresh["schedules"], stored["schedules"], strict=True):
+        assert (f["restarts"], f["exploded"]) == (s_["restarts"], s_["exploded"])
+        if s_["exploded"] == 0:  # an exploded row's error is as large as the explosion: compared by its count
+            assert f["excess_max"] == pytest.approx(s_["excess_max"], rel=1e-2, abs=1e-4), f["restarts"]
 
 
 def test_cascade_flops_by_hand():

@@ -19,8 +19,8 @@ import torch
 
 from anvil_ref.constants import ANVIL_MAPS
 
-from anvil_fast.core.cascade import default_config_for, get_config
-from anvil_fast.core.gram_side import SYMMETRIC_BLOCK, cascade_flops, map_flops, uses_gram_side
+from anvil_fast.core.cascade import default_config_for, get_config, gram_side_schedule
+from anvil_fast.core.gram_side import SYMMETRIC_BLOCK, cascade_flops, map_flops
 from anvil_fast.kernels.capture import capture
 from anvil_fast.kernels.gram_tune import time_us as kernel_us
 from anvil_fast.kernels.timing import do_bench_ms
@@ -110,15 +110,16 @@ def executed_flops(shape, config=None, device="cuda") -> float:
     """FLOPs the fast path executes for one cascade of the bank chunk ``shape`` ``[c, m, n]`` under
     ``config`` (a :class:`~anvil_fast.core.cascade.CascadeConfig` or its name; None: the one a bank
     of that shape gets on ``device``, :func:`~anvil_fast.core.cascade.default_config_for`): the Gram
-    side's count where the cascade takes it (the configuration has a restart schedule and
-    :func:`~anvil_fast.core.gram_side.uses_gram_side` holds on ``device``), else the standard
+    side's count where the cascade takes it (:func:`~anvil_fast.core.cascade.gram_side_schedule` gives the
+    bank a restart schedule on ``device``), else the standard
     cascade's (:func:`flops`). A floor built on the standard count for a bank that runs the Gram side
     would sit above what that bank's kernels must execute."""
     shape = tuple(int(d) for d in shape)
     cfg = default_config_for(shape, device) if config is None else get_config(config)
     c, m, n = shape
-    if cfg.gram_side is not None and uses_gram_side(shape, device=device):
-        return c * cascade_flops(m, n, maps=MAPS_PER_CASCADE, restarts=cfg.gram_side)["gram_side"]
+    sched = gram_side_schedule(cfg, shape, device=device)
+    if sched is not None:
+        return c * cascade_flops(m, n, maps=MAPS_PER_CASCADE, restarts=sched)["gram_side"]
     return flops(shape)[1]
 
 

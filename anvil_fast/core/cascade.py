@@ -28,8 +28,9 @@ than SPLIT_BADDBMM_MIN_ROWS rows. It reproduces the seed's failure on near-rank-
 4. ``a X + X B`` is one fused kernel (:func:`~anvil_fast.kernels.gram.aX_plus_mm`: one rounding, no extra
    pass over X), and the equalizer's guard is on (:mod:`anvil_fast.kernels.equalizer`).
 
-``GRAM_SIDE`` -- SAFE, with the maps run on the short side (``A_{k+1} = Q_k A_k Q_k``, restarted at
-GRAM_SIDE_RESTARTS) for banks whose aspect ratio makes it pay: :mod:`anvil_fast.core.gram_side`.
+``GRAM_SIDE`` -- SAFE, with the maps run on the short side (``A_{k+1} = Q_k A_k Q_k``, restarted where the
+Gram-side study chose for the map set: GRAM_SIDE_RESTARTS for ANVIL_MAPS) for banks whose aspect ratio
+makes it pay: :mod:`anvil_fast.core.gram_side`; :func:`gram_side_schedule` decides per bank.
 
 In SAFE the twin rails, the normalization and the equalizer run as Triton kernels on CUDA
 (``triton_elementwise``; :mod:`anvil_fast.kernels.rails`, :mod:`anvil_fast.kernels.normalize`,
@@ -79,7 +80,7 @@ from anvil_fast.kernels.compiled import maybe_compiled, want_compile
 from anvil_fast.kernels.backend import use_triton
 from anvil_fast.kernels.equalizer import EqualizerWork
 from anvil_fast.kernels.gram import XTX, XXT, aX_plus_mm, ba_plus_cAA, sym_aX_plus_mm
-from .gram_side import GRAM_SIDE_RESTARTS, GramSideWork, restart_product, uses_gram_side
+from .gram_side import GRAM_SIDE_RESTARTS, STUDIED, GramSideWork, restart_product, studied_restarts, uses_gram_side
 from anvil_fast.kernels.plus_identity import plus_identity_
 from anvil_fast.kernels.normalize import NormPartials, block_partials, normalize_from_partials
 from anvil_fast.kernels.rails import BF16_MAX, PRESCALE_EXP_LIMIT
@@ -100,8 +101,10 @@ class CascadeConfig:
     #: compiled torch code)
     triton_elementwise: bool = False
     #: the Gram-side cascade's restart schedule (map numbers, 1-based; :mod:`anvil_fast.core.gram_side`), run
-    #: on banks whose shape passes :func:`anvil_fast.core.gram_side.uses_gram_side`; None: never
-    gram_side: tuple[int, ...] | None = None
+    #: on banks whose shape passes :func:`anvil_fast.core.gram_side.uses_gram_side`: a tuple (for every map
+    #: set), :data:`~anvil_fast.core.gram_side.STUDIED` (the study's schedule for the maps in use; the
+    #: standard cascade for maps it has none for), or None: never (:func:`gram_side_schedule` decides)
+    gram_side: tuple[int, ...] | str | None = None
 
     def __post_init__(self):
         if self.prescale and not self.fp32_trace:
@@ -114,9 +117,9 @@ class CascadeConfig:
             if not (self.prescale and self.fused_axb):
                 raise ValueError(f"config {self.name!r}: the Gram side keeps SAFE's prescaled normalization and "
                                  "one-rounding products (set prescale=True and fused_axb=True)")
-            if not isinstance(self.gram_side, tuple):
-                raise ValueError(f"config {self.name!r}: gram_side must be a tuple of map numbers, "
-                                 f"got {self.gram_side!r}")
+            if not isinstance(self.gram_side, tuple) and self.gram_side != STUDIED:
+                raise ValueError(f"config {self.name!r}: gram_side must be a tuple of map numbers or "
+                                 f"{STUDIED!r}, got {self.gram_side!r}")
 
     def margin(self, base: float = FROBENIUS_MARGIN) -> float:
         return base * (1.0 + self.margin_slack)
@@ -127,7 +130,7 @@ SAFE = CascadeConfig("safe", fp32_trace=True, prescale=True, margin_slack=SAFE_M
                     triton_elementwise=True)
 #: SAFE with the maps run on the short side of tall and wide banks (:mod:`anvil_fast.core.gram_side`).
 GRAM_SIDE = CascadeConfig("gram_side", fp32_trace=True, prescale=True, margin_slack=SAFE_MARGIN_SLACK, fused_axb=True,
-                          guard=True, triton_elementwise=True, gram_side=GRAM_SIDE_RESTARTS)
+                          guard=True, triton_elementwise=True, gram_side=STUDIED)
 DEFAULT_CONFIG = SAFE
 CONFIGS = {c.name: c for c in (FAITHFUL, SAFE, GRAM_SIDE)}
 
@@ -141,6 +144,29 @@ def default_config_for(chunk_shape: tuple[int, int, int], device) -> CascadeConf
     if torch.device(device).type == "cuda" and uses_gram_side(chunk_shape, device=device):
         return GRAM_SIDE
     return DEFAULT_CONFIG
+
+
+def restarts_of(config: CascadeConfig | str, maps: MapsLike = ANVIL_MAPS) -> tuple[int, ...] | None:
+    """The restart schedule ``config`` gives the Gram side under ``maps`` (whatever the bank's shape),
+    or None: the configuration has none, or it is STUDIED and the study has none for these maps."""
+    cfg = get_config(config)
+    if cfg.gram_side is None:
+        return None
+    maps_ = load_maps(maps)
+    if cfg.gram_side == STUDIED:
+        return studied_restarts(maps_)
+    return check_restarts(cfg.gram_side, len(maps_))
+
+
+def gram_side_schedule(config: CascadeConfig | str, shape, *, maps: MapsLike = ANVIL_MAPS,
+                       device=None) -> tuple[int, ...] | None:
+    """The one decision of whether a bank of ``shape`` on ``device`` runs the Gram side: its restart
+    schedule where it does (:func:`restarts_of` has one and the shape passes
+    :func:`anvil_fast.core.gram_side.uses_gram_side`), else None (the standard cascade). The cascade,
+    the difftest, the tolerances' rounding count and the benchmarks' FLOP floors all ask here."""
+    if get_config(config).gram_side is None or not uses_gram_side(shape, device=device):
+        return None
+    return restarts_of(config, maps)
 
 
 def get_config(config: CascadeConfig | str) -> CascadeConfig:
@@ -239,11 +265,9 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
     cfg = get_config(config)
     maps_ = load_maps(maps)
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
-    if cfg.gram_side is not None:
-
-        if uses_gram_side(X.shape, device=X.device):
-            return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
-                                       compile=compile, partials_ready=partials_ready)
+    if gram_side_schedule(cfg, X.shape, maps=maps_, device=X.device) is not None:
+        return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
+                                   compile=compile, partials_ready=partials_ready)
     tall = is_tall(X.shape)
     gram = XTX if tall else XXT
     if split is None:
@@ -306,7 +330,10 @@ def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, co
     if cfg.gram_side is None:
         raise ValueError(f"config {cfg.name!r} has no Gram-side restart schedule (gram_side=None)")
     maps_ = load_maps(maps)
-    sched = check_restarts(cfg.gram_side, len(maps_))
+    sched = restarts_of(cfg, maps_)
+    if sched is None:
+        raise ValueError(f"config {cfg.name!r}: the Gram-side study has no restart schedule for these maps "
+                         "(anvil_fast.core.gram_side.studied_restarts); pass one (fast_gram_side(..., restarts=...))")
     X0, C, A, B = ws.X, ws.C, ws.A, ws.B
     if ws.gram_side is None or tuple(ws.gram_side.R.shape) != tuple(A.shape):
         ws.gram_side = GramSideWork.for_workspace(ws)
@@ -350,7 +377,8 @@ def fast_gram_side(x: Tensor, *, restarts=None, maps: MapsLike = ANVIL_MAPS, mar
                    eps: float = FROBENIUS_EPS, backend: str = "auto", compile: bool | None = None) -> Tensor:
     """The Gram-side cascade of ``x`` ([..., rows, cols], any float dtype, cast to bf16 as
     :func:`anvil_fast.core.cascade.fast_cascade` does) whatever its shape (no dispatch rule), with
-    ``restarts`` (default: GRAM_SIDE's schedule). Returns a new bf16 tensor of x's shape."""
+    ``restarts`` (default: the study's schedule for ``maps``, :func:`anvil_fast.core.gram_side.studied_restarts`;
+    a ValueError where it has none). Returns a new bf16 tensor of x's shape."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or 0 in x.shape[-2:]:
         raise ValueError(f"x: expected a floating-point tensor [..., rows, cols] with rows, cols >= 1, got "
                          f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")

@@ -576,13 +576,13 @@ def _gram_side_roundings(row) -> int | None:
     """The Gram side's rounding count when ``row`` is a cascade row the Gram side ran, else None."""
     from anvil_ref.constants import ANVIL_MAPS
 
-    from .cascade import CONFIGS
-    from .gram_side import uses_gram_side
+    from .cascade import CONFIGS, gram_side_schedule
 
     cfg = CONFIGS.get(row.config)
-    if cfg is None or cfg.gram_side is None or not uses_gram_side(row.shape, device=getattr(row, "device", None)):
+    sched = None if cfg is None else gram_side_schedule(cfg, row.shape, device=getattr(row, "device", None))
+    if sched is None:
         return None
-    return gram_side_roundings(len(ANVIL_MAPS), cfg.gram_side)
+    return gram_side_roundings(len(ANVIL_MAPS), sched)
 
 
 def check(component: str, *, fast: float, eager: float, floor: float, ulps: float | None = None) -> bool:

@@ -279,12 +279,13 @@ def _field(name: str):
 
 def _anvil(config: str, maps: str = "anvil"):
     def build(device: str, compile: str) -> Implementation:
-        from anvil_fast.core.cascade import CONFIGS, fast_cascade, fast_gram_side
+        from anvil_fast.core.cascade import CONFIGS, fast_cascade, fast_gram_side, restarts_of
 
         cfg = CONFIGS[config]
         comp = {"auto": None, "yes": True, "no": False}[compile]
-        # the Gram side declares its form: restarts before the maps of cfg.gram_side (1-based there)
-        restarts = None if cfg.gram_side is None else tuple(k - 1 for k in cfg.gram_side)
+        # the Gram side declares its form: restarts before the maps of its schedule for these maps (1-based there)
+        sched = restarts_of(cfg, maps)
+        restarts = None if sched is None else tuple(k - 1 for k in sched)
         m = DeclaredMath(load_maps(maps), normalization="frobenius", margin=cfg.margin(), eps=FROBENIUS_EPS,
                          transpose_when="tall", restarts=restarts)
         if config == "gram_side":

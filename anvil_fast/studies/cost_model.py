@@ -464,16 +464,19 @@ def _pct(x: float) -> str:
     return "" if math.isnan(x) else f"{x:+.0%}"
 
 
-def prediction_table(data: dict, worlds: list[int]) -> list[str]:
+def prediction_table(data: dict, worlds: list[int], *, fallback_fits: dict[str, AlphaBeta] | None = None) -> list[str]:
+    """Per layout and world size, the predicted step; multi-rank rows need collective fits: the data's,
+    or ``fallback_fits`` where it has none at that size (e.g. :func:`calibrated_fits` of a measured run)."""
     lines = ["| layout | ranks | compute ms | collectives alone ms | predicted step ms | hidden | host ms | "
              "measured step, comms skipped, 1 GPU ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in data["layouts"]:
         for w in worlds:
             if str(w) not in data["layouts"][name]["worlds"]:
                 continue
-            if w > 1 and fits_of(data, w) is None:
+            fits = fits_of(data, w) or (fallback_fits if w > 1 else None)
+            if w > 1 and fits is None:
                 continue
-            p = predict(data, name, w)
+            p = predict(data, name, w, fits=fits)
             meas = data["layouts"][name]["worlds"][str(w)].get("step_nocomm_ms")
             hid = "" if math.isnan(p.hidden) else f"{p.hidden:.0%}"
             lines.append(f"| {name} | {w} | {p.compute_ms:.3f} | {p.comm_ms:.3f} | {p.step_ms:.3f} | {hid} | "
@@ -481,7 +484,7 @@ def prediction_table(data: dict, worlds: list[int]) -> list[str]:
     return lines
 
 
-def training_table(data: dict, worlds: list[int]) -> list[str]:
+def training_table(data: dict, worlds: list[int], *, fallback_fits: dict[str, AlphaBeta] | None = None) -> list[str]:
     tr = data.get("training")
     if not tr:
         return []
@@ -491,9 +494,10 @@ def training_table(data: dict, worlds: list[int]) -> list[str]:
              "comms skipped ms | hidden | step / 1-rank step |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = None
     for w in worlds:
-        if str(w) not in tr["worlds"] or (w > 1 and fits_of(data, w) is None):
+        fits = fits_of(data, w) or (fallback_fits if w > 1 else None)
+        if str(w) not in tr["worlds"] or (w > 1 and fits is None):
             continue
-        p = predict_training(data, w)
+        p = predict_training(data, w, fits=fits)
         base = p.step_ms if w == 1 else base
         hid = "" if math.isnan(p.hidden) else f"{p.hidden:.0%}"
         lines.append(f"| {w} | {tr['global_batch'] // w} | {p.fwd_ms + p.bwd_ms:.2f} | {p.opt.compute_ms:.2f} | "

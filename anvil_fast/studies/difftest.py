@@ -47,12 +47,12 @@ from anvil_ref.cli_args import add_progress_flags, check_device, name_list, shap
 from anvil_ref.constants import ANVIL_DEFAULTS, RAIL_BETA_MAX, RAIL_FAST_BETA, RAIL_FAST_WEIGHT
 
 from anvil_fast.core import tolerances as T
-from anvil_fast.core.cascade import CONFIGS, CascadeConfig, fast_cascade, get_config
+from anvil_fast.core.cascade import CONFIGS, CascadeConfig, fast_cascade, get_config, gram_side_schedule
 from anvil_fast.core.eager import eager_bf16_cascade, eager_equalizer, eager_rails, eager_update
 from anvil_fast.kernels.equalizer import equalize
 from anvil_fast.kernels.rails import twin_rail
 from anvil_fast.kernels.update import sign_aligned_update
-from anvil_fast.core.gram_side import eager_gram_side_cascade, uses_gram_side
+from anvil_fast.core.gram_side import eager_gram_side_cascade
 from anvil_fast.core.tolerances import cascade_error_cap, check_row
 # the input families and the error measure, shared with anvil_fast.studies.harness (re-exported here)
 from .families import (FAMILIES, HUGE_EXP, TINY_EXP, WELL_CONDITIONED, WELL_CONDITIONED_SV, make_matrix,  # noqa: F401
@@ -211,8 +211,9 @@ def cascade_row(shape, family, cfg: CascadeConfig | str, *, seed=0, device="cpu"
     x = make_matrix(family, shape, seed=seed)
     y = fast_cascade(x.to(device), config=cfg, compile=compile, backend=backend)
     ref = R.cascade(x.bfloat16(), margin=cfg.margin())
-    if cfg.gram_side is not None and uses_gram_side(shape, device=device):
-        e = eager_gram_side_cascade(x.to(device), restarts=cfg.gram_side, margin=cfg.margin())
+    sched = gram_side_schedule(cfg, shape, device=device)
+    if sched is not None:
+        e = eager_gram_side_cascade(x.to(device), restarts=sched, margin=cfg.margin())
     else:
         e = eager_bf16_cascade(x.to(device), margin=cfg.margin(), fp32_trace=cfg.fp32_trace, prescale=cfg.prescale,
                                split=False if cfg.fused_axb else None)
