@@ -265,9 +265,10 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
     cfg = get_config(config)
     maps_ = load_maps(maps)
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
-    if gram_side_schedule(cfg, X.shape, maps=maps_, device=X.device) is not None:
+    sched = gram_side_schedule(cfg, X.shape, maps=maps_, device=X.device)
+    if sched is not None:
         return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
-                                   compile=compile, partials_ready=partials_ready)
+                                   compile=compile, partials_ready=partials_ready, restarts=sched)
     tall = is_tall(X.shape)
     gram = XTX if tall else XXT
     if split is None:
@@ -322,15 +323,17 @@ def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfi
 
 def gram_side_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = "gram_side",
                         margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS, backend: str = "auto",
-                        compile: bool | None = None, partials_ready: bool = False) -> Tensor:
+                        compile: bool | None = None, partials_ready: bool = False,
+                        restarts: tuple[int, ...] | None = None) -> Tensor:
     """The Gram-side cascade of ``ws.X`` (module docstring) with the configuration's restart
-    schedule; same contract as :func:`anvil_fast.core.cascade.cascade_workspace` (returns the buffer,
-    ``ws.X`` or ``ws.C``, that holds the result)."""
+    schedule for ``maps`` (:func:`restarts_of`), or ``restarts`` where the caller has decided it
+    (:func:`gram_side_schedule`); same contract as :func:`anvil_fast.core.cascade.cascade_workspace`
+    (returns the buffer, ``ws.X`` or ``ws.C``, that holds the result)."""
     cfg = get_config(config)
     if cfg.gram_side is None:
         raise ValueError(f"config {cfg.name!r} has no Gram-side restart schedule (gram_side=None)")
     maps_ = load_maps(maps)
-    sched = restarts_of(cfg, maps_)
+    sched = restarts_of(cfg, maps_) if restarts is None else check_restarts(restarts, len(maps_))
     if sched is None:
         raise ValueError(f"config {cfg.name!r}: the Gram-side study has no restart schedule for these maps "
                          "(anvil_fast.core.gram_side.studied_restarts); pass one (fast_gram_side(..., restarts=...))")
