@@ -317,6 +317,11 @@ class Contender:
     hparams: dict
     #: returns why the contender cannot run here, or None (checked before any run starts)
     unavailable: Callable[[], str | None] = field(default=lambda: None, compare=False)
+    #: build arguments that hold the description true whatever the package's defaults become (the bank
+    #: configuration of a contender described as SAFE: the drop-in's default on CUDA sends some bank shapes
+    #: to the Gram side). Not tuned and not part of a run's identity (papers.train.run_id): a stored run
+    #: keeps its id, and its JSON records them beside the hyper-parameters.
+    pinned: dict = field(default_factory=dict)
 
     def with_lrs(self, lr: float | None = None, adam_lr: float | None = None,
                  weight_decay: float | None = None) -> Contender:
@@ -327,13 +332,17 @@ class Contender:
             hp["adam_lr"] = float(adam_lr)
         if weight_decay is not None:
             hp["weight_decay"] = float(weight_decay)
-        return Contender(self.name, self.description, self.build, hp, self.unavailable)
+        return Contender(self.name, self.description, self.build, hp, self.unavailable, dict(self.pinned))
+
+    def with_hparams(self, hparams: dict) -> Contender:
+        """The same contender with these hyper-parameters (a stored run's), its pins kept."""
+        return Contender(self.name, self.description, self.build, dict(hparams), self.unavailable, dict(self.pinned))
 
     def with_lr(self, lr: float) -> Contender:
         return self.with_lrs(lr=lr)
 
     def make(self, model: nn.Module, *, total_steps: int, device: torch.device) -> list:
-        return self.build(model, self.hparams, total_steps=total_steps, device=device)
+        return self.build(model, {**self.pinned, **self.hparams}, total_steps=total_steps, device=device)
 
     def why_unavailable(self) -> str | None:
         try:
@@ -348,6 +357,8 @@ def _dion_unavailable() -> str | None:
 
 
 _ANVIL_LRS = {"lr": ANVIL_DEFAULTS["lr"], "adam_lr": ADAM_DEFAULTS["lr"], "weight_decay": ANVIL_DEFAULTS["weight_decay"]}
+# the contenders described as SAFE run SAFE on every bank, whatever the drop-in's default dispatch does
+_SAFE = {"bank_config": "safe"}
 _RECORD = {**_ANVIL_LRS, "rails": "record", "total_steps": "run"}  # "run": the run's step count, filled in at build
 
 REGISTRY: dict[str, Contender] = {c.name: c for c in (
@@ -358,27 +369,30 @@ REGISTRY: dict[str, Contender] = {c.name: c for c in (
               build_dion, dict(DION_HP), _dion_unavailable),
     Contender("normuon", "microsoft/dion's NorMuon (Polar Express, per-neuron second moment) on the blocks' "
               "matrices + dion's AdamW on the rest", build_normuon, dict(NORMUON_HP), _dion_unavailable),
-    Contender("anvil", "anvil_fast.ANVIL SAFE, record rails", build_anvil, dict(_RECORD)),
+    Contender("anvil", "anvil_fast.ANVIL SAFE, record rails", build_anvil, dict(_RECORD), pinned=_SAFE),
     Contender("anvil_rails_scaled", "anvil_fast.ANVIL SAFE, record rails at steps scaled to the run "
-              "(anvil_ref.rails.rail_steps rule 'scaled')", build_anvil, {**_ANVIL_LRS, "rail_rule": "scaled"}),
+              "(anvil_ref.rails.rail_steps rule 'scaled')", build_anvil, {**_ANVIL_LRS, "rail_rule": "scaled"},
+              pinned=_SAFE),
     Contender("anvil_one_rail", "anvil_fast.ANVIL SAFE, the record's momentum schedule with w = 1 throughout "
-              "(no second rail)", build_anvil, {**_ANVIL_LRS, "rail_rule": RAIL_RULE, "rail_w1": True}),
+              "(no second rail)", build_anvil, {**_ANVIL_LRS, "rail_rule": RAIL_RULE, "rail_w1": True},
+              pinned=_SAFE),
     Contender("anvil_no_equalizer", "anvil_fast.ANVIL SAFE, record rails, beta2 = 1 (the lane energy stays 0: "
-              "every gain equal, the equalizer the identity)", build_anvil, {**_RECORD, "beta2": 1.0}),
+              "every gain equal, the equalizer the identity)", build_anvil, {**_RECORD, "beta2": 1.0},
+              pinned=_SAFE),
     Contender("anvil_decoupled", "anvil_fast.ANVIL SAFE, record rails, decoupled weight decay (no sign gate)",
-              build_anvil, {**_RECORD, "decay": "decoupled"}),
+              build_anvil, {**_RECORD, "decay": "decoupled"}, pinned=_SAFE),
     Contender("anvil_lean", "anvil_fast.ANVIL SAFE, record rails, rails in bf16", build_anvil,
-              {**_RECORD, "rails_dtype": "bfloat16"}, lean_unavailable),
+              {**_RECORD, "rails_dtype": "bfloat16"}, lean_unavailable, pinned=_SAFE),
     Contender("anvil_faithful", "anvil_fast.ANVIL FAITHFUL, record rails", build_anvil,
               {**_RECORD, "bank_config": "faithful"}),
     Contender("anvil_gram_side", "anvil_fast.ANVIL GRAM_SIDE, record rails", build_anvil,
               {**_RECORD, "bank_config": "gram_side"}),
     Contender("anvil_derived", f"anvil_fast.ANVIL SAFE, record rails, maps={DERIVED_MAPS}", build_anvil,
-              {**_RECORD, "maps": DERIVED_MAPS}),
+              {**_RECORD, "maps": DERIVED_MAPS}, pinned=_SAFE),
     Contender("anvil_polar", f"anvil_fast.ANVIL SAFE, record rails, maps={POLAR_MAPS}", build_anvil,
-              {**_RECORD, "maps": POLAR_MAPS}),
+              {**_RECORD, "maps": POLAR_MAPS}, pinned=_SAFE),
     Contender("anvil_nesterov", "anvil_fast.ANVIL SAFE, plain Nesterov rails", build_anvil,
-              {**_ANVIL_LRS, "rails": "nesterov"}),
+              {**_ANVIL_LRS, "rails": "nesterov"}, pinned=_SAFE),
     Contender("anvil_defaults", "anvil_fast.ANVIL(model), every argument at its default", build_anvil, {}),
 )}
 

@@ -252,7 +252,7 @@ def train_run(contender: K.Contender, *, size: str, seed: int, data_seed: int, s
     return {
         "contender": contender.name, "description": contender.description,
         "hparams": K.jsonable(contender.hparams), "hparams_text": K.hparams_text(contender),
-        "optimizer_groups": groups, "seed": seed, "data_seed": data_seed, "size": size,
+        "pinned": K.jsonable(contender.pinned), "optimizer_groups": groups, "seed": seed, "data_seed": data_seed, "size": size,
         "model": {**cfg.__dict__, "n_params": n_params},
         "steps": steps, "batch": batch, "ctx": cfg.ctx, "tokens_per_step": batch * cfg.ctx,
         "tokens_seen": steps * batch * cfg.ctx, "train_tokens": int(corpus.train.numel()),
@@ -266,12 +266,14 @@ def train_run(contender: K.Contender, *, size: str, seed: int, data_seed: int, s
 
 
 def guard_record(opts) -> dict | None:
-    """What ANVIL refused during a run: the matrix updates per bank whose cascade output came out
-    non-finite or exploded (``refused_updates``) and the steps skipped for non-finite gradients; None
-    for a contender without ANVIL."""
+    """What ANVIL ran and refused during a run: each bank's configuration (``bank_configs``: the
+    drop-in's dispatch on this device, or the contender's pin), the matrix updates per bank whose
+    cascade output came out non-finite or exploded (``refused_updates``) and the steps skipped for
+    non-finite gradients; None for a contender without ANVIL."""
     for o in opts:
         if getattr(type(o), "refused_updates", None) is not None:
-            return {"refused_updates": o.refused_updates, "skipped_steps": int(o.skipped_steps)}
+            return {"bank_configs": {label: bank.config.name for label, bank in o.inner.banks.items()},
+                    "refused_updates": o.refused_updates, "skipped_steps": int(o.skipped_steps)}
     return None
 
 
@@ -322,7 +324,7 @@ def make_spec(c: K.Contender, *, seed: int, steps: int, a, role: str, stage: str
 
 def contender_of(spec: dict) -> K.Contender:
     c = K.get(spec["contender"])
-    return K.Contender(c.name, c.description, c.build, dict(spec["hparams"]), c.unavailable)
+    return c.with_hparams(spec["hparams"])
 
 
 def _worker_init(cfg: dict) -> dict:
@@ -561,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.contenders:
         if n not in absent:
             c = contender(n)
-            print(f"contender {n}: {c.description}; {K.hparams_text(c)}")
+            pins = "".join(f"; pinned {k}={v}" for k, v in c.pinned.items())
+            print(f"contender {n}: {c.description}; {K.hparams_text(c)}{pins}")
 
     a.out.mkdir(parents=True, exist_ok=True)
     kept_dir = None if a.skip_existing is None else (a.out if a.skip_existing is True else a.skip_existing)

@@ -5,6 +5,7 @@ that really learns with AdamW and with ANVIL on the CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -376,6 +377,37 @@ def test_every_contender_builds_on_the_tiny_model_or_says_why_not(name):
         assert "lr=" in K.hparams_text(c) and "adam_lr=" in K.hparams_text(c)
 
 
+def test_contenders_described_as_safe_run_safe_whatever_the_default_dispatch(monkeypatch):
+    """The drop-in's default sends some bank shapes to the Gram side on CUDA; a contender described as
+    SAFE pins ``bank_config="safe"`` outside its hyper-parameters, so that its runs stay what their
+    description says and a stored run keeps its id. With the dispatch forced to the Gram side on every
+    bank (here, on the CPU), the defaults contender follows it and the pinned ones do not."""
+    from anvil_fast.core import cascade
+
+    monkeypatch.setattr(cascade, "default_config_for", lambda shape, device: cascade.GRAM_SIDE)
+    cpu = torch.device("cpu")
+    follows, = K.get("anvil_defaults").make(gpt.build("tiny"), total_steps=4, device=cpu)
+    assert {b.config.name for b in follows.inner.banks.values()} == {"gram_side"}
+    described_safe = [n for n, c in K.REGISTRY.items() if " SAFE" in c.description]
+    assert {"anvil", "anvil_lean", "anvil_polar", "anvil_one_rail"} <= set(described_safe)
+    for n in described_safe:
+        c = K.get(n)
+        assert c.pinned == {"bank_config": "safe"} and "bank_config" not in c.hparams, n
+        tuned = c.with_lrs(0.01, 0.002, 1.0)
+        assert tuned.pinned == c.pinned and T.contender_of({"contender": n, "hparams": tuned.hparams}).pinned == c.pinned
+        if c.why_unavailable():
+            continue
+        opt, = c.make(gpt.build("tiny"), total_steps=4, device=cpu)
+        assert {b.config.name for b in opt.inner.banks.values()} == {"safe"}, n
+    # the pin is no hyper-parameter: a run's identity, and so the stored runs', does not see it
+    a = argparse.Namespace(data_seed=None, size="tiny", batch=2, eval_every=2, val_windows=4, clip=None,
+                           timing_steps=0, timing_warmup=0)
+    c = K.get("anvil")
+    unpinned = K.Contender(c.name, c.description, c.build, dict(c.hparams), c.unavailable)
+    assert T.make_spec(c, seed=0, steps=4, a=a, role="fixed")["id"] == \
+        T.make_spec(unpinned, seed=0, steps=4, a=a, role="fixed")["id"]
+
+
 def test_dion_is_looked_for_in_the_peers_folder_and_its_absence_is_explained(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "dion", None)        # `import dion` raises ImportError
     monkeypatch.setattr(K, "DION_PEER", K.ROOT / "no_such_folder" / "dion")
@@ -415,18 +447,20 @@ def test_dion_groups_follow_its_readme():
 
 class _FakeAnvil:
     def __init__(self, params, lr=0.0, adam_lr=0.0, *, weight_decay=0.0, rails="nesterov", total_steps=None,
-                 rails_dtype=None):
+                 bank_config=None, rails_dtype=None):
         self.kwargs = dict(lr=lr, adam_lr=adam_lr, weight_decay=weight_decay, rails=rails, total_steps=total_steps,
-                           rails_dtype=rails_dtype)
+                           rails_dtype=rails_dtype, bank_config=bank_config)
 
 
 class _FakeAnvilWithout:
-    def __init__(self, params, lr=0.0, adam_lr=0.0, *, weight_decay=0.0, rails="nesterov", total_steps=None):
+    def __init__(self, params, lr=0.0, adam_lr=0.0, *, weight_decay=0.0, rails="nesterov", total_steps=None,
+                 bank_config=None):
         pass
 
 
 def test_lean_anvil_is_available_exactly_when_the_drop_in_takes_rails_dtype(monkeypatch):
     import anvil_fast
+    import anvil_fast.optim.dropin  # noqa: F401 (the module patched below, whatever ran before)
 
     # the drop-in's class says which arguments it takes; anvil_fast.ANVIL builds it
     monkeypatch.setattr(anvil_fast.optim.dropin, "DropInAnvil", _FakeAnvilWithout)
@@ -440,7 +474,7 @@ def test_lean_anvil_is_available_exactly_when_the_drop_in_takes_rails_dtype(monk
     assert K.get("anvil_lean").why_unavailable() is None
     (opt,) = K.get("anvil_lean").make(torch.nn.Linear(2, 2), total_steps=5, device=torch.device("cpu"))
     assert opt.kwargs == dict(lr=0.023, adam_lr=0.008, weight_decay=2.25, rails="record", total_steps=5,
-                              rails_dtype=torch.bfloat16)
+                              rails_dtype=torch.bfloat16, bank_config="safe")
 
 
 def test_clip_clips_the_global_norm_and_counts_without_synchronizing():
@@ -485,6 +519,9 @@ def test_gram_side_contender_trains_the_tiny_model(stdlib):
     assert math.isfinite(g["final_val_loss"]) and g["final_val_loss"] < g["curve"][0]["val_loss"] - 0.5
     assert abs(g["final_val_loss"] - a["final_val_loss"]) < 0.1, (g["final_val_loss"], a["final_val_loss"])
     assert set(g["guard"]["refused_updates"]) == set(opt.banks) and not any(g["guard"]["refused_updates"].values())
+    # each run records the configuration every bank ran: the Gram side where it applies, SAFE (pinned) throughout
+    assert g["guard"]["bank_configs"] == {label: b.config.name for label, b in opt.inner.banks.items()}
+    assert set(a["guard"]["bank_configs"].values()) == {"safe"} and a["pinned"] == {"bank_config": "safe"}
 
 
 # ------------------------------------------------------------------------ the tiny training
@@ -513,7 +550,8 @@ def test_tiny_model_learns_with_adamw_and_anvil_on_identical_batches(stdlib):
     assert recs["adamw"]["curve"][0] == recs["anvil_defaults"]["curve"][0]  # same initial weights
     # what ANVIL refused, recorded with the run: nothing here, on every bank of the drop-in; AdamW has no guard
     labels = K.get("anvil_defaults").make(gpt.build("tiny"), total_steps=1, device=torch.device("cpu"))[0].banks
-    assert recs["anvil_defaults"]["guard"] == {"refused_updates": dict.fromkeys(labels, 0), "skipped_steps": 0}
+    assert recs["anvil_defaults"]["guard"] == {"bank_configs": dict.fromkeys(labels, "safe"),
+                                               "refused_updates": dict.fromkeys(labels, 0), "skipped_steps": 0}
     assert recs["adamw"]["guard"] is None
 
 
@@ -619,6 +657,9 @@ def test_cuda_every_protocol_contender_trains_the_small_model(stdlib):
         first, last = r["curve"][0]["val_loss"], r["final_val_loss"]
         assert math.isfinite(last) and last < first - 1.0, (n, first, last)
         assert r["timing"]["step_s"] > 0 and 0 < r["timing"]["opt_share"] < 1, n
+        if r["guard"] is not None:  # ANVIL's: its pinned configuration on every bank, and no update refused
+            assert set(r["guard"]["bank_configs"].values()) == {c.pinned.get("bank_config", "safe")}, (n, r["guard"])
+            assert not any(r["guard"]["refused_updates"].values()), (n, r["guard"])
 
 
 @pytest.mark.gpu
