@@ -40,7 +40,7 @@ def test_floor_counts_the_gram_side_on_the_banks_that_take_it():
     # GPT-2 small's MLP bank (24 x 3072 x 768: both MLP matrices of each layer) runs the Gram side on
     # CUDA by default; its matmul floor is the Gram side's count, the other banks' the standard one
     from anvil_fast.bench.common import flops
-    from anvil_fast.core.gram_side import cascade_flops
+    from anvil_fast.core.gram_side import GRAM_SIDE_MIN_SHORT, cascade_flops
 
     layout = B.gpt2_small_layout()
     tfl = 700.0
@@ -50,7 +50,7 @@ def test_floor_counts_the_gram_side_on_the_banks_that_take_it():
             continue
         c, m, n = reshape
         standard_fl += flops(reshape)[1]
-        if max(m, n) >= 2 * min(m, n) and min(m, n) >= 512:
+        if max(m, n) >= 2 * min(m, n) and min(m, n) >= GRAM_SIDE_MIN_SHORT:
             want_fl += c * cascade_flops(m, n)["gram_side"]
             gram_side_banks += 1
         else:

@@ -143,7 +143,7 @@ def test_dispatch_rule(shape, want):
 
 
 @pytest.mark.parametrize("shape,want", [((24, 2816, 768), True), ((24, 768, 3072), True), ((8, 256, 768), False),
-                                        ((8, 768, 256), False), ((1024, 512), True), ((1022, 511), False),
+                                        ((8, 768, 256), False), ((1024, 512), True), ((766, 383), False),
                                         ((768, 768), False)])
 def test_dispatch_rule_on_cuda_needs_a_long_enough_short_side(shape, want):
     # the H200 bank benchmark: the Gram side wins on short side 768 and loses on 256
@@ -278,7 +278,7 @@ def test_buffer_rotation_changes_no_bit(shape, sched, triton_dev):
         ws = CascadeWorkspace.for_shape(tuple(x.shape), x.device)
         ws.X.copy_(x)
         cfg = dataclasses.replace(GRAM_SIDE, gram_side=tuple(sched))
-        # called directly: cascade_workspace's dispatch sends short sides under 512 to SAFE on CUDA
+        # called directly: cascade_workspace's dispatch sends short sides under 384 to SAFE on CUDA
         got = gram_side_workspace(ws, config=cfg, backend=be, compile=False)
         want = _gram_side_with_a_copy(x, sched, be)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (be, shape, sched)
@@ -450,7 +450,7 @@ def test_each_map_set_runs_its_own_schedule_and_does_not_explode():
     from anvil_ref.polar import composite_max, spectrum_top
 
     maps = "polar_express_paper6"
-    x = _power_law((2, 2048, 512), 1.4)  # the study's input: a CUDA-dispatched short side
+    x = _power_law((2, 1536, 384), 1.4)  # the study's input: the smallest CUDA-dispatched short side
     limit = exploded_sigma(composite_max(maps=maps, top=spectrum_top(normalization="frobenius",
                                                                       margin=GRAM_SIDE.margin())))
     own = studied_restarts(maps)
@@ -562,14 +562,15 @@ def test_gram_side_cascade_replays_in_a_cuda_graph():
 
 
 def test_the_default_configuration_takes_the_gram_side_where_it_wins_on_cuda():
-    """bank_config=None: GRAM_SIDE on CUDA banks of aspect >= 2 and short side >= 512 (the medium
-    GPT's qkv, fc and mlp.proj), SAFE on square and narrow ones and everywhere on the CPU."""
+    """bank_config=None: GRAM_SIDE on CUDA banks of aspect >= 2 and short side >= 384 (the small and
+    medium GPT's qkv, fc and mlp.proj), SAFE on square and narrow ones and everywhere on the CPU."""
     from anvil_fast.core.cascade import GRAM_SIDE, SAFE, default_config_for
 
     assert default_config_for((12, 2304, 768), "cuda") is GRAM_SIDE
     assert default_config_for((12, 768, 3072), "cuda") is GRAM_SIDE
     assert default_config_for((12, 768, 768), "cuda") is SAFE
-    assert default_config_for((6, 1152, 384), "cuda") is SAFE  # short side 384 < 512
+    assert default_config_for((6, 1152, 384), "cuda") is GRAM_SIDE  # the small GPT's qkv bank
+    assert default_config_for((8, 256, 768), "cuda") is SAFE  # short side 256 < 384
     assert default_config_for((12, 2304, 768), "cpu") is SAFE
 
 

@@ -137,7 +137,7 @@ CONFIGS = {c.name: c for c in (FAITHFUL, SAFE, GRAM_SIDE)}
 
 def default_config_for(chunk_shape: tuple[int, int, int], device) -> CascadeConfig:
     """A bank's configuration when none is asked for: GRAM_SIDE where its dispatch rule sends the
-    bank on CUDA (:func:`anvil_fast.core.gram_side.uses_gram_side`: aspect >= 2 and short side >= 512,
+    bank on CUDA (:func:`anvil_fast.core.gram_side.uses_gram_side`: aspect >= 2 and short side >= 384,
     where the H200's bank benchmark measured the Gram side's update faster, and its difftest,
     near-rank-1 study and training runs held it to SAFE's quality), else SAFE (DEFAULT_CONFIG).
     Elsewhere (the CPU) always SAFE: the Gram side's speed there is unmeasured."""

@@ -89,13 +89,13 @@ GRAM_SIDE_MIN_ASPECT: float = 2.0
 #: benchmark's Gram-side table, results/h200_gram_side/bench_bank.log): the Gram side's cascade phase
 #: is 1.16-1.32x faster than SAFE's on the 2816 x 768, 3072 x 768 and 768 x 3072 banks (short side
 #: 768) and 0.78x on 8 x 256 x 768 (short side 256), where its n x n products are too small to fill
-#: the GPU and the kernels' launch count dominates. The threshold sits between the two measured short
-#: sides. Elsewhere (CPU, Triton's interpreter: the tests) speed is not the point, and every bank
-#: past the aspect ratio takes the Gram side, so small test shapes exercise it. From a short side of 384
-#: the small GPT's step took 0.400-0.402 ms on an H200 against 0.465 ms from 512, and with each map set's
-#: own restart schedule its training refused no update (results/h200_gram_side_schedules/); the threshold
-#: moves once the GPU suite and the warm-up have run with it.
-GRAM_SIDE_MIN_SHORT: int = 512
+#: the GPU and the kernels' launch count dominates. At a short side of 384 (the small GPT's 1152 x 384,
+#: 1536 x 384 and 384 x 1536 banks) the whole step pays: 0.400-0.402 ms on an H200 against 0.465 ms with
+#: those banks on SAFE, fresh processes alternating, and with each map set's own restart schedule 30
+#: steps of its training refused no update (results/h200_gram_side_schedules/). The threshold is the
+#: smallest short side measured to pay. Elsewhere (CPU, Triton's interpreter: the tests) speed is not the
+#: point, and every bank past the aspect ratio takes the Gram side, so small test shapes exercise it.
+GRAM_SIDE_MIN_SHORT: int = 384
 
 
 def maps_key(maps: MapsLike) -> tuple[tuple[float, float, float], ...]:

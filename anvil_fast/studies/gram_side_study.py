@@ -36,7 +36,7 @@ from anvil_fast.core.tolerances import RHO, exploded_sigma
 #: Study inputs: (name, family, shape). Four single matrices (Gaussian and a geometric spectrum, tall
 #: and square), a near-rank-1 batch on a tall shape small enough for a CPU run (aspect 4, like the banks
 #: the dispatch picks), and two power-law batches at the smallest short side the dispatch sends to the
-#: Gram side on CUDA (GRAM_SIDE_MIN_SHORT = 512). The power laws (singular value i proportional to
+#: Gram side on CUDA (GRAM_SIDE_MIN_SHORT = 384). The power laws (singular value i proportional to
 #: i^-p) are the spectra of a small GPT's momentum in training: its 384-wide banks' matrices have
 #: stable rank 1.1-1.3 and singular values falling from 1 to 1e-4 as about i^-1.4.
 STUDY_INPUTS = (
@@ -45,8 +45,8 @@ STUDY_INPUTS = (
     ("Gaussian 768x768", "gaussian", (1, 768, 768)),
     ("sv 1..1e-3, 768x768", "geometric", (1, 768, 768)),
     ("near-rank-1 8x1024x256", "near_rank1", (8, 1024, 256)),
-    ("sv i^-1.4, 2x2048x512", "power_law_1.4", (2, 2048, 512)),
-    ("sv i^-1, 2x2048x512", "power_law_1", (2, 2048, 512)),
+    ("sv i^-1.4, 2x1536x384", "power_law_1.4", (2, 1536, 384)),
+    ("sv i^-1, 2x1536x384", "power_law_1", (2, 1536, 384)),
 )
 #: The rule's allowance: a schedule qualifies when, on every input the dispatch sends to the Gram side,
 #: its error exceeds SAFE's by at most one bf16 rounding's worst relative RMS error
