@@ -54,7 +54,7 @@ def test_cascade_flops_count_full_and_lower_tile_products(shape, k, K):
     assert mf.gram[1] == pytest.approx(lower * 2 * k * k * K * c, rel=1e-15) and mf.axb[0] == mf.axb[1]
 
 
-@pytest.mark.parametrize("shape", [(12, 3072, 768), (12, 768, 3072), (4, 2048, 512)])
+@pytest.mark.parametrize("shape", [(12, 3072, 768), (12, 768, 3072), (4, 2048, 512), (6, 1152, 384)])
 def test_executed_flops_count_the_gram_side_where_a_bank_takes_it(shape):
     from anvil_fast.core.cascade import GRAM_SIDE_RESTARTS
     from anvil_fast.core.gram_side import cascade_flops
@@ -77,8 +77,9 @@ def test_executed_flops_count_the_gram_side_where_a_bank_takes_it(shape):
                                                                 rel=1e-15)
 
 
-@pytest.mark.parametrize("shape", [(12, 768, 768), (72, 256, 768), (6, 1152, 384)])
+@pytest.mark.parametrize("shape", [(12, 768, 768), (72, 256, 768), (6, 1152, 256)])
 def test_executed_flops_are_the_standard_count_where_the_bank_keeps_it(shape):
-    # square banks, and on CUDA short sides under 512, keep the standard cascade even under GRAM_SIDE
+    # square banks, and on CUDA short sides under GRAM_SIDE_MIN_SHORT (384), keep the standard cascade even
+    # under GRAM_SIDE
     assert common.executed_flops(shape) == common.flops(shape)[1]
     assert common.executed_flops(shape, "gram_side") == common.flops(shape)[1]
