@@ -30,8 +30,9 @@ name               optimizer
                    without Nesterov, ``muon_beta2`` 0.95, weight decay 0.01 without the cautious
                    mask, spectral-norm scaling, Polar Express) on the matrices, with dion's AdamW
                    groups as for ``dion``; from the same source as ``dion``.
-``anvil``          ``anvil_fast.ANVIL(model, rails="record", total_steps=steps)``: SAFE (the default
-                   bank configuration) with the record's twin rails.
+``anvil``          ``anvil_fast.ANVIL(model, rails="record", total_steps=steps, bank_config="safe")``:
+                   SAFE on every bank (pinned: the drop-in's default sends oblong banks to the Gram
+                   side on CUDA) with the record's twin rails.
 ``anvil_lean``     the same with ``rails_dtype=torch.bfloat16`` (the rails kept in bf16); absent
                    where ``anvil_fast.ANVIL`` has no such argument (:func:`lean_unavailable`).
 ``anvil_faithful`` the same as ``anvil`` with ``bank_config="faithful"`` (the seed's exact roundings).
