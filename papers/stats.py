@@ -22,6 +22,11 @@
   (t = 12.7 and 4.3), which is the honest price of few seeds.
 * :func:`paired_ratio`: the same on ``log(a_s / b_s)`` (steps to a target), reported as the
   geometric-mean ratio and its interval.
+* :func:`paired_p`: the two-sided p-value of the same paired t test,
+  ``2 * P(T_{n-1} >= |mean(d)| / (sd(d) / sqrt(n)))``; :func:`holm`: Holm's step-down adjustment of a
+  family of such p-values (sorted ascending, ``p_(i) * (m - i + 1)``, made monotone and capped at 1),
+  which holds the chance of any false "lower" in the family at the level, where each interval alone
+  holds it per comparison.
 """
 
 from __future__ import annotations
@@ -151,6 +156,39 @@ def paired(a: Sequence[float], b: Sequence[float], *, level: float = LEVEL) -> d
     sd = math.sqrt(sum((v - m) ** 2 for v in d) / (n - 1))
     half = t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n)
     return {**out, "mean": m, "sd": sd, "lo": m - half, "hi": m + half}
+
+
+def paired_p(pd: dict) -> float:
+    """The two-sided p-value of :func:`paired`'s t test of mean 0 (nan below 2 seeds or where a seed
+    is not finite; 0 where every difference is the same non-zero value, 1 where all are 0)."""
+    if pd["n"] < 2 or not math.isfinite(pd["mean"]):
+        return math.nan
+    if pd["sd"] == 0:
+        return 1.0 if pd["mean"] == 0 else 0.0
+    from scipy.stats import t
+
+    stat = abs(pd["mean"]) / (pd["sd"] / math.sqrt(pd["n"]))
+    return float(2 * t.sf(stat, pd["n"] - 1))
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm's adjusted p-values of a family, in the order given (nan entries are left out of the
+    family and stay nan)."""
+    idx = sorted((i for i, p in enumerate(ps) if math.isfinite(p)), key=lambda i: ps[i])
+    m = len(idx)
+    out = [math.nan] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, ps[i] * (m - rank)))
+        out[i] = running
+    return out
+
+
+def fmt_p(p: float) -> str:
+    """A p-value for a table: 3 significant digits, ``< 0.001`` below that, ``-`` where undefined."""
+    if not math.isfinite(p):
+        return "-"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def paired_verdict(pd: dict, names: tuple[str, str] = ("a", "b")) -> str:

@@ -293,24 +293,49 @@ def table_results(g: dict[str, list[dict]], size: str, *, lone: dict[str, dict] 
     return md_table(header, rows) + "\n\n" + _caption(g, size, extra)
 
 
+#: The families over which :func:`table_paired` adjusts its p-values (Holm): the paper's question
+#: (ANVIL against each peer), the peers among themselves, and ANVIL's variants against ANVIL.
+FAMILIES = ("ANVIL vs peers", "between peers", "variants of ANVIL")
+
+
+def family(a: str, b: str, ref: str = "anvil") -> str:
+    """The family of the comparison ``a`` vs ``b`` (:data:`FAMILIES`)."""
+    if a == ref and not b.startswith(ref):
+        return FAMILIES[0]
+    if a.startswith(ref + "_") and b == ref:
+        return FAMILIES[2]
+    return FAMILIES[1]
+
+
 def _paired_rows(g: dict[str, list[dict]], label: str, pairs) -> list[list]:
-    rows = []
+    """One row per pair present: the per-seed differences, their interval, the paired t test's p
+    and its Holm adjustment within the pair's family (:func:`family`) at this horizon, the verdicts."""
+    found = []
     for a, b, q in pairs:
         if a not in g or b not in g:
             continue
         pr = pair(g, a, b, _final)
-        if isinstance(pr, str):
-            rows.append([label, q, "-", "-", pr, "-", "-"])
+        found.append((a, b, q, pr, None if isinstance(pr, str) else S.paired(pr[0], pr[1])))
+    adjusted = {}
+    for fam in FAMILIES:
+        members = [i for i, (a, b, *_rest) in enumerate(found) if family(a, b) == fam]
+        ps = [S.paired_p(found[i][4]) if found[i][4] is not None else math.nan for i in members]
+        adjusted.update(zip(members, S.holm(ps)))
+    rows = []
+    for i, (a, b, q, pr, pd) in enumerate(found):
+        if pd is None:
+            rows.append([label, q, "-", "-", pr, "-", "-", family(a, b), "-", "-"])
             continue
-        pd = S.paired(pr[0], pr[1])
         rows.append([label, q, len(pr[2]), ", ".join(f"{v:+.4f}" for v in pd["diffs"]), S.fmt_interval(pd),
-                     S.paired_verdict(pd, (a, b)), S.verdict(pr[0], pr[1], (a, b))])
+                     S.paired_verdict(pd, (a, b)), S.verdict(pr[0], pr[1], (a, b)), family(a, b),
+                     S.fmt_p(S.paired_p(pd)), S.fmt_p(adjusted[i])])
     return rows
 
 
 def table_paired(runs: list[dict]) -> str:
     """Paired differences of the final validation loss (a - b, per seed) of the tuned contenders,
-    at the protocol's horizon and at the sweep's."""
+    at the protocol's horizon and at the sweep's, with the t test's p-values, raw and adjusted by
+    Holm within each family of comparisons at each horizon."""
 
     p = protocol(runs)
     rows = []
@@ -320,10 +345,17 @@ def table_paired(runs: list[dict]) -> str:
     if not rows:
         return NO_RUNS.format(what="two tuned contenders")
     return md_table(["steps", "question (a vs b)", "paired seeds", "a - b per seed", f"mean a - b [{LEVEL_TXT} t interval]",
-                     "paired verdict", "spread rule"], rows) + (
+                     "paired verdict", "spread rule", "family", "p", "Holm p"], rows) + (
         f"\n\nPaired verdict: the {LEVEL_TXT} t interval of the per-seed differences wholly below 0 says a is lower, "
-        "wholly above 0 that b is lower, else it holds 0. Spread rule: |mean a - mean b| <= the larger sample std "
-        "over seeds of the two is \"no measurable difference\". Below 2 seeds on either side: \"not enough seeds\".")
+        "wholly above 0 that b is lower, else it holds 0; it holds the chance of a false \"lower\" at "
+        f"{1 - S.LEVEL:.0%} per comparison. p: the paired t test's two-sided p-value (`papers.stats.paired_p`); "
+        "Holm p: Holm's adjustment of the p-values of the row's family at the row's horizon "
+        f"(`papers.stats.holm`; families: {', '.join(FAMILIES)}), which holds the chance of any false \"lower\" "
+        f"in the family at {1 - S.LEVEL:.0%}: a difference is claimed in the text where its Holm p is below "
+        f"{1 - S.LEVEL:.2f}. Spread rule: |mean a - mean b| <= the larger sample std "
+        "over seeds of the two is \"no measurable difference\". Below 2 seeds on either side: \"not enough seeds\". "
+        f"At {p.tune_steps if p else '-'} steps the seeds are the tuning seeds, the ones the rates were chosen on, so "
+        "those rows favour each contender's own choice and carry no verdict in the text.")
 
 
 #: The equal-time verdict where the times per step are not measurably different.
@@ -536,74 +568,188 @@ SAME_CODE_FROM = "9b7ed7a"
 
 #: The peers the summary sets ANVIL against, in order.
 SUMMARY_PEERS = ("muon", "dion", "normuon", "adamw")
+#: What the text calls a difference: a Holm-adjusted p below this (the level's complement).
+CLAIM_P = 1 - S.LEVEL
+PEER_NAMES = {"muon": "torch's Muon", "dion": "dion's Muon", "normuon": "dion's NorMuon", "adamw": "AdamW"}
 
 
-def table_summary(runs: list[dict]) -> str:
-    """What the tuned comparison says, as generated sentences: ANVIL against each peer at the final
-    horizon (paired final loss), in steps to AdamW's target, at equal time, and the ablations whose
-    paired interval excludes 0. Every number is read from the tables below it."""
+def _family_tests(items: list[tuple[str, dict]]) -> dict[str, dict]:
+    """``{name: paired dict + "p" + "holm"}`` for one family of paired comparisons."""
+    ps = [S.paired_p(pd) for _, pd in items]
+    return {n: {**pd, "p": p, "holm": h} for (n, pd), p, h in zip(items, ps, S.holm(ps))}
+
+
+def comparison(runs: list[dict]) -> dict | None:
+    """The tuned comparison's results that the summary and the answer quote: ``ref`` against each
+    peer at the final horizon (``final``: paired final loss with p and Holm p over the peers), in
+    steps to AdamW's target (``target``, ``to_adamw``: ratios to AdamW's steps; ``to_peer``: ref's
+    steps over each peer's, per seed), at equal time (``equal``, Holm over the peers) and ref's
+    variants against ref (``variants``, Holm over the variants). None before the horizon runs."""
     p = protocol(runs)
     g = tuned_groups(runs, horizon="long")
     ref = p.time_reference if p else "anvil"
     if not p or ref not in g:
-        return "*(no horizon run of the tuned contenders yet)*"
-    out = []
-    parts = []
+        return None
+    out = {"ref": ref, "steps": p.steps, "seeds": len(g[ref])}
+    items = []
     for n in SUMMARY_PEERS:
-        if n not in g:
-            continue
-        pr = pair(g, ref, n, _final)
-        if isinstance(pr, str):
-            continue
-        pd = S.paired(pr[0], pr[1])
-        parts.append(f"{n} {S.fmt_interval(pd)} ({S.paired_verdict(pd, (ref, n))}, {pd['n']} seeds)")
-    if parts:
-        out.append(f"- **Final validation loss at {p.steps:,} steps**, {ref} minus each peer, mean [{LEVEL_TXT} t "
-                   "interval]: " + "; ".join(parts) + ".")
+        pr = pair(g, ref, n, _final) if n in g else "absent"
+        if not isinstance(pr, str):
+            items.append((n, S.paired(pr[0], pr[1])))
+    out["final"] = _family_tests(items)
     tgt = target(g)
-    if tgt is not None and "adamw" in g:
-        ratios = []
+    out["target"] = tgt
+    out["to_adamw"], out["to_peer"] = {}, {}
+    if tgt is not None:
+        def to_target(r):
+            return S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf
         for n in (ref, *SUMMARY_PEERS):
-            if n == "adamw" or n not in g:
-                continue
-            pr = pair(g, n, "adamw", lambda r: S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf)
-            if isinstance(pr, str):
-                continue
-            q = S.paired_ratio(pr[0], pr[1])
-            if math.isfinite(q["ratio"]):
-                ratios.append(f"{n} {S.fmt_interval(q, 2, signed=False)}")
-        if ratios:
-            out.append(f"- **Steps to AdamW's target** ({tgt:.4f}), as a ratio to AdamW's on the same seed: "
-                       + "; ".join(ratios) + ".")
+            if n != "adamw" and n in g and "adamw" in g:
+                pr = pair(g, n, "adamw", to_target)
+                if not isinstance(pr, str):
+                    out["to_adamw"][n] = S.paired_ratio(pr[0], pr[1])
+            if n != ref and n in g:
+                pr = pair(g, ref, n, to_target)
+                if not isinstance(pr, str):
+                    out["to_peer"][n] = S.paired_ratio(pr[0], pr[1])
+        # the ratios' tests: the paired t test on the log steps, Holm over the peers
+        logs = []
+        for n in out["to_peer"]:
+            a_, b_, _ = pair(g, ref, n, to_target)
+            if all(math.isfinite(v) and v > 0 for v in (*a_, *b_)):
+                logs.append((n, S.paired([math.log(v) for v in a_], [math.log(v) for v in b_])))
+        for n, t in _family_tests(logs).items():
+            out["to_peer"][n].update(p=t["p"], holm=t["holm"])
     eq = equal_time_groups(runs)
-    parts = []
+    items, steps = [], {}
     for n in SUMMARY_PEERS:
-        if n not in eq:
-            continue
-        pr = pair_prefix(g[ref], eq[n], _final)
-        if isinstance(pr, str):
-            continue
-        pd = S.paired(pr[0], pr[1])
-        parts.append(f"{n} at {eq[n][0]['steps']:,} steps {S.fmt_interval(pd)} ({S.paired_verdict(pd, (ref, n))})")
-    if parts:
-        out.append(f"- **At equal time** ({ref}'s {p.steps:,} steps), {ref} minus each peer: " + "; ".join(parts) + ".")
-    abl = []
+        if n in eq:
+            pr = pair_prefix(g[ref], eq[n], _final)
+            if not isinstance(pr, str):
+                items.append((n, S.paired(pr[0], pr[1])))
+                steps[n] = eq[n][0]["steps"]
+    out["equal"] = {n: {**v, "steps": steps[n]} for n, v in _family_tests(items).items()}
+    items, labels = [], {}
     for a, b, q in PAIRS_TUNED:
-        if b != ref or not a.startswith(ref + "_") or a not in g:
-            continue
-        pr = pair(g, a, b, _final)
-        if isinstance(pr, str):
-            continue
-        pd = S.paired(pr[0], pr[1])
-        if S.paired_verdict(pd, (a, b)) not in (S.HOLDS_ZERO, S.NOT_ENOUGH):
-            abl.append(f"{q.removeprefix('ablation: ')} {S.fmt_interval(pd)}")
-    n_abl = sum(1 for a, b, _ in PAIRS_TUNED if b == ref and a.startswith(ref + "_") and a in g)
-    if n_abl:
-        out.append(f"- **Variants of {ref}** (the lean state and the ablations, {n_abl} pairs): "
-                   + (f"{len(abl)} whose paired interval excludes 0: " + "; ".join(abl) if abl else
-                      "no paired interval excludes 0") + f"; with {n_abl} pairs at the {LEVEL_TXT} level, about "
-                   f"{n_abl * (1 - S.LEVEL):.1f} would by chance.")
+        if b == ref and a.startswith(ref + "_") and a in g:
+            pr = pair(g, a, b, _final)
+            if not isinstance(pr, str):
+                items.append((a, S.paired(pr[0], pr[1])))
+                labels[a] = q.removeprefix("ablation: ")
+    out["variants"] = {a: {**v, "label": labels[a]} for a, v in _family_tests(items).items()}
+    return out
+
+
+def _holm_text(t: dict) -> str:
+    return f"p {S.fmt_p(t['p'])}, Holm p {S.fmt_p(t['holm'])}"
+
+
+def _side(t: dict) -> int:
+    """-1: a (the row's first contender) lower with Holm p below CLAIM_P, +1: higher, 0: neither."""
+    if not math.isfinite(t["holm"]) or t["holm"] >= CLAIM_P:
+        return 0
+    return -1 if t["mean"] < 0 else 1
+
+
+def _names(ns) -> str:
+    ns = [PEER_NAMES.get(n, n) for n in ns]
+    return ns[0] if len(ns) == 1 else ", ".join(ns[:-1]) + " and " + ns[-1]
+
+
+def _names_with(ns, detail, *, possessive: bool = False) -> str:
+    """``name (detail), name (detail) and name (detail)``; ``possessive``: "AdamW's (...)"."""
+    items = [f"{PEER_NAMES.get(n, n)}{chr(39) + 's' if possessive else ''} ({detail(n)})" for n in ns]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def table_summary(runs: list[dict]) -> str:
+    """What the tuned comparison says, as generated sentences (:func:`comparison`): ANVIL against
+    each peer at the final horizon, in steps to AdamW's target and to the peers', at equal time, and
+    its variants. Every number is read from the tables above it; p-values are adjusted by Holm
+    within each bullet's family."""
+    c = comparison(runs)
+    if c is None:
+        return "*(no horizon run of the tuned contenders yet)*"
+    ref, out = c["ref"], []
+    if c["final"]:
+        out.append(f"- **Final validation loss at {c['steps']:,} steps**, {ref} minus each peer, mean [{LEVEL_TXT} t "
+                   "interval] (paired t test; Holm over the peers): " + "; ".join(
+                       f"{n} {S.fmt_interval(t)} ({_holm_text(t)}, {t['n']} seeds)" for n, t in c["final"].items()) + ".")
+    if c["to_adamw"]:
+        out.append(f"- **Steps to AdamW's target** ({c['target']:.4f}, AdamW's highest final loss over its seeds, so "
+                   "AdamW's own ratio is at most 1), as a ratio to AdamW's steps on the same seed: "
+                   + "; ".join(f"{n} {S.fmt_interval(q, 2, signed=False)}" for n, q in c["to_adamw"].items()
+                               if math.isfinite(q["ratio"])) + ".")
+    if c["to_peer"]:
+        out.append(f"- **The same steps, {ref} over each peer** on the same seed (geometric mean [{LEVEL_TXT} t "
+                   "interval]; t test on the log steps, Holm over the peers): " + "; ".join(
+                       f"{n} {S.fmt_interval(q, 2, signed=False)} (p {S.fmt_p(q.get('p', math.nan))}, Holm p "
+                       f"{S.fmt_p(q.get('holm', math.nan))})" for n, q in c["to_peer"].items() if math.isfinite(q["ratio"])) +
+                   ". These steps are read off runs scheduled for the whole horizon, mid-decay, not runs "
+                   "scheduled to end at the target.")
+    if c["equal"]:
+        out.append(f"- **At equal time** ({ref}'s {c['steps']:,} steps), {ref} minus each peer (Holm over the peers): "
+                   + "; ".join(f"{n} at {t['steps']:,} steps {S.fmt_interval(t)} ({_holm_text(t)})"
+                               for n, t in c["equal"].items()) + ".")
+    if c["variants"]:
+        v = c["variants"]
+        below = sum(1 for t in v.values() if t["mean"] < 0)
+        out.append(f"- **Variants of {ref}** (the lean state and the ablations, {len(v)} pairs, variant minus {ref}; "
+                   f"Holm over the {len(v)}): " + "; ".join(f"{t['label']} {S.fmt_interval(t)} ({_holm_text(t)})"
+                                                             for t in v.values()) +
+                   f". {below} of {len(v)} variants end lower than {ref} in the mean.")
     return "\n".join(out)
+
+
+def answer(runs: list[dict]) -> str:
+    """The comparison's answer in a few generated sentences (section 1 and the end of section 8):
+    a difference is stated only where its Holm-adjusted p is below :data:`CLAIM_P`."""
+    c = comparison(runs)
+    if c is None:
+        return "The tuned comparison has no horizon run yet."
+    ref = "ANVIL" if c["ref"] == "anvil" else c["ref"]
+    f = c["final"]
+    lower = [n for n, t in f.items() if _side(t) < 0]
+    higher = [n for n, t in f.items() if _side(t) > 0]
+    level = [n for n, t in f.items() if _side(t) == 0]
+    def each(ns):
+        return _names_with(ns, lambda n: f"{S.fmt_interval(f[n])}, Holm p {S.fmt_p(f[n]['holm'])}", possessive=True)
+    parts = []
+    if lower:
+        parts.append(f"lower than {each(lower)}")
+    if level:
+        parts.append(f"not distinguishable from {each(level)}")
+    if higher:
+        parts.append(f"higher than {each(higher)}")
+    text = (f"With every contender tuned by one protocol and trained {c['steps']:,} steps on {c['seeds']} held-out "
+            f"seeds (the small GPT of section 8), {ref}'s final validation loss ({ref} minus the peer, mean "
+            f"[{LEVEL_TXT} t interval], Holm-adjusted p over the {len(f)} peers) is " + "; ".join(parts) + ".")
+    alone = [n for n in level if f[n]["p"] < CLAIM_P]
+    if alone:
+        text += (f" Against {_names(alone)} the interval alone excludes 0 (p " + ", ".join(
+            S.fmt_p(f[n]["p"]) for n in alone) + f"), which the adjustment over the {len(f)} peers does not keep.")
+    muon_family = [n for n in f if n != "adamw"]
+    if muon_family and not any(_side(f[n]) < 0 for n in muon_family):
+        text += f" {ref} does not train measurably better than the Muon-family peers here"
+        text += "; it does beat AdamW." if "adamw" in lower else "."
+    faster = [n for n, q in c["to_peer"].items() if q.get("holm", math.nan) < CLAIM_P and q["ratio"] < 1]
+    if faster:
+        text += (f" It reaches AdamW's target (AdamW's highest final loss) in fewer steps than "
+                 + _names_with(faster, lambda n: f"{S.fmt_interval(c['to_peer'][n], 2, signed=False)} of its steps, "
+                                               f"Holm p {S.fmt_p(c['to_peer'][n]['holm'])}")
+                 + " on the same seeds, steps read off runs scheduled for the whole horizon.")
+    v = c["variants"]
+    if v:
+        better = [t["label"] for t in v.values() if _side(t) > 0]
+        worse = [t["label"] for t in v.values() if _side(t) < 0]
+        if not better:
+            text += (f" None of its {len(v)} variant{'s' if len(v) > 1 else ''} ends measurably higher than {ref} "
+                     f"(Holm over the {len(v)}), so "
+                     "these runs give no evidence that the parts they change help at this horizon")
+            text += (": " + ", ".join(worse) + " even ends lower." if worse else ".")
+        else:
+            text += f" Changing {', '.join(better)} ends measurably higher than {ref}."
+    return text
 
 
 def table_provenance(runs: list[dict]) -> str:
@@ -772,7 +918,9 @@ def values() -> dict[str, str]:
             "train_estimate_fb_small_ms": e("small", "forward_backward_ms", ".1f"),
             "train_estimate_fb_medium_ms": e("medium", "forward_backward_ms", ".1f"),
             "train_matmul_efficiency": f"{P.MATMUL_EFFICIENCY:g}",
-            "train_warmup": f"steps // {P.WARMUP_DIVISOR}", "train_level": f"{S.LEVEL:.0%}"}
+            "train_warmup": (f"1/{P.WARMUP_DIVISOR} of the run's steps ({p.tune_steps // P.WARMUP_DIVISOR} at "
+                             f"{p.tune_steps:,} steps, {p.steps // P.WARMUP_DIVISOR} at {p.steps:,})"),
+            "train_level": f"{S.LEVEL:.0%}", "train_answer": answer(runs), "train_claim_p": f"{CLAIM_P:.2f}"}
 
 
 def tables() -> dict:

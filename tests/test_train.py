@@ -190,6 +190,30 @@ def test_paired_ratio_is_the_interval_of_the_log_ratios():
     assert S.fmt_interval(S.paired([1.0, 2.0, 3.0], [0.5, 1.0, 2.1]), 2) == "+0.80 [+0.14, +1.46]"
 
 
+def test_paired_p_against_the_closed_forms_of_one_and_two_degrees_of_freedom():
+    # two seeds (1 dof): P(|T| >= t) = 1 - 2 atan(t) / pi; diffs 1 and 3: mean 2, sd sqrt 2, t = 2
+    assert S.paired_p(S.paired([1.0, 3.0], [0.0, 0.0])) == pytest.approx(1 - 2 * math.atan(2.0) / math.pi)
+    # three seeds (2 dof): P(|T| >= t) = 1 - t / sqrt(2 + t^2); diffs 1, 2, 6: mean 3, sd sqrt 7
+    t = 3 / (math.sqrt(7) / math.sqrt(3))
+    assert S.paired_p(S.paired([1.0, 2.0, 6.0], [0.0, 0.0, 0.0])) == pytest.approx(1 - t / math.sqrt(2 + t * t))
+    # the sign of the difference does not matter; below 2 seeds, or a diverged seed, there is no test
+    assert S.paired_p(S.paired([0.0, 0.0], [1.0, 3.0])) == pytest.approx(1 - 2 * math.atan(2.0) / math.pi)
+    assert math.isnan(S.paired_p(S.paired([1.0], [0.0])))
+    assert math.isnan(S.paired_p(S.paired([1.0, math.inf], [0.0, 0.0])))
+    assert S.paired_p(S.paired([1.0, 1.0], [0.0, 0.0])) == 0.0 and S.paired_p(S.paired([1.0, 1.0], [1.0, 1.0])) == 1.0
+
+
+def test_holm_hand_cases():
+    # sorted 0.01, 0.03, 0.04, 0.5 times 4, 3, 2, 1: 0.04, 0.09, 0.08 -> 0.09 (monotone), 0.5
+    assert S.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert S.holm([0.4, 0.6]) == pytest.approx([0.8, 0.8])   # capped by monotonicity, then at 1 below
+    assert S.holm([0.7, 0.9]) == pytest.approx([1.0, 1.0])
+    got = S.holm([math.nan, 0.02, 0.04])                       # nan is outside the family (m = 2)
+    assert math.isnan(got[0]) and got[1:] == pytest.approx([0.04, 0.04])
+    assert S.holm([]) == []
+    assert [S.fmt_p(v) for v in (0.0004, 0.0123, math.nan)] == ["< 0.001", "0.012", "-"]
+
+
 def test_verdict_rule():
     # means 1.0 and 2.0, spreads 0.1: measurable
     assert S.verdict([0.9, 1.0, 1.1], [1.9, 2.0, 2.1], ("x", "y")) == "x lower"
@@ -313,6 +337,45 @@ def test_protocol_tables_from_hand_made_runs():
     assert "| anvil / adamw |" in anchor and "| 0.58 |" in anchor
     assert TR.figure_loss(g, "t").startswith("<svg") and TR.figure_sweep(runs, "adam_lr").startswith("<svg")
     assert "lr=0.001" in TR.table_contenders(runs)
+
+
+def _answer_of(anvil_minus_muon):
+    """The generated answer for hand-made protocol runs: AdamW 0.2 above ANVIL on every seed, torch's
+    Muon ``anvil_minus_muon(seed)`` away from it, NorMuon 0.001 * (-1)^seed away (no difference), the
+    lean variant 0.001 * (-1)^seed from it."""
+    from papers import protocol as P
+
+    p = P.Protocol(size="tiny", tuned=("adamw", "muon", "normuon", "anvil"),
+                   long=("adamw", "muon", "normuon", "anvil", "anvil_lean"),
+                   seeds=(0, 1, 2, 3, 4), tune_seeds=(10, 11), tune_steps=20, steps=40)
+
+    def loss(t):
+        if t.role != "tuned":
+            return 3.0 + 0.01 * t.seed + 0.001 * math.log2(t.lr)
+        anvil = 1.8 + 0.01 * t.seed
+        return {"anvil": anvil, "adamw": anvil + 0.2, "muon": anvil - anvil_minus_muon(t.seed),
+                "normuon": anvil + 0.001 * (-1) ** t.seed, "anvil_lean": anvil + 0.001 * (-1) ** t.seed}[t.contender]
+
+    return TR.answer(_protocol_runs(p, loss))
+
+
+def test_the_answer_states_only_what_survives_the_adjustment():
+    # ANVIL against Muon: differences of both signs, mean 0.0002: not distinguishable; AdamW: lower
+    level = _answer_of(lambda s: (0.004, -0.003, 0.002, -0.004, 0.002)[s])
+    assert "lower than AdamW's (-0.2000 [-0.2000, -0.2000], Holm p < 0.001)" in level
+    assert "not distinguishable from torch's Muon's (+0.0002 [" in level
+    assert "does not train measurably better than the Muon-family peers here; it does beat AdamW." in level
+    assert "None of its 1 variant ends measurably higher than ANVIL" in level
+    assert "interval alone excludes 0" not in level
+    # ANVIL 0.01 below Muon, more or less on every seed: lower, and the Muon-family sentence is not written
+    lower = _answer_of(lambda s: -0.01 - 0.001 * s)
+    assert "lower than torch's Muon's (-0.0120 [" in lower and "AdamW's (-0.2000" in lower
+    assert "does not train measurably better" not in lower
+    # p 0.029 against Muon alone; Holm over the 3 peers (AdamW's p below it, NorMuon's above) doubles it
+    # to 0.059: not claimed, and said so
+    edge = _answer_of(lambda s: (-0.004, -0.001, -0.006, -0.001, -0.0045)[s])
+    assert "not distinguishable from torch's Muon's (-0.0033 [-0.0061, -0.0005], Holm p 0.059)" in edge
+    assert "Against torch's Muon the interval alone excludes 0 (p 0.029), which the adjustment over the 3 peers" in edge
 
 
 def test_data_seen_finds_a_minimum_before_the_last_step_and_provenance_counts_commits():
