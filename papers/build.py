@@ -65,7 +65,15 @@ def values() -> dict[str, str]:
         # gram-newton-schulz 0.1.6 iterates over its POLAR_EXPRESS_COEFFICIENTS, five entries; the
         # bank benchmark's equal-work row runs the package's kernels on a map set of that length
         "gns_iterations": str(len(A.load_maps(EQUAL_WORK_MAPS))),
+        "medium_small_param_ratio": f"{_n_params('medium') / _n_params('small'):.1f}",
     }
+
+
+def _n_params(size: str) -> int:
+    """The parameter count of one of the package's GPT sizes (built on the meta device: no memory)."""
+    from anvil_fast.models import gpt
+
+    return sum(p.numel() for p in gpt.build(size, device="meta").parameters())
 
 
 # ---------------------------------------------------------------------------------------- tables

@@ -69,9 +69,9 @@ def near_rank1_table() -> str:
     lines += [line for line in (RESULTS / "anvil_fast_h200/run1/near_rank1.log").read_text().splitlines()
               if line.startswith(("totals:", "device cuda"))]
     return ("```\n" + "\n".join(lines) + "\n```\n\n*Source: `results/anvil_fast_h200/run1/near_rank1.log`, "
-            "written by `python3 -m anvil_fast.studies.near_rank1 --count 500` on one H200 (before the kernel "
+            "written by `python3 -m anvil_fast.studies.near_rank1 --count 500` on one H200 (a tree without the kernel "
             "tuning, the prescale move and the fused rails and normalization, which do not change these paths' "
-            "roundings except SAFE's first Gram and fp32 trace summation order; SAFE re-measured with all of them, "
+            "roundings except SAFE's first Gram and fp32 trace summation order; SAFE with all of them in place, "
             f"`results/{NEAR_RANK1_RUN}/near_rank1.log`: "
             + quote_inline(f"{NEAR_RANK1_RUN}/near_rank1.log", "totals:") + ").*")
 
@@ -159,8 +159,8 @@ def bank_peers_summary() -> str:
 def optimizer_bench() -> str:
     return (quote_log(f"{OPTIMIZER_RUN}/bench_optimizer.log", ("device", "|", "floor of"),
                       command="python3 -m anvil_fast.bench optimizer --rep-ms 100")
-            + "\n\nThe torch baseline's time is not stable across machines with the same GPU: on the two-GPU "
-            "machine of an earlier run it took "
+            + "\n\nThe torch baseline's time is not stable across machines with the same GPU: on another "
+            "machine (two H200s) it took "
             + quote_inline("anvil_optimizer_h200/run1/bench_optimizer.log", "| torch Muon")
             + " (`results/anvil_optimizer_h200/run1/bench_optimizer.log`), twice this run's. It launches a "
             "sequence of small kernels per matrix, so the host's speed enters (not profiled). Only ratios "

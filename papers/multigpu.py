@@ -69,8 +69,10 @@ def table_validation() -> str:
 
     runs, data = _runs(), _pieces()
     if data is not None:
+        moved = any("anvil_fast.scaling " in r["command"] for r in runs)
         text = "\n".join(C.validation_table(data, runs)) + f"\n\n*Pieces: `papers/data/{PIECES}`; runs: " + \
-            ", ".join(f"`{r['path']}` (`{r['command']}`)" for r in runs) + ".*"
+            ", ".join(f"`{r['path']}` (`{r['command']}`)" for r in runs) + \
+            ("; the commands as they ran: the module is `anvil_fast.studies.scaling` in this tree" if moved else "") + ".*"
         if (DATA / TRAIN_STEP_RECORD).is_file() and data.get("training"):
             run = C.read_train_step_run(DATA / TRAIN_STEP_RECORD)
             run["path"] = f"papers/data/{TRAIN_STEP}"
@@ -126,9 +128,10 @@ def table_train_step() -> str:
     if not (DATA / TRAIN_STEP).is_file():
         return ("Not measured on GPUs: what the study measures, the share of the collectives hidden behind the "
                 "backward pass, needs two GPUs of one host (a single rank has no collectives to hide), and it has "
-                "not been run on such a machine, so this section has no table of it. What is checked is that the "
-                "overlapped step gives the weights of the sequential one bit for bit, on two gloo processes "
-                f"(`tests/test_train_step.py`). On two GPUs, `{TRAIN_CMD}` writes the table here.")
+                "not been run on such a machine (the two-GPU runs above time the optimizer's step alone, without a "
+                "backward pass to hide the collectives behind), so this section has no table of it. What is "
+                "checked is that the overlapped step gives the weights of the sequential one bit for bit, on two "
+                f"gloo processes (`tests/test_train_step.py`). The measurement is `{TRAIN_CMD}` on two GPUs.")
     from papers.data_tables import include_markdown
 
     return include_markdown(TRAIN_STEP)

@@ -253,7 +253,7 @@ def table(data: dict | None = None) -> str:
     notes = [f"*Generated from `{where}/*.json` ({data.get('device', '?')}, torch {data.get('torch', '?')}), "
              f"written by {len(gen)} run(s) of the study, e.g. `{gen[0] if gen else COMMAND}`"
              + ("" if data.get("complete", True) else "; some runs stopped at their time budget before every row")
-             + (". These are the CPU run's small shapes: the H200 runs write the bank shapes" if where == CPU_DIR
+             + (". These are the CPU run's small shapes: the GPU runs write the bank shapes" if where == CPU_DIR
                 else "") + ".*"]
     if data.get("unavailable"):
         notes.append("*Not run there: " + "; ".join(f"{k} ({v})" for k, v in sorted(data["unavailable"].items())) + ".*")
@@ -334,10 +334,10 @@ def h200_rules() -> str:
     for (commit, current), names in by.items():
         what = f"{', '.join(names)} at commit {commit}"
         if current:
-            out.append(what + ", judged by the current rule")
+            out.append(what + ", judged by this tree's rule")
         else:
             out.append(what + ", whose math z reads the t statistic as a normal deviate and whose hull lost the "
-                       "compiled forms of the map sets its process met after torch's recompile limit; the current "
+                       "compiled forms of the map sets its process met after torch's recompile limit; this tree's "
                        "rule reads z through Student's t and keeps every form, neither of which can turn an ok into "
                        "a FAIL, so "
                        + ("every math verdict of ok there stands" if not fails[(commit, current)] else

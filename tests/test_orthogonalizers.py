@@ -209,7 +209,7 @@ def test_the_h200_rules_name_each_run_s_commit_and_reading(tmp_path, monkeypatch
     assert f"`{peers.RUNS[0][0]}` at commit aaaaaaa, whose math z reads the t statistic as a normal deviate" in text
     assert "neither of which can turn an ok into a FAIL" in text
     assert "every math verdict of ok there stands" in text
-    assert f"`{peers.RUNS[1][0]}` at commit bbbbbbb, judged by the current rule" in text
+    assert f"`{peers.RUNS[1][0]}` at commit bbbbbbb, judged by this tree's rule" in text
     assert "its 1 math FAIL(s) are to be judged again" in text
 
 
