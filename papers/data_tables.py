@@ -267,8 +267,10 @@ def peers_repeats_table(folder: str) -> str:
             ratios.append("-" if r is None or f is None else f"{r['ms'] / f:.2f}")
         rows.append([size, label, f"{sum(r is not None for r in ok)} of {len(data)}", cells("ms"), " / ".join(ratios),
                      cells("ms_ahead"), cells("host_ms"), cells("first_step_s", ".1f")])
-    head = (d / "run1" / "command.txt").read_text().splitlines()[0]
-    return (f"*Runs `results/{folder}/run1` .. `run{len(data)}` (commit {', '.join(sorted(commits))}): {head}*\n\n"
+    # each run's note ends with its own place in the call ("(run i of n)"): the table speaks of them all
+    head = re.sub(r" \(run \d+ of \d+\)$", "", (d / "run1" / "command.txt").read_text().splitlines()[0])
+    return (f"*Runs `results/{folder}/run1` .. `run{len(data)}` (commit {', '.join(sorted(commits))}): {head}, "
+            f"{len(data)} runs in one call*\n\n"
             + md_table(["size", "contender", "runs ok", "ms/step, each run", "x fastest peer, each run",
                         "ms/step host ahead, each run", "host ms, each run", "first step s, each run"], rows)
             + "\n\nEach cell lists the runs in order, one after another in one call; \"-\": the row did not finish "

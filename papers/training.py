@@ -752,19 +752,66 @@ def answer(runs: list[dict]) -> str:
     return text
 
 
+#: The package version at each commit the protocol's runs name (``anvil_ref.__version__`` there):
+#: written by ``python -m papers.training versions`` from git, checked by tests/test_papers.py.
+VERSIONS = Path(__file__).resolve().parent / "data" / "train_versions.json"
+
+
+def _full_commits(commits) -> dict[str, str]:
+    """Each recorded commit -> the longest recorded commit it is a prefix of (a run that named its commit
+    by a short hash and one that named the same commit in full are one commit)."""
+    cs = [c for c in commits if c]
+    return {c: max((d for d in cs if d.startswith(c)), key=len) for c in cs}
+
+
+def run_commits(runs: list[dict]) -> list[str]:
+    """The distinct commits (in full where any run gives it in full) the protocol's runs name."""
+    cs = {r.get("commit") for r in runs if r.get("role") in ("sweep", "tuned", "timing", "equal_time")}
+    return sorted(set(_full_commits(cs).values()))
+
+
+def versions_of(commits, *, cwd: Path | None = None) -> dict[str, str]:
+    """``{commit: anvil_ref.__version__ at that commit}``, read with git (``git show``)."""
+    import re
+    import subprocess
+
+    out = {}
+    for c in commits:
+        src = subprocess.run(["git", "show", f"{c}:anvil_ref/__init__.py"], cwd=cwd or ROOT, capture_output=True,
+                             text=True, check=True).stdout
+        m = re.search(r'^__version__ = "([^"]+)"', src, re.M)
+        out[c] = m.group(1) if m else "unversioned"
+    return out
+
+
+def write_versions(runs: list[dict], path: Path = VERSIONS) -> dict[str, str]:
+    v = versions_of(run_commits(runs))
+    path.write_text(json.dumps({"generated_by": "python -m papers.training versions (git show <commit>:"
+                                "anvil_ref/__init__.py for each commit the protocol's runs name); do not edit",
+                                "versions": v}, indent=1) + "\n")
+    return v
+
+
+def stored_versions(path: Path = VERSIONS) -> dict[str, str]:
+    return json.loads(path.read_text())["versions"] if path.is_file() else {}
+
+
 def table_provenance(runs: list[dict]) -> str:
-    """The commits the protocol's runs record (each run JSON names the commit of the tree it ran from)."""
+    """The commits the protocol's runs record (each run JSON names the commit of the tree it ran from),
+    with the package version at each (:data:`VERSIONS`)."""
+    full = _full_commits({r.get("commit") for r in runs})
+    versions = stored_versions()
     by: dict[tuple, int] = {}
     for r in runs:
         if r.get("role") not in ("sweep", "tuned", "timing", "equal_time"):
             continue
-        k = (r.get("commit") or "not recorded", r.get("role"), r.get("steps"))
+        k = (full.get(r.get("commit")) or "not recorded", r.get("role"), r.get("steps"))
         by[k] = by.get(k, 0) + 1
     if not by:
         return "*(no run of the protocol yet)*"
-    rows = [[f"`{c[:12]}`" if c != "not recorded" else c, role, f"{steps:,}" if steps else "-", k]
+    rows = [[f"`{c[:12]}`" if c != "not recorded" else c, versions.get(c, "-"), role, f"{steps:,}" if steps else "-", k]
             for (c, role, steps), k in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0, kv[0][0]))]
-    return md_table(["commit", "role", "steps", "runs"], rows)
+    return md_table(["commit", "package version", "role", "steps", "runs"], rows)
 
 
 def table_anchor(runs: list[dict]) -> str:
@@ -920,7 +967,15 @@ def values() -> dict[str, str]:
             "train_matmul_efficiency": f"{P.MATMUL_EFFICIENCY:g}",
             "train_warmup": (f"1/{P.WARMUP_DIVISOR} of the run's steps ({p.tune_steps // P.WARMUP_DIVISOR} at "
                              f"{p.tune_steps:,} steps, {p.steps // P.WARMUP_DIVISOR} at {p.steps:,})"),
-            "train_level": f"{S.LEVEL:.0%}", "train_answer": answer(runs), "train_claim_p": f"{CLAIM_P:.2f}"}
+            "train_level": f"{S.LEVEL:.0%}", "train_answer": answer(runs), "train_claim_p": f"{CLAIM_P:.2f}",
+            "train_run_versions": " and ".join(sorted(set(stored_versions().values()))) or "?",
+            "package_version": _package_version()}
+
+
+def _package_version() -> str:
+    from anvil_ref import __version__
+
+    return __version__
 
 
 def tables() -> dict:
@@ -962,3 +1017,11 @@ def figures() -> dict:
             "train_sweep_lr": lambda: figure_sweep(load(), "lr"),
             "train_sweep_adam": lambda: figure_sweep(load(), "adam_lr"),
             "train_sweep_wd": lambda: figure_sweep(load(), "weight_decay")}
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["versions"]:
+        sys.exit("usage: python -m papers.training versions   (writes papers/data/train_versions.json from git)")
+    print(write_versions(load()))

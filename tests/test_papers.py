@@ -213,3 +213,21 @@ def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch
         D.bank_peers()
     (tmp_path / "run" / "commit.txt").write_text("abc1234\n")
     assert "at commit abc1234" in D.bank_peers()
+
+
+def test_the_runs_versions_are_git_s():
+    """papers/data/train_versions.json names every commit the protocol's runs name (short and full
+    hashes of one commit counted once), each with the version git shows there."""
+    import subprocess
+
+    from papers import training as T
+
+    runs = T.load()
+    commits = T.run_commits(runs)
+    stored = T.stored_versions()
+    assert sorted(stored) == commits
+    missing = [c for c in commits if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=T.ROOT,
+                                                      capture_output=True).returncode]
+    if missing:
+        pytest.skip(f"this checkout's history lacks {missing} (a shallow clone)")
+    assert T.versions_of(commits) == stored

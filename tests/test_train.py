@@ -394,7 +394,13 @@ def test_data_seen_finds_a_minimum_before_the_last_step_and_provenance_counts_co
     assert "| anvil | 2 | 0.00M | 4.00 | 20-20 | 0.0500 [0.0500, 0.0500] |" in seen
     prov = TR.table_provenance(runs)
     n_sweep = sum(r["role"] == "sweep" for r in runs)
-    assert f"| `aaaaaaaaaaaa` | sweep | 20 | {n_sweep} |" in prov and "| `bbbbbbb` | tuned | 40 | 4 |" in prov
+    # no version stored for these made-up commits: "-"
+    assert f"| `aaaaaaaaaaaa` | - | sweep | 20 | {n_sweep} |" in prov and "| `bbbbbbb` | - | tuned | 40 | 4 |" in prov
+    # a run naming its commit by a short hash counts with one naming the same commit in full
+    runs[-1]["commit"] = "a" * 7
+    prov = TR.table_provenance(runs)
+    assert "| `aaaaaaaaaaaa` | - | tuned | 40 | 1 |" in prov and "| `bbbbbbb` | - | tuned | 40 | 3 |" in prov
+    assert TR.run_commits(runs) == ["a" * 40, "b" * 7]
     assert "no horizon run yet" in TR.table_data_seen([])
 
 
