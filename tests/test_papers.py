@@ -226,8 +226,11 @@ def test_the_runs_versions_are_git_s():
     commits = T.run_commits(runs)
     stored = T.stored_versions()
     assert sorted(stored) == commits
-    missing = [c for c in commits if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=T.ROOT,
-                                                      capture_output=True).returncode]
+    try:
+        missing = [c for c in commits if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=T.ROOT,
+                                                          capture_output=True).returncode]
+    except OSError as exc:
+        pytest.skip(f"no git here ({exc})")
     if missing:
         pytest.skip(f"this checkout's history lacks {missing} (a shallow clone)")
     assert T.versions_of(commits) == stored
