@@ -8,7 +8,8 @@ template holds prose and placeholders only:
 
 * ``{{value:NAME}}``: a number or short string computed here;
 * ``{{table:NAME}}``: a Markdown table;
-* ``{{figure:NAME}}``: an SVG written to papers/figures/NAME.svg, linked from the text.
+* ``{{figure:NAME}}``: an SVG written to papers/figures/NAME.svg, linked from the text and numbered in
+  the template's order ("Figure k"); ``{{figref:NAME}}`` names it by that number anywhere in the text.
 """
 
 from __future__ import annotations
@@ -169,8 +170,14 @@ def build() -> dict[Path, str]:
     cited: list[str] = []
     tables["references"] = lambda: references.render(cited, entries)
 
+    numbers = {n: k + 1 for k, n in enumerate(dict.fromkeys(re.findall(r"\{\{figure:([a-z0-9_]+)\}\}", template)))}
+
     def sub(m: re.Match) -> str:
         kind, name = m.group(1), m.group(2)
+        if kind == "figref":
+            if name not in numbers:
+                raise KeyError(f"template refers to figure {name!r}, which it does not show")
+            return f"Figure {numbers[name]}"
         if kind == "cite":  # numbered by first citation; the list is rendered after every citation
             if name not in entries:
                 raise KeyError(f"template cites unknown reference {name!r} (papers/data/references.json)")
@@ -191,9 +198,9 @@ def build() -> dict[Path, str]:
         if svg is None:  # a figure of measurements not made yet: the text says so instead
             return f"*(figure {name}: no data yet)*"
         outputs[FIGURES / f"{name}.svg"] = SVG_HEADER + svg
-        return f"![{name}](figures/{name}.svg)"
+        return f"![Figure {numbers[name]}: {name}](figures/{name}.svg)\n\n*Figure {numbers[name]}.*"
 
-    text = re.sub(r"\{\{(value|table|figure|cite):([a-z0-9_]+)\}\}", sub, template)
+    text = re.sub(r"\{\{(value|table|figure|figref|cite):([a-z0-9_]+)\}\}", sub, template)
     outputs[OUTPUT] = HEADER + text
     outputs[HERE.parent / orthogonalizers.COMMANDS_FILE] = orthogonalizers.commands_file()
     return outputs

@@ -234,3 +234,15 @@ def test_the_runs_versions_are_git_s():
     if missing:
         pytest.skip(f"this checkout's history lacks {missing} (a shallow clone)")
     assert T.versions_of(commits) == stored
+
+
+def test_figures_are_numbered_in_order_and_referred_to_by_their_numbers():
+    text = (build.HERE / "anvil.md").read_text()
+    shown = re.findall(r"!\[Figure (\d+): ([a-z0-9_]+)\]", text)
+    assert [int(k) for k, _ in shown] == list(range(1, len(shown) + 1))
+    number = {name: k for k, name in shown}
+    template = build.TEMPLATE.read_text()
+    for name in re.findall(r"\{\{figref:([a-z0-9_]+)\}\}", template):
+        assert name in number, name
+    assert f"Figure {number['composite']} compares it" in text and f"headroom (Figure {number['cliff']})" in text
+    assert not re.search(r"Figure \d", template), "a figure's number typed into the template"
