@@ -1020,9 +1020,20 @@ def figures() -> dict:
             "train_sweep_wd": lambda: figure_sweep(load(), "weight_decay")}
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str] | None = None) -> int:
+    import argparse
 
-    if sys.argv[1:] != ["versions"]:
-        sys.exit("usage: python -m papers.training versions   (writes papers/data/train_versions.json from git)")
-    print(write_versions(load()))
+    ap = argparse.ArgumentParser(prog="python -m papers.training",
+                                 description="The training section's data that comes from git: `versions` writes "
+                                             "papers/data/train_versions.json (the package version at every commit "
+                                             "the protocol's runs name).")
+    ap.add_argument("what", choices=["versions"])
+    ap.parse_args(argv)
+    for c, v in write_versions(load()).items():
+        print(f"{c[:12]}  {v}")
+    print(f"wrote {VERSIONS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -286,6 +286,7 @@ QUICK_COMMANDS = {
     "papers.build": "renders stored results into the paper's files",
     "papers.orthogonalizers": "lists the GPU table's runs not complete yet from the stored JSONs",
     "papers.train": "prints a line per finished run itself",
+    "papers.training": "asks git for the version at a handful of commits and writes one small file",
 }
 
 
