@@ -241,8 +241,22 @@ def _caption(g: dict[str, list[dict]], size: str, extra: str) -> str:
             + f", validation every {r0.get('eval_every', '?')} steps on {r0.get('val_windows', '?')} fixed windows, "
             f"{r0['environment']['device']}, torch {r0['environment']['torch']}"
             + (f", up to {jobs} runs at once on the device" if jobs > 1 else "")
-            + f"; corpus sha256 `{r0['corpus']['sha256'][:16]}` ({r0['corpus']['train_bytes']:,} train bytes). "
-            f"Mean ± sample std [min, max] over seeds. {extra}")
+            + f"; corpus sha256 `{r0['corpus']['sha256'][:16]}` ({r0['corpus']['train_bytes']:,} train bytes); "
+            + _commits_text(g) + f". Mean ± sample std [min, max] over seeds. {extra}")
+
+
+def _commits_text(g: dict[str, list[dict]]) -> str:
+    """The commits the runs of a table name, or how many name none (runs written before the JSON
+    carried its commit; their call's command.txt under results/train/logs says what ran)."""
+    rs = [r for runs in g.values() for r in runs]
+    full = _full_commits({r.get("commit") for r in rs})
+    named = sorted({full[r["commit"]][:7] for r in rs if r.get("commit")})
+    missing = sum(1 for r in rs if not r.get("commit"))
+    parts = [f"commit {', '.join(named)}"] if named else []
+    if missing:
+        parts.append(f"{missing} run(s) name no commit (written before run JSONs recorded one; "
+                     "results/train/logs/command.txt names the calls)")
+    return "; ".join(parts)
 
 
 def table_results(g: dict[str, list[dict]], size: str, *, lone: dict[str, dict] | None = None,
