@@ -380,7 +380,24 @@ def values() -> dict[str, str]:
             "resident_adamw": resident("h200_peers/small_all", "adamw"),
             "host_medium_factor_range": f"{min(factors.values()):.1f} to {max(factors.values()):.1f}",
             "host_medium_report_factor": f"{report:.1f}",
-            "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%"}
+            "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%",
+            "gram_side_384_ab": gram_side_384_ab()}
+
+
+#: The small GPT's step with the Gram side from a short side of 384 and of 512, alternating fresh
+#: processes on one H200 (python -m anvil_fast.bench dropin --sizes small, the threshold patched per process).
+GRAM_SIDE_384_AB = "h200_gram_side_schedules/ab384"
+
+
+def gram_side_384_ab() -> str:
+    """"0.465 ms at 512 against 0.402 ms at 384, then 0.465 against 0.400" from the A/B logs, in order."""
+    def ms(name: str) -> str:
+        line = next(x for x in (RESULTS / GRAM_SIDE_384_AB / name).read_text().splitlines()
+                    if x.strip().startswith("small anvil:"))
+        return re.search(r"small anvil: ([\d.]+) ms", line).group(1)
+    rounds = [f"{ms(f'min_short_512_{i}.log')} ms at 512 against {ms(f'min_short_384_{i}.log')} ms at 384"
+              for i in (1, 2)]
+    return "; then ".join(rounds)
 
 
 TABLES: dict[str, Callable[[], str]] = {
