@@ -13,6 +13,7 @@ silently lose a table.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -365,7 +366,6 @@ def values() -> dict[str, str]:
     factors = {k: earlier[k] / sync[k] for k in earlier if k in sync and sync[k] > 0}
     report = next(v for k, v in factors.items() if k.startswith("drop-in: report"))
     total = "opt.step() total"
-    import json
 
     def resident(folder: str, who: str) -> str:
         rows = json.loads((RESULTS / folder / "peers.json").read_text())["rows"]
@@ -381,7 +381,16 @@ def values() -> dict[str, str]:
             "host_medium_factor_range": f"{min(factors.values()):.1f} to {max(factors.values()):.1f}",
             "host_medium_report_factor": f"{report:.1f}",
             "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%",
-            "gram_side_384_ab": gram_side_384_ab()}
+            "gram_side_384_ab": gram_side_384_ab(), "held_gpt2medium": held_text(PEERS_LARGER_RUNS[0], "gpt2medium")}
+
+
+def held_text(folder: str, size: str) -> str:
+    """Resident against held MiB at ``size`` for ANVIL, AdamW and the other contenders of one peers run."""
+    rows = {r["contender"]: r for r in json.loads((RESULTS / folder / "peers.json").read_text())["rows"]
+            if r["size"] == size and r["status"] == "ok"}
+    names = {"anvil": "ANVIL", "adamw": "AdamW", "dion_graphed": "dion's graphed Muon", "gram_ns": "gram-newton-schulz"}
+    return "; ".join(f"{names.get(n, n)} {r['resident_mib']:.0f} resident, {r['held_mib']:.0f} held"
+                     for n, r in rows.items() if r.get("held_mib") is not None)
 
 
 #: The small GPT's step with the Gram side from a short side of 384 and of 512, alternating fresh
