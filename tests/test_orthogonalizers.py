@@ -232,3 +232,13 @@ def test_the_few_matrices_false_alarm_is_stated_from_its_run_and_the_probe_s_inp
     assert len(np.unique(mats.reshape(-1)[group])) == peers.FEW_MATRICES["matrices"]
     v = peers.few_matrices()
     assert v["peers_few_z"] == f"{row['math_z']:.1f}" and float(v["peers_few_t"]) < 6 < float(v["peers_few_z"])
+
+
+def test_the_package_s_bf16_only_kernels_are_not_read_as_unjudged_code():
+    """An anvil adapter whose kernels refuse the float64 lift's dtype is said to take bf16 only, with its
+    float64 math named; another library's refusal stays "not judged in float64"."""
+    spectrum = {"family": "spectrum", "lift_note": peers.BF16_ONLY_NOTE, "verdict": "ok"}
+    ours = peers.classify({"impl": "anvil-safe", "shape": "48x32", "families": {"spectrum": spectrum}})
+    theirs = peers.classify({"impl": "dion-muon", "shape": "48x32", "families": {"spectrum": spectrum}})
+    assert "its kernels take bf16 only; its float64 math is `anvil_ref`" in ours and "not judged" not in ours
+    assert "not judged in float64 (raised GramInputError in float64)" in theirs
