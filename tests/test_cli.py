@@ -321,3 +321,32 @@ def test_the_progress_list_covers_every_command_line_of_the_package():
     listed = {m for m, _ in PROGRESS_COMMANDS} | set(QUICK_COMMANDS)
     peers = "anvil_fast.bench.peers"  # run as `python -m anvil_fast.bench peers` (its children too)
     assert found - {peers} == listed, (sorted(found - listed), sorted(listed - found))
+
+
+def test_resident_diff_sums_the_held_memory_by_pool_and_the_graph_pools_allocations():
+    """tools/resident_diff.py --held on a hand-made memory snapshot: the baseline's segment is left out,
+    the allocator's pool and a graph's private pool are summed apart, and only the allocations made
+    inside the graph pool's new segment are listed, grouped by where and stream."""
+    rd = _tool("resident_diff")
+    frame = {"filename": "/x/anvil_fast/core/cascade.py", "line": 7, "name": "cascade_workspace"}
+    other = {"filename": "/x/anvil_fast/optim/entry.py", "line": 9, "name": "step"}
+    snap = {"segments": [
+        {"address": 0, "total_size": 100, "segment_pool_id": (0, 0), "blocks": [{"size": 100, "state": "active_allocated"}]},
+        {"address": 1000, "total_size": 300, "segment_pool_id": (0, 0),
+         "blocks": [{"size": 200, "state": "active_allocated"}, {"size": 100, "state": "inactive"}]},
+        {"address": 5000, "total_size": 800, "segment_pool_id": (1, 4),
+         "blocks": [{"size": 100, "state": "active_allocated"}, {"size": 700, "state": "inactive"}]},
+    ], "device_traces": [[
+        {"action": "alloc", "addr": 5000, "size": 100, "stream": 7, "frames": [frame]},
+        {"action": "alloc", "addr": 5100, "size": 400, "stream": 7, "frames": [frame]},
+        {"action": "free_completed", "addr": 5100, "size": 400, "stream": 7, "frames": [frame]},
+        {"action": "alloc", "addr": 5100, "size": 300, "stream": 9, "frames": [other]},
+        {"action": "alloc", "addr": 1000, "size": 200, "stream": 0, "frames": [other]},   # allocator's pool
+        {"action": "alloc", "addr": 10, "size": 50, "stream": 0, "frames": [frame]},      # baseline segment
+    ]]}
+    pools = rd.held_by_pool(snap, {0})
+    assert pools == [{"pool": "graph pool 1.4", "segments": 1, "reserved": 800, "allocated": 100},
+                     {"pool": "allocator", "segments": 1, "reserved": 300, "allocated": 200}]
+    allocs = rd.graph_pool_allocations(snap, {0})
+    assert [(g["where"], g["stream"], g["count"], g["bytes"], g["largest"]) for g in allocs] == [
+        ("core/cascade.py:7 cascade_workspace", 7, 2, 500, 400), ("optim/entry.py:9 step", 9, 1, 300, 300)]

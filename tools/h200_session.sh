@@ -56,6 +56,7 @@
 #           and its timeline by stream (gzipped Chrome traces under $OUT/kprofile/)
 #   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
 #           beyond the model, its gradients and a first forward by where they were made, then the same without that forward
+#           (RESIDENT_SIZE: another size; RESIDENT_WHO: other contenders; RESIDENT_FLAGS=--held: the held memory by pool)
 # PYCACHE=DIR: Python's bytecode cache in DIR for every process of the call (env.txt says whether the
 # image's packages have one of their own).
 # TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
@@ -289,9 +290,9 @@ for stage in ${STAGES:-suite bench}; do
            done
            gzip -f "$OUT"/kprofile/trace_*.json 2>/dev/null ;;
     resident) for ff in "" --no-forward; do
-             for who in anvil torch_muon adamw; do
-               timeout "${T_RESIDENT:-60}" python3 tools/resident_diff.py --size small --contender $who $ff 2>&1 \
-                 | tee -a "$OUT/resident_diff.log"
+             for who in ${RESIDENT_WHO:-anvil torch_muon adamw}; do
+               timeout "${T_RESIDENT:-60}" python3 tools/resident_diff.py --size "${RESIDENT_SIZE:-small}" --contender $who \
+                 $ff ${RESIDENT_FLAGS:-} 2>&1 | tee -a "$OUT/resident_diff.log"
              done
            done ;;
     costmodel) timeout "${T_COSTMODEL:-300}" python3 -m anvil_fast.studies.cost_model measure --no-progress \
