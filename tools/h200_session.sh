@@ -289,7 +289,8 @@ for stage in ${STAGES:-suite bench}; do
                | tee "$OUT/kernel_profile_$size.log" | head -25
            done
            gzip -f "$OUT"/kprofile/trace_*.json 2>/dev/null ;;
-    resident) for ff in "" --no-forward; do
+    resident) install_peers  # a peer's contender (RESIDENT_WHO) needs its wheels
+           for ff in "" --no-forward; do
              for who in ${RESIDENT_WHO:-anvil torch_muon adamw}; do
                timeout "${T_RESIDENT:-60}" python3 tools/resident_diff.py --size "${RESIDENT_SIZE:-small}" --contender $who \
                  $ff ${RESIDENT_FLAGS:-} 2>&1 | tee -a "$OUT/resident_diff.log"
