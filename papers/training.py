@@ -665,14 +665,10 @@ def _side(t: dict) -> int:
     return -1 if t["mean"] < 0 else 1
 
 
-def _names(ns) -> str:
-    ns = [PEER_NAMES.get(n, n) for n in ns]
-    return ns[0] if len(ns) == 1 else ", ".join(ns[:-1]) + " and " + ns[-1]
-
-
-def _names_with(ns, detail, *, possessive: bool = False) -> str:
-    """``name (detail), name (detail) and name (detail)``; ``possessive``: "AdamW's (...)"."""
-    items = [f"{PEER_NAMES.get(n, n)}{chr(39) + 's' if possessive else ''} ({detail(n)})" for n in ns]
+def _names(ns, detail=None, *, possessive: bool = False) -> str:
+    """``name, name and name``, each followed by `` (detail(name))`` where ``detail`` is given;
+    ``possessive``: "AdamW's (...)"."""
+    items = [PEER_NAMES.get(n, n) + ("'s" if possessive else "") + (f" ({detail(n)})" if detail else "") for n in ns]
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
@@ -727,7 +723,7 @@ def answer(runs: list[dict]) -> str:
     higher = [n for n, t in f.items() if _side(t) > 0]
     level = [n for n, t in f.items() if _side(t) == 0]
     def each(ns):
-        return _names_with(ns, lambda n: f"{S.fmt_interval(f[n])}, Holm p {S.fmt_p(f[n]['holm'])}", possessive=True)
+        return _names(ns, lambda n: f"{S.fmt_interval(f[n])}, Holm p {S.fmt_p(f[n]['holm'])}", possessive=True)
     parts = []
     if lower:
         parts.append(f"lower than {each(lower)}")
@@ -749,7 +745,7 @@ def answer(runs: list[dict]) -> str:
     faster = [n for n, q in c["to_peer"].items() if q.get("holm", math.nan) < CLAIM_P and q["ratio"] < 1]
     if faster:
         text += (f" It reaches AdamW's target (AdamW's highest final loss) in fewer steps than "
-                 + _names_with(faster, lambda n: f"{S.fmt_interval(c['to_peer'][n], 2, signed=False)} of its steps, "
+                 + _names(faster, lambda n: f"{S.fmt_interval(c['to_peer'][n], 2, signed=False)} of its steps, "
                                                f"Holm p {S.fmt_p(c['to_peer'][n]['holm'])}")
                  + " on the same seeds, steps read off runs scheduled for the whole horizon.")
     v = c["variants"]
