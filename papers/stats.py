@@ -185,7 +185,7 @@ def holm(ps: Sequence[float]) -> list[float]:
 
 
 def fmt_p(p: float) -> str:
-    """A p-value for a table: 3 significant digits, ``< 0.001`` below that, ``-`` where undefined."""
+    """A p-value for a table: three decimals, ``< 0.001`` below that, ``-`` where undefined."""
     if not math.isfinite(p):
         return "-"
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
