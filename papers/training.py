@@ -617,6 +617,7 @@ def comparison(runs: list[dict]) -> dict | None:
     if tgt is not None:
         def to_target(r):
             return S.steps_to_target(*_curve(r), tgt) if not r.get("diverged") else math.inf
+        logs = []
         for n in (ref, *SUMMARY_PEERS):
             if n != "adamw" and n in g and "adamw" in g:
                 pr = pair(g, n, "adamw", to_target)
@@ -626,12 +627,9 @@ def comparison(runs: list[dict]) -> dict | None:
                 pr = pair(g, ref, n, to_target)
                 if not isinstance(pr, str):
                     out["to_peer"][n] = S.paired_ratio(pr[0], pr[1])
-        # the ratios' tests: the paired t test on the log steps, Holm over the peers
-        logs = []
-        for n in out["to_peer"]:
-            a_, b_, _ = pair(g, ref, n, to_target)
-            if all(math.isfinite(v) and v > 0 for v in (*a_, *b_)):
-                logs.append((n, S.paired([math.log(v) for v in a_], [math.log(v) for v in b_])))
+                    # the ratio's test: the paired t test on the log steps (Holm over the peers below)
+                    if math.isfinite(out["to_peer"][n]["ratio"]):
+                        logs.append((n, S.paired([math.log(v) for v in pr[0]], [math.log(v) for v in pr[1]])))
         for n, t in _family_tests(logs).items():
             out["to_peer"][n].update(p=t["p"], holm=t["holm"])
     eq = equal_time_groups(runs)
