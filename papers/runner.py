@@ -158,6 +158,8 @@ def run_all(ready: Callable[[], list[dict]], *, jobs: int, execute: Callable, in
     state = None
 
     def pick(cands: list[dict], w: int) -> dict:
+        if cands[0].get("repeat") is not None:  # repeated timings keep their interleaved order
+            return cands[0]
         mine = [s for s in cands if s["contender"] in warmed.get(w, ())]
         # affinity only among runs of the same kind as the most urgent one (a sweep run that others
         # wait for is never passed over for a long run of a warmed contender)

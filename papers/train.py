@@ -23,7 +23,8 @@ Three kinds of command:
   their estimated GPU time instead of running them;
 * ``--timing-only``: each contender's time per step and optimizer share on a lone device (no
   training): ``--timing-warmup`` untimed and ``--timing-steps`` timed steps, synchronized around
-  the forward/backward and around the optimizer step, medians kept.
+  the forward/backward, the clipping, the optimizer step and ``zero_grad``, medians kept;
+  ``--timing-repeats N`` times every contender N times, interleaved.
 
 ``--jobs N`` runs N runs at once, each in its own process on the one device (papers/runner.py); a
 run's result does not depend on N (every run sets ``--threads`` CPU threads and seeds itself), its
@@ -161,9 +162,17 @@ def _step(model, opts, tokens, device, clip: Clip) -> None:
         o.zero_grad(set_to_none=True)
 
 
+#: The parts of a timed training step, each synchronized at both ends (``time_steps``'s ``parts_s``):
+#: the optimizer's share (``opt_s``) is the last three together.
+TIMING_PARTS = ("forward_backward", "clip", "step", "zero_grad")
+
+
 def time_steps(contender: K.Contender, *, size: str, seed: int, steps: int, batches: torch.Tensor,
                device: torch.device, warmup: int, timed: int, clip: float | None = None) -> dict | None:
-    """Median seconds of one training step and of its optimizer part, on a separate instance."""
+    """Median seconds of one training step, of its optimizer part (gradient clipping, the optimizers'
+    ``step`` and ``zero_grad``) and of each of ``TIMING_PARTS``, on a separate instance. The device is
+    synchronized around every part, so a part's time is its host time or its device time, whichever
+    ends later (one synchronization's latency included)."""
     if timed <= 0:
         return None
     model = gpt.build(size, seed=seed, device=device)
@@ -171,6 +180,7 @@ def time_steps(contender: K.Contender, *, size: str, seed: int, steps: int, batc
     opts = contender.make(model, total_steps=max(steps, warmup + timed), device=device)
     clipper = Clip(model.parameters(), clip, device)
     total, opt_t = [], []
+    parts: dict[str, list[float]] = {k: [] for k in TIMING_PARTS}
     for i in range(warmup + timed):
         tokens = batches[i % batches.shape[0]]
         _sync(device)
@@ -179,19 +189,25 @@ def time_steps(contender: K.Contender, *, size: str, seed: int, steps: int, batc
         _sync(device)
         t1 = time.perf_counter()
         clipper()
+        _sync(device)
+        t2 = time.perf_counter()
         for o in opts:
             o.step()
+        _sync(device)
+        t3 = time.perf_counter()
         for o in opts:
             o.zero_grad(set_to_none=True)
         _sync(device)
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
         if i >= warmup:
-            total.append(t2 - t0)
-            opt_t.append(t2 - t1)
+            total.append(t4 - t0)
+            opt_t.append(t4 - t1)
+            for k, v in zip(TIMING_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                parts[k].append(v)
     del model, opts
     step_s, opt_s = statistics.median(total), statistics.median(opt_t)
     return {"step_s": step_s, "opt_s": opt_s, "opt_share": opt_s / step_s, "warmup_steps": warmup,
-            "timed_steps": timed}
+            "timed_steps": timed, "parts_s": {k: statistics.median(v) for k, v in parts.items()}}
 
 
 def _groups(opts) -> list[dict]:
@@ -301,23 +317,27 @@ def run_id(spec: dict) -> str:
     number of jobs, the device or the time)."""
     keys = ("contender", "hparams", "seed", "data_seed", "size", "steps", "batch", "warmup", "eval_every",
             "val_windows", "clip", "role", "timing_steps")
+    if spec.get("repeat") is not None:  # a repeated lone timing (--timing-repeats); absent elsewhere, so no other id moves
+        keys += ("repeat",)
     blob = json.dumps({k: spec.get(k) for k in keys}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def make_spec(c: K.Contender, *, seed: int, steps: int, a, role: str, stage: str | None = None,
-              warmup: int | None = None) -> dict:
+              warmup: int | None = None, repeat: int | None = None) -> dict:
     spec = {"contender": c.name, "hparams": K.jsonable(c.hparams), "seed": seed,
             "data_seed": a.data_seed if a.data_seed is not None else seed, "size": a.size, "steps": steps,
             "batch": a.batch, "warmup": warmup if warmup is not None else default_warmup(steps),
             "eval_every": a.eval_every, "val_windows": a.val_windows, "clip": a.clip, "role": role,
             "stage": stage, "timing_steps": a.timing_steps if role in ("fixed", "timing") else 0,
             "timing_warmup": a.timing_warmup}
+    if repeat is not None:
+        spec["repeat"] = repeat
     spec["id"] = run_id(spec)
     short = {"lr": "lr", "adam_lr": "adamlr", "weight_decay": "wd"}
     protocol_role = role in ("sweep", "tuned", "equal_time")
     lrs = "".join(f"-{short[k]}{c.hparams[k]:g}" for k in P.KEYS if protocol_role and k in c.hparams)
-    tail = "timing" if role == "timing" else (f"{steps}steps-seed{seed}" if protocol_role else f"seed{seed}")
+    tail = ("timing" + (f"-r{repeat}" if repeat is not None else "")) if role == "timing" else (f"{steps}steps-seed{seed}" if protocol_role else f"seed{seed}")
     spec["name"] = f"{a.size}-{c.name}{lrs}-{tail}"
     return spec
 
@@ -352,6 +372,8 @@ def execute(state: dict, spec: dict) -> dict:
         rec = {"contender": c.name, "description": c.description, "hparams": K.jsonable(c.hparams),
                "hparams_text": K.hparams_text(c), "seed": spec["seed"], "size": size, "batch": spec["batch"],
                "ctx": cfg.ctx, "clip": spec["clip"], "steps": spec["steps"], "timing": timing}
+        if spec.get("repeat") is not None:
+            rec["repeat"] = spec["repeat"]
     else:
         key = (size, spec["val_windows"])
         if key not in state["val"]:
@@ -479,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing-only", action="store_true", help="time each contender's step alone, train nothing")
     ap.add_argument("--timing-warmup", type=int, default=5)
     ap.add_argument("--timing-steps", type=int, default=20, help="timed steps per run (0: no timing; --protocol: 0)")
+    ap.add_argument("--timing-repeats", type=positive_int, default=1,
+                    help="--timing-only: time every contender this many times, interleaved (JSONs ...-timing-r<i>)")
     ap.add_argument("--jobs", type=positive_int, default=1, help="runs at once, each in its own process")
     ap.add_argument("--threads", type=positive_int, default=1, help="CPU threads of every run (results depend on it on the CPU)")
     ap.add_argument("--time-budget-s", type=float, default=None)
@@ -498,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     a.batch = a.batch or 32
     a.clip = a.clip or None
     a.seeds = a.seeds if a.seeds is not None else [0, 1, 2]
+    if a.timing_repeats > 1 and not a.timing_only:
+        ap.error("--timing-repeats needs --timing-only")
     if a.timing_warmup < 0 or a.timing_steps < 0:
         ap.error(f"--timing-warmup and --timing-steps must be >= 0, got {a.timing_warmup} and {a.timing_steps}")
     try:
@@ -597,8 +623,11 @@ def main(argv: list[str] | None = None) -> int:
             return out
     else:
         if a.timing_only:
-            plan = [make_spec(contender(n), seed=a.seeds[0], steps=a.steps, a=a, role="timing")
-                    for n in a.contenders if n not in absent]
+            # repeats interleave the contenders (every contender once, then again), so a drift of the
+            # device over the command falls on all of them alike
+            reps = [None] if a.timing_repeats == 1 else list(range(1, a.timing_repeats + 1))
+            plan = [make_spec(contender(n), seed=a.seeds[0], steps=a.steps, a=a, role="timing", repeat=r)
+                    for r in reps for n in a.contenders if n not in absent]
         else:
             plan = [make_spec(contender(n), seed=s, steps=a.steps, a=a, role="fixed", warmup=a.warmup)
                     for s in a.seeds for n in a.contenders if n not in absent]

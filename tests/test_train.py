@@ -646,6 +646,28 @@ def test_cli_writes_a_run_json_and_respects_the_time_budget(tmp_path, capsys):
     assert not list((tmp_path / "b").glob("*.json"))
 
 
+def test_cli_timing_repeats_interleave_the_contenders_and_time_each_part(tmp_path, capsys):
+    args = TINY + ["--steps", "4", "--contenders", "adamw", "anvil", "--timing-only", "--timing-warmup", "1",
+                   "--timing-steps", "2", "--timing-repeats", "2", "--out", str(tmp_path)]
+    assert T.main(args) == 0
+    order = [line.split()[1].rstrip(":") for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert order == ["tiny-adamw-timing-r1", "tiny-anvil-timing-r1", "tiny-adamw-timing-r2", "tiny-anvil-timing-r2"]
+    recs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert len({r["run_id"] for r in recs.values()}) == 4  # the repeat is part of the identity
+    for name, r in recs.items():
+        assert r["repeat"] == int(name[-1]) and r["role"] == "timing"
+        tm = r["timing"]
+        assert set(tm["parts_s"]) == set(T.TIMING_PARTS) and min(tm["parts_s"].values()) > 0
+        # the optimizer's share is the clipping, the step and zero_grad, each median no larger than the whole
+        assert max(tm["parts_s"]["clip"], tm["parts_s"]["step"], tm["parts_s"]["zero_grad"]) <= tm["opt_s"], name
+    # a run without repeats keeps the identity it had before repeats existed
+    spec = {k: recs["tiny-adamw-timing-r1"].get(k) for k in ("contender", "hparams", "seed", "size", "steps")}
+    assert T.run_id({**spec, "repeat": None}) == T.run_id(spec) != T.run_id({**spec, "repeat": 1})
+    with pytest.raises(SystemExit) as exc:
+        T.main(TINY + ["--timing-repeats", "2", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2 and "--timing-repeats needs --timing-only" in capsys.readouterr().err
+
+
 def test_cli_refuses_contradictory_commands(capsys):
     for args, needle in ((["--protocol", "--timing-only"], "different commands"),
                          (["--estimate"], "--estimate needs --protocol"),

@@ -10,6 +10,8 @@
 #           then the tuning protocol, its longer horizon and its equal-time runs (papers/protocol.py,
 #           TRAIN_JOBS runs at once, results/train/protocol);
 #           ANVIL_COMMIT (the commit of the tree copied here) goes into every run JSON and logs/
+#   timing  the tuned contenders' lone training steps (papers.train --timing-only), TIMING_REPEATS (3) times
+#           interleaved, TIMING_STEPS (200) timed steps each, each part of the step timed, into $OUT/timing
 #   fingerprint  tools/fingerprint.py (digests of the fast path's bits) and its diff against FP_BEFORE
 #   chunk   tools/chunk_independence.py for SAFE and for the Gram side (GRAM_SIDE's bank shapes)
 #   gramside  the bank bench with its Gram-side table, difftest and the near-rank-1 study of GRAM_SIDE
@@ -159,6 +161,14 @@ for stage in ${STAGES:-suite bench}; do
              --protocol --jobs "${TRAIN_JOBS:-8}" --out results/train/protocol --skip-existing \
              --time-budget-s $(( ${T_TRAIN:-450} - 10 )) ${TRAIN_ARGS} 2>&1 | tee -a "results/train/logs/protocol/$STAMP.log" \
              | grep -v "^\[" | tail -30 ;;
+    timing) # the tuned contenders' lone training steps, TIMING_REPEATS times interleaved (TIMING_STEPS timed
+           # steps after TIMING_WARMUP each), every part of the step timed: into $OUT/timing (not the protocol's folder,
+           # whose equal-time runs took their step counts from the timings there)
+           ANVIL_COMMIT=${ANVIL_COMMIT:-} timeout "${T_TIMING:-400}" python3 -m papers.train --timing-only \
+             --contenders ${TIMING_CONTENDERS:-adamw muon dion normuon anvil anvil_lean} --tuned-from results/train/protocol \
+             --timing-repeats "${TIMING_REPEATS:-3}" --timing-steps "${TIMING_STEPS:-200}" \
+             --timing-warmup "${TIMING_WARMUP:-20}" --out "$OUT/timing" --time-budget-s $(( ${T_TIMING:-400} - 10 )) 2>&1 \
+             | tee "$OUT/timing.log" | grep -E "^\[|FAILED|absent|budget" ;;
     fingerprint) timeout "${T_FINGERPRINT:-150}" python3 tools/fingerprint.py --out "$OUT/fingerprint.txt" 2>&1 \
              | tee "$OUT/fingerprint.log"
              [ -n "$FP_BEFORE" ] && { diff "$FP_BEFORE" "$OUT/fingerprint.txt" > "$OUT/fingerprint_diff.txt" \
