@@ -350,3 +350,29 @@ def test_resident_diff_sums_the_held_memory_by_pool_and_the_graph_pools_allocati
     allocs = rd.graph_pool_allocations(snap, {0})
     assert [(g["where"], g["stream"], g["count"], g["bytes"], g["largest"]) for g in allocs] == [
         ("core/cascade.py:7 cascade_workspace", 7, 2, 500, 400), ("optim/entry.py:9 step", 9, 1, 300, 300)]
+
+
+def test_first_step_phases_add_each_rows_function_up(tmp_path):
+    import cProfile
+    import pstats
+
+    first_step = _tool("first_step")
+
+    def inner():
+        return sum(range(20000))
+
+    def outer():
+        return [inner() for _ in range(3)]
+
+    prof = cProfile.Profile()
+    prof.enable()
+    outer()
+    prof.disable()
+    here = "tests/test_cli.py"
+    rows = first_step.phases(pstats.Stats(prof), table=(("outer", here, "outer"), ("inner", here, "inner"),
+                                                          ("absent", here, "no_such_function")))
+    (lo, t_outer, n_outer), (li, t_inner, n_inner), (la, t_absent, n_absent) = rows
+    assert (lo, li, la) == ("outer", "inner", "absent")
+    assert (n_outer, n_inner, n_absent) == (1, 3, 0) and t_absent == 0.0
+    assert 0 < t_inner <= t_outer  # cumulative: the outer row holds the inner one
+    assert {label for label, _, _ in first_step.PHASES} >= {"Triton launchers built (gcc)"}

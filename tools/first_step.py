@@ -24,6 +24,33 @@ from pathlib import Path
 import torch
 
 
+#: Where a cold first step's time goes, as (label, the end of the function's file path, its name): each
+#: row is that function's cumulative time (calls inside it included, so rows overlap: a Triton compile's
+#: ptxas is inside its compile).
+PHASES = (
+    ("Triton compiles (triton.compiler.compile)", "triton/compiler/compiler.py", "compile"),
+    ("  of them ptxas (make_cubin)", "triton/backends/nvidia/compiler.py", "make_cubin"),
+    ("Triton launchers built (gcc)", "triton/runtime/build.py", "compile_module_from_src"),
+    ("torch.compile's frames (dynamo, inductor)", "torch/_dynamo/convert_frame.py", "_compile"),
+    ("  of them waiting for inductor's compile workers", "torch/_inductor/async_compile.py", "_wait_futures"),
+    ("CUDA graph captures (torch.cuda.graph's exit)", "torch/cuda/graphs.py", "__exit__"),
+    ("the Gram kernels' tile choices (gram_tune.choose)", "anvil_fast/kernels/gram_tune.py", "choose"),
+)
+
+
+def phases(stats: pstats.Stats, table=PHASES) -> list[tuple[str, float, int]]:
+    """(label, cumulative seconds, calls) of every row of ``table`` found in ``stats`` (a function
+    found under several line numbers adds up)."""
+    out = []
+    for label, path, name in table:
+        ct, calls = 0.0, 0
+        for (filename, _line, func), (_cc, nc, _tt, cum, _callers) in stats.stats.items():
+            if func == name and filename.replace("\\", "/").endswith(path):
+                ct, calls = ct + cum, calls + nc
+        out.append((label, ct, calls))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="small")
@@ -69,6 +96,9 @@ def main(argv=None) -> int:
     times["second step"] = time.monotonic() - t
     prof.dump_stats(str(out / "first_step.prof"))
     print(f"{a.size}: imports and model {t_model:.1f} s; " + "; ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+    print("by phase (cumulative seconds; rows overlap, see PHASES):")
+    for label, ct, calls in phases(pstats.Stats(prof)):
+        print(f"  {label:<52} {ct:7.2f} s  {calls:5d} calls")
     for key in ("cumulative", "tottime"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(a.top)

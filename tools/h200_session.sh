@@ -289,14 +289,14 @@ for stage in ${STAGES:-suite bench}; do
            # where the cold first step's time goes (the default tuning): construction, first step, profile
            cold=$(mktemp -d)
            TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor timeout "${T_WARMUP:-200}" \
-             python3 tools/first_step.py --size small --out "$OUT/first_step" 2>&1 | tee "$OUT/first_step.log" | head -3 ;;
+             python3 tools/first_step.py --size small --out "$OUT/first_step" 2>&1 | tee "$OUT/first_step.log" | sed -n 1,3p ;;  # sed, not head: head leaves early and its SIGPIPE would cut tee's copy short
     nodes) for size in ${NODES_SIZES:-small medium}; do
              timeout "${T_NODES:-200}" python3 tools/graph_nodes.py --size "$size" --out "$OUT/nodes_$size" 2>&1 \
-               | tee "$OUT/graph_nodes_$size.log" | head -50
+               | tee "$OUT/graph_nodes_$size.log" | sed -n 1,50p
            done ;;
     kprofile) for size in ${NODES_SIZES:-small medium}; do
              timeout "${T_KPROFILE:-150}" python3 tools/kernel_profile.py --size "$size" --out "$OUT/kprofile" 2>&1 \
-               | tee "$OUT/kernel_profile_$size.log" | head -25
+               | tee "$OUT/kernel_profile_$size.log" | sed -n 1,25p
            done
            gzip -f "$OUT"/kprofile/trace_*.json 2>/dev/null ;;
     resident) install_peers  # a peer's contender (RESIDENT_WHO) needs its wheels
