@@ -101,6 +101,29 @@ def test_warm_up_on_a_side_stream_then_one_capture(monkeypatch):
     assert made == ["cuda:1"]  # a given side stream is used, none made
 
 
+def test_precompile_is_one_pass_on_the_side_stream_before_the_warm_ups(monkeypatch):
+    rec = _Recorder()
+    _fake_cuda(monkeypatch, rec)
+    side = rec.stream_obj("shared")
+    side.device = "cuda:1"
+    passes = []
+    monkeypatch.setattr(CAP, "precompiled", lambda fn, device: passes.append((device, rec.current)) or fn())
+    CAP.capture(lambda: rec.log.append(("run", rec.current)), warmup=2, side=side, precompile=True)
+    assert passes == [("cuda:1", "shared")]
+    assert [e for e in rec.log if e[0] == "run"] == [("run", "shared")] * 3 + [("run", "capturing")]
+    rec.log.clear()
+    CAP.capture(lambda: rec.log.append(("run", rec.current)), warmup=2, side=side)  # off by default
+    assert len(passes) == 1
+
+
+def test_the_optimizers_captures_take_the_precompile_pass():
+    """Every capture of an optimizer's step undoes its warm-up's effects, so each takes the pass."""
+    for path in ("anvil_fast/optim/device_step.py", "anvil_fast/optim/graphs.py"):
+        text = (ROOT / path).read_text()
+        calls = text.count("capture(") - text.count("def capture(") - text.count("_capture(")
+        assert calls >= 1 and text.count("precompile=True") == calls, path
+
+
 def test_a_failed_capture_puts_the_generator_back(monkeypatch):
     """torch leaves the capture device's default generator in capture mode when a capture fails; the
     helper swaps in the state copied before the capture (device 1 here, the current one), then lets

@@ -32,18 +32,24 @@ from typing import Any
 
 import torch
 
+from .precompile import precompiled
+
 
 def capture(fn: Callable[[], Any], *, warmup: int, pool: Any = None, capture_error_mode: str = "global",
-            side: Any = None, device: Any = None) -> "torch.cuda.CUDAGraph":
+            side: Any = None, device: Any = None, precompile: bool = False) -> "torch.cuda.CUDAGraph":
     """``fn()`` run ``warmup`` times on a side stream (``side``, or a new stream on ``device``: None
     is the current device), then captured once into a new CUDA graph (memory ``pool``: None, a
     pool of its own; ``capture_error_mode`` as :class:`torch.cuda.graph`'s), which is returned,
-    not replayed."""
+    not replayed. ``precompile``: before the warm-up, one more pass of ``fn`` whose Triton kernels
+    compile side by side (:func:`anvil_fast.kernels.precompile.precompiled`); only for a caller that
+    undoes the warm-up's effects, since that pass computes with its kernels' launches skipped."""
     main = torch.cuda.current_stream(device)
     if side is None:
         side = torch.cuda.Stream(device=device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
+        if precompile:
+            precompiled(fn, device=side.device)
         for _ in range(warmup):
             fn()
     main.wait_stream(side)

@@ -621,7 +621,7 @@ class DeviceStep:
         try:
             # thread_local: see anvil_fast.optim.graphs
             graph = capture(self.device_part, warmup=self.warmup, pool=self.pool, capture_error_mode="thread_local",
-                            device=self.device)
+                            device=self.device, precompile=True)
         finally:
             for k, t in self.mutated().items():
                 if k in saved:

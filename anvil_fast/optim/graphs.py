@@ -122,7 +122,7 @@ class BankUpdateGraphs:
                 # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
                 # the default global mode those queries invalidate the capture
                 graph = capture(lambda bank=bank: update(bank), warmup=max(1, warmup), pool=pool,
-                                capture_error_mode="thread_local", side=side)
+                                capture_error_mode="thread_local", side=side, precompile=True)
                 for k, v in bank.mutated().items():
                     v.copy_(saved[k])
                 self.graphs[label] = graph
@@ -241,7 +241,7 @@ class StepGraph:
             # thread_local: NCCL's watchdog thread keeps querying its events while we capture; in
             # the default global mode those queries invalidate the capture
             graph = capture(lambda: opt.body(plan, grads, bank_update=self.update), warmup=self.warmup,
-                            pool=self.pool, capture_error_mode="thread_local")
+                            pool=self.pool, capture_error_mode="thread_local", precompile=True)
         except Exception as exc:
             main.synchronize()
             self.off_reason = f"capturing the step failed: {type(exc).__name__}: {exc}"
