@@ -26,7 +26,9 @@ import torch
 
 #: Where a cold first step's time goes, as (label, the end of the function's file path, its name): each
 #: row is that function's cumulative time (calls inside it included, so rows overlap: a Triton compile's
-#: ptxas is inside its compile).
+#: ptxas is inside its compile). cProfile sees the main thread only: the compiles of the captures'
+#: recording pass run on its pool's threads (anvil_fast/kernels/precompile.py), so their time shows in
+#: the pass's own line, not in these rows.
 PHASES = (
     ("Triton compiles (triton.compiler.compile)", "triton/compiler/compiler.py", "compile"),
     ("  of them ptxas (make_cubin)", "triton/backends/nvidia/compiler.py", "make_cubin"),
@@ -78,6 +80,19 @@ def main(argv=None) -> int:
     sync()
     t_model = time.monotonic() - t0
 
+    # the captures' recording pass: its wall time and what its threads compiled
+    from anvil_fast.kernels import capture as CAP
+
+    passes = []
+    real_pass = CAP.precompiled
+
+    def timed_pass(fn, **kw):
+        t = time.monotonic()
+        report = real_pass(fn, **kw)
+        passes.append((time.monotonic() - t, report))
+        return report
+
+    CAP.precompiled = timed_pass
     prof = cProfile.Profile()
     times = {}
     prof.enable()
@@ -96,7 +111,12 @@ def main(argv=None) -> int:
     times["second step"] = time.monotonic() - t
     prof.dump_stats(str(out / "first_step.prof"))
     print(f"{a.size}: imports and model {t_model:.1f} s; " + "; ".join(f"{k} {v:.2f} s" for k, v in times.items()))
-    print("by phase (cumulative seconds; rows overlap, see PHASES):")
+    CAP.precompiled = real_pass
+    for i, (secs, r) in enumerate(passes):
+        what = ("off" if r is None else f"{r.launches} launches recorded, {r.compiled} compiled, "
+                f"{len(r.failed)} failed{': ' + '; '.join(r.failed) if r.failed else ''}")
+        print(f"recording pass {i + 1} (precompile, in the first step): {secs:.2f} s, {what}")
+    print("by phase (cumulative seconds of the main thread; rows overlap, see PHASES):")
     for label, ct, calls in phases(pstats.Stats(prof)):
         print(f"  {label:<52} {ct:7.2f} s  {calls:5d} calls")
     for key in ("cumulative", "tottime"):
