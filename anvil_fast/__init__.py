@@ -39,6 +39,8 @@ module                         concept
                                work-arounds
 ``kernels.compiled``           whether a function runs through ``torch.compile``
 ``kernels.capture``            the one warm-up-then-capture sequence of a CUDA graph
+``kernels.precompile``         a pass whose Triton launches are recorded, their kernels compiled on a pool
+                               of threads (the captures' first step compiles side by side)
 ``kernels.timing``             the package's timers (CUDA events on a GPU, the wall clock elsewhere;
                                graph replays for the tuner)
 ``kernels.gram``               the symmetric Gram kernels' entry points (``XXT``, ``XTX``,
