@@ -164,7 +164,7 @@ for stage in ${STAGES:-suite bench}; do
     timing) # the tuned contenders' lone training steps, TIMING_REPEATS times interleaved (TIMING_STEPS timed
            # steps after TIMING_WARMUP each), every part of the step timed: into $OUT/timing (not the protocol's folder,
            # whose equal-time runs took their step counts from the timings there)
-           ANVIL_COMMIT=${ANVIL_COMMIT:-} timeout "${T_TIMING:-400}" python3 -m papers.train --timing-only \
+           ANVIL_COMMIT="${ANVIL_COMMIT:-unknown (ANVIL_COMMIT not given)}" timeout "${T_TIMING:-400}" python3 -m papers.train --timing-only \
              --contenders ${TIMING_CONTENDERS:-adamw muon dion normuon anvil anvil_lean} --tuned-from results/train/protocol \
              --timing-repeats "${TIMING_REPEATS:-3}" --timing-steps "${TIMING_STEPS:-200}" \
              --timing-warmup "${TIMING_WARMUP:-20}" --out "$OUT/timing" --time-budget-s $(( ${T_TIMING:-400} - 10 )) 2>&1 \
