@@ -43,7 +43,8 @@ MAX_WORKERS = 16
 
 _local = threading.local()  # .recorder: this thread's active Recorder
 _patch_lock = threading.Lock()
-_patched: list = []  # the JITFunction.run the recording wraps (empty: not wrapped yet)
+_original: list = []  # the JITFunction.run a pass wraps (set at the first pass)
+_passes = 0  # passes going on (on any thread): JITFunction.run is wrapped while this is above 0
 
 
 def enabled() -> bool:
@@ -129,38 +130,53 @@ class Recorder:
 def _compile_and_load(fn, args: tuple, kwargs: dict, grid) -> None:
     """Compile ``fn`` for these arguments into its own caches (Triton's warm-up call: no launch) and
     load the binary with its launcher, which a launch would otherwise build on first use."""
-    kernel = _patched[0](fn, *args, grid=grid, warmup=True, **kwargs)
+    kernel = _original[0](fn, *args, grid=grid, warmup=True, **kwargs)
     init = getattr(kernel, "_init_handles", None)
     if init is not None:
         init()
 
 
+def _recording_run(self, *args, **kwargs):
+    """``JITFunction.run`` while a pass is on: the recording thread's launches are recorded; every other
+    call (other threads, warm-up calls) goes through unchanged."""
+    rec = getattr(_local, "recorder", None)
+    if rec is None or kwargs.get("warmup", True):
+        return _original[0](self, *args, **kwargs)
+    grid = kwargs.pop("grid", None)
+    kwargs.pop("warmup")
+    rec.record(self, args, kwargs, grid)
+    return None
+
+
 def _install() -> bool:
-    """Wrap ``JITFunction.run`` once per process so that a thread with an active recorder records its
-    launches; every other call (other threads, warm-up calls) goes through unchanged.
-    False where this Triton has no ``JITFunction.run`` to wrap."""
+    """Wrap ``JITFunction.run`` for the length of a pass (passes on several threads share one wrapping,
+    taken off when the last ends), so that no launch outside a pass pays for it. False where this Triton
+    has no ``JITFunction.run`` to wrap."""
+    global _passes
     with _patch_lock:
-        if _patched:
-            return True
         try:
             from triton.runtime.jit import JITFunction
         except ImportError:
             return False
-        original = getattr(JITFunction, "run", None)
-        if original is None:
-            return False
-
-        def run(self, *args, grid, warmup, **kwargs):
-            rec = getattr(_local, "recorder", None)
-            if rec is None or warmup:
-                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-            rec.record(self, args, kwargs, grid)
-            return None
-
-        run.__wrapped__ = original
-        _patched.append(original)
-        JITFunction.run = run
+        if _passes == 0:
+            original = getattr(JITFunction, "run", None)
+            if original is None:
+                return False
+            _original[:] = [original]
+            JITFunction.run = _recording_run
+        _passes += 1
         return True
+
+
+def _uninstall() -> None:
+    global _passes
+    with _patch_lock:
+        _passes -= 1
+        if _passes == 0:
+            from triton.runtime.jit import JITFunction
+
+            if JITFunction.run is _recording_run:  # (never over a wrapping someone made since)
+                JITFunction.run = _original[0]
 
 
 def recording() -> bool:
@@ -176,17 +192,22 @@ def precompiled(fn: Callable[[], Any], *, device: torch.device | int | None = No
     every compile has ended. None (and nothing run) where it is off (:func:`enabled`), already
     recording on this thread, or Triton's launch cannot be wrapped. ``compile_one(fn, args, kwargs,
     grid)`` is replaceable for tests."""
-    if not enabled() or getattr(_local, "recorder", None) is not None or not _install():
+    if not enabled() or getattr(_local, "recorder", None) is not None:
         return None
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     n = workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1))
-    with ThreadPoolExecutor(n, thread_name_prefix="anvil-precompile") as pool:
-        rec = Recorder(pool, device, compile_one)
-        _local.recorder = rec
-        try:
-            fn()
-        finally:
-            _local.recorder = None
-        return rec.wait()
+    if not _install():
+        return None
+    try:
+        with ThreadPoolExecutor(n, thread_name_prefix="anvil-precompile") as pool:
+            rec = Recorder(pool, device, compile_one)
+            _local.recorder = rec
+            try:
+                fn()
+            finally:
+                _local.recorder = None
+            return rec.wait()
+    finally:
+        _uninstall()
