@@ -1412,6 +1412,84 @@ def test_an_explosion_just_past_the_threshold_of_code_whose_math_is_exact_is_its
     assert "exploded" in row(3.09, True).verdicts()["safety"][0]
 
 
+def test_explosion_excess_p_is_the_binomial_tail_of_the_conditional_test():
+    from scipy.stats import binom
+
+    for k, n, j, m in [(1, 16384, 1, 131072), (5, 100, 1, 3200), (3, 10, 0, 10), (2, 50, 7, 50), (0, 8, 3, 8)]:
+        t = k + j
+        assert T.explosion_excess_p(k, n, j, m) == pytest.approx(binom.sf(k - 1, t, n / (n + m)), rel=1e-12, abs=1e-300)
+    assert T.explosion_excess_p(3, 10, 0, 10) == pytest.approx(2.0 ** -3)  # none elsewhere: all k must fall here
+    assert T.explosion_excess_p(2, 10, 200, 10) > 0.99  # the other sample explodes far more often
+    with pytest.raises(ValueError, match="n > 0"):
+        T.explosion_excess_p(1, 0, 1, 10)
+
+
+def test_an_explosion_its_eager_math_shares_on_more_draws_is_a_finding_and_one_it_does_not_fails():
+    """One explosion in 16,384 where the eager forms explode on none of the same matrices: a finding when
+    they explode on more draws of the probe as often (the test's p >= its level), a FAIL when they do not
+    explode there or explode far less often; the clause names the wider sample either way."""
+    def row(k, j, m):
+        return H.Row("gram", (2, 48, 32), "spectrum", fast=1.5, eager=1.58, floor=0.002, exploded=k, count=16384,
+                     top_sv=1.11, eager_top_sv=1.04, sigma_x=1.1, conforms=True, declared=True,
+                     declared_dtype="bfloat16", eager_wide_exploded=j, eager_wide_count=m)
+
+    shared = row(1, 1, 7 * 16384)
+    assert shared.verdict() == "finding", shared.verdicts()
+    assert any("explode on 1" in c and "one-sided p 0.21" in c for c in shared.verdicts()["findings"]), shared.verdicts()
+    none = row(1, 0, 32 * 16384)
+    assert none.verdict() == "FAIL" and "explode on 0" in none.verdicts()["safety"][0], none.verdicts()
+    rarer = row(5, 1, 32 * 16384)  # five here against one in 33 times as many: p ~ 1e-6
+    assert rarer.verdict() == "FAIL" and "one-sided p" in rarer.verdicts()["safety"][0], rarer.verdicts()
+    undrawn = row(1, None, 0)  # a stored row of a rule without the wider draws
+    assert undrawn.verdict() == "FAIL"
+
+
+def test_the_wider_draws_stop_once_the_test_cannot_fail_and_never_pass_their_number(monkeypatch):
+    """:meth:`_Cache.eager_wide` on scripted eager tops: it counts a matrix once whichever forms explode
+    on it, stops at the first draw after which the test stays at or above its level, and makes at most
+    EXPLOSION_DRAWS draws, each from its own seed."""
+    seeds, script = [], []
+
+    def make_matrix(family, shape, *, seed, device):
+        seeds.append(seed)
+        return torch.zeros(shape)
+
+    def top(y, shape, family, s=None):
+        return script.pop(0)
+
+    monkeypatch.setattr(H, "make_matrix", make_matrix)
+    monkeypatch.setattr(H, "eager_declared", lambda x, m, form, chunk=None: x)
+    monkeypatch.setattr(H, "_top", top)
+    m = H.DeclaredMath(R.ANVIL_MAPS, restarts=(4,))  # two eager forms
+    assert len(m.forms("cpu")) == 2
+    cache = H._Cache(seed=5, device="cpu", count=4)
+    quiet, both = torch.ones(4), torch.tensor([1.0, 2.0, 1.0, 1.0])
+    script[:] = [quiet, quiet] * 2 + [both, both]  # draws 1, 2: none; draw 3: matrix 1 in both forms
+    assert cache.eager_wide((4, 8, 8), "gaussian", m, 1.1, exploded=1, count=4) == (1, 12)
+    assert seeds == [5 + H.WIDE_SEED_STRIDE * d for d in (1, 2, 3)] and not script
+    seeds.clear()
+    script[:] = [quiet] * (2 * T.EXPLOSION_DRAWS)
+    assert cache.eager_wide((4, 8, 8), "gaussian", m, 1.1, exploded=2, count=4) == (0, 4 * T.EXPLOSION_DRAWS)
+    assert len(seeds) == T.EXPLOSION_DRAWS and len(set(seeds)) == T.EXPLOSION_DRAWS
+
+
+def test_code_that_explodes_where_its_eager_math_never_does_fails_after_the_wider_draws():
+    """A cascade that blows up one matrix of a batch (its math otherwise exact): the eager forms explode on
+    none of the same matrices nor on EXPLOSION_DRAWS more draws, so the row FAILs, and says so."""
+    math_ = dict(coeffs=R.ANVIL_MAPS, normalization="frobenius", margin=R.FROBENIUS_MARGIN, eps=R.FROBENIUS_EPS)
+
+    def one_blown(x):
+        from anvil_fast.core.cascade import fast_cascade
+
+        y = fast_cascade(x, compile=False)
+        return torch.cat([y[:1] * 8, y[1:]]) if x.shape[0] > 1 else y
+
+    with pytest.raises(H.OrthogonalizerMismatch) as info:
+        H.assert_orthogonalizer(one_blown, shapes=[(2, 48, 32)], families=("gaussian",), per_matrix=False, **math_)
+    text = str(info.value)
+    assert f"on {2 * T.EXPLOSION_DRAWS} more matrices of the probe its eager bf16 runs explode on 0" in text, text
+
+
 def test_two_matrices_of_a_batch_swapped_fail_the_math_and_code_that_indexes_the_batch_is_still_lifted():
     """Every operation of the swapped code runs in torch in float64 and no kernel runs outside it, so an
     output off its input's singular basis is no rounding: not a matrix polynomial of the input, a math

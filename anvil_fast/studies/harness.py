@@ -40,7 +40,8 @@ and the math it declares -- a
 
 and three verdicts (:func:`anvil_fast.core.tolerances.orthogonalizer_clauses`, :data:`VERDICT_RULE`),
 every failed clause naming its value and its limit: **math** (the spectrum probe, the lifted run, the Gram side) and
-**safety** (non-finite, vacuous, an explosion its eager math does not have) FAIL; **rounding** (``err``
+**safety** (non-finite, vacuous, an explosion its eager math does not have: on the same matrices, or as
+often on more draws of the probe, :data:`anvil_fast.core.tolerances.EXPLOSION_DRAWS`) FAIL; **rounding** (``err``
 over the largest eager form's, beyond twice plus one bf16 rounding) is a finding, as is a math that
 explodes in bf16 in its own eager run. Undeclared math (``math=None``) gets safety only, verdict
 ``unjudged`` unless that fails.
@@ -102,6 +103,9 @@ TIMED_FAMILY = "gaussian"
 #: of each; the probe is most of a judgement's time: minutes on a CPU, several times that for a
 #: function of one matrix, called once per matrix).
 DEFAULT_SHAPES = ((2, 48, 32), (2, 32, 48), (2, 32, 32))
+#: The seed step between the draws of :meth:`_Cache.eager_wide` (a prime far from the seeds a judgement
+#: is asked for, so that no draw repeats a judged one).
+WIDE_SEED_STRIDE = 1_000_003
 #: Matrix products whose shapes :class:`GramRecorder` records.
 PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul"})
 
@@ -111,7 +115,8 @@ VERDICT_RULE = (
     "norms near it) and no cast to another half dtype than the declared one; where it does not, the spectrum probe's "
     f"singular values within {T.MATH_Z:g} standard errors of the declared map beyond every eager form's (and the "
     "float64 math's; past it with the lift clean: a rounding finding); the Gram on the declared side; safety = finite, not vacuous (zero, the identity, the input), no explosion "
-    "where the same math in eager bf16 does not explode; rounding = err <= "
+    "where the same math in eager bf16 does not explode (on the same matrices, or on up to "
+    f"{T.EXPLOSION_DRAWS} more draws of them as often: one-sided p >= {T.EXPLOSION_ALPHA:g}); rounding = err <= "
     f"{T.FACTOR:g} x the larger eager form's + 2**{math.log2(T.ATOL):g}, else a finding (k = err / eager). "
     "FAIL = a math or safety clause fails; finding = a rounding clause or the math's own bf16 behaviour; "
     "unjudged = no math declared (safety judged)")
@@ -1322,6 +1327,10 @@ class Row:
     exploded: int = 0
     eager_top_sv: float = math.nan  #: the largest top singular value of the eager forms' outputs
     eager_exploded: int = 0  #: matrices on which an eager form exploded
+    #: where it exploded and its eager forms did not on the same matrices: their explosions on more draws
+    #: of the probe (:meth:`_Cache.eager_wide`), of ``eager_wide_count`` matrices; None: not drawn
+    eager_wide_exploded: int | None = None
+    eager_wide_count: int = 0
     nonfinite: int = 0  #: matrices whose output is not finite
     vacuous: str = ""  #: what a vacuous output equals ("zero", "identity", "the input"), else ""
     count: int = 0
@@ -1553,6 +1562,33 @@ class _Cache:
         chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
         return self.get(("eager", shape, family, m, form), lambda: eager_declared(x, m, form, chunk=chunk))
 
+    def eager_wide(self, shape, family, m: DeclaredMath, sigma: float, *, exploded: int, count: int) -> tuple[int, int]:
+        """The eager forms' explosions (top singular value past ``sigma`` in any form) on up to
+        :data:`~anvil_fast.core.tolerances.EXPLOSION_DRAWS` more draws of ``family``'s inputs at
+        ``shape`` (seeds ``seed + WIDE_SEED_STRIDE * d``, d = 1, 2, ...), as (explosions, matrices).
+        The draws stop once the test of an implementation that exploded on ``exploded`` of ``count``
+        matrices can no longer fall below its level (more draws only lower the p-value through their
+        count, which is then at its largest). Nothing of the draws is kept but the counts."""
+        def make():
+            hits = seen = 0
+            most = T.EXPLOSION_DRAWS * count + count  # the eager sample at the end: every draw and the row's own
+            for d in range(1, T.EXPLOSION_DRAWS + 1):
+                seed = self.seed + WIDE_SEED_STRIDE * d
+                if family == SPECTRUM:
+                    n = None if self.spectrum_count is None else max(shape[0], self.spectrum_count)
+                    x = spectrum_input(shape, m, seed=seed, device=self.device, count=n).x
+                else:
+                    x = _input(family, shape, seed=seed, count=self.count, device=self.device)
+                chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
+                tops = torch.stack([_top(eager_declared(x, m, f, chunk=chunk), shape, family)
+                                    for f in m.forms(self.device)])
+                hits += int((tops > sigma).any(dim=0).sum())
+                seen += int(x.shape[0])
+                if hits and T.explosion_excess_p(exploded, count, hits, most) >= T.EXPLOSION_ALPHA:
+                    break
+            return hits, seen
+        return self.get(("wide", shape, family, m, float(sigma), int(exploded), int(count)), make)
+
     def residuals(self, shape, m: DeclaredMath, y: Tensor) -> Tensor:
         sp = self.spectrum(shape, m)
         g = self.get(("g", shape, SPECTRUM, m), lambda: torch.as_tensor(
@@ -1719,6 +1755,9 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
                             for f in m.forms(dev)])
         row.eager_top_sv = float(etop.max())
         row.eager_exploded = int((etop > row.sigma_x).any(dim=0).sum())
+        if row.exploded and not row.nonfinite and not row.eager_exploded and row.exploded <= T.EXPLOSION_OWN_MAX:
+            row.eager_wide_exploded, row.eager_wide_count = cache.eager_wide(
+                shape, family, m, row.sigma_x, exploded=row.exploded, count=row.count)
         row.vacuous = vacuous(y, ref, x, top=top, sigma=row.sigma_x, dtype=getattr(torch, m.dtype))
 
         def caps_of():
