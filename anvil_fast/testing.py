@@ -33,7 +33,8 @@ per row (``anvil_fast/core/tolerances.py``, ``orthogonalizer_clauses``):
   Student's t, so at the largest shapes, where few matrices fit, it sees gross slips only); the Gram
   on the declared side;
 * **safety** (FAIL, every family): a non-finite output, a vacuous one (zero, the identity, the input),
-  an explosion where the same math in eager bf16 does not explode;
+  an explosion where the same math in eager bf16 does not explode (on the same matrices, or as often on
+  up to :data:`anvil_fast.core.tolerances.EXPLOSION_DRAWS` more draws of the input);
 * **rounding** (a finding, not a FAIL): the error against the float64 math over the largest eager bf16
   run of it in the field's evaluation forms (:data:`FORMS`: fused ``baddbmm``, unfused
   ``B = b*A + c*A@A; X = a*X + B@X``, Horner, ...; on CUDA also :data:`INDUCTOR_FORMS`), and a

@@ -96,7 +96,7 @@ from .update import (
     sign_aligned_update,
 )
 
-__version__ = "0.5.8"
+__version__ = "0.5.9"
 
 __all__ = list(_constants_all) + [
     "ReferenceInputError", "ConfigError",

@@ -220,8 +220,8 @@ def findings(data: dict) -> list[str]:
                 seen.add((r["impl"], r["family"]))
                 out.append(f"Finding: the math of {r['impl']} explodes in bf16 on {r['family']} input "
                            f"({'x'.join(map(str, r['shape']))}: {f[len('the math explodes in bf16: '):]}); the "
-                           "eager bf16 run of the same declared math explodes as well, so it is the math, not a "
-                           "slip of the implementation.")
+                           "eager bf16 run of the same declared math explodes as well (on the same matrices, or as "
+                           "often on more draws of the input), so it is the math, not a slip of the implementation.")
     for r in data["rows"]:
         if r["family"] == "spectrum" and _probe_rounding(r):
             out.append(f"Finding: the bf16 rounding of {r['impl']} moves its singular values off the declared map "
@@ -391,6 +391,7 @@ def values(data: dict | None = None) -> dict[str, str]:
 
     return {**few_matrices(), "peers_h200_rules": h200_rules(), "peers_command": f"`{COMMAND}`",
             "lift_count": str(T.LIFT_COUNT), "lift_rtol": f"{T.LIFT_RTOL:.0e}".replace("e-0", "e-"),
+            "explosion_draws": str(T.EXPLOSION_DRAWS), "explosion_alpha": f"{T.EXPLOSION_ALPHA:g}",
             "peers_runs": str(len(RUNS)), "peers_h200_progress": h200_progress(),
             "peers_gpu_machines": gpu_machines(),
             "peers_adapters": "no adapters yet" if data is None else str(len(data.get("implementations", {})))}

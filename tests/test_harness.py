@@ -1473,6 +1473,12 @@ def test_the_wider_draws_stop_once_the_test_cannot_fail_and_never_pass_their_num
     assert len(seeds) == T.EXPLOSION_DRAWS and len(set(seeds)) == T.EXPLOSION_DRAWS
 
 
+def test_the_readme_states_the_wider_draws_rule_with_the_package_s_constants():
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert (f"they run on up to {T.EXPLOSION_DRAWS} more draws of the input" in text
+            and f"p >= {T.EXPLOSION_ALPHA:g})" in text), "README's safety clause: the wider draws' count and level"
+
+
 def test_code_that_explodes_where_its_eager_math_never_does_fails_after_the_wider_draws():
     """A cascade that blows up one matrix of a batch (its math otherwise exact): the eager forms explode on
     none of the same matrices nor on EXPLOSION_DRAWS more draws, so the row FAILs, and says so."""
