@@ -1471,6 +1471,10 @@ def test_the_wider_draws_stop_once_the_test_cannot_fail_and_never_pass_their_num
     script[:] = [quiet] * (2 * T.EXPLOSION_DRAWS)
     assert cache.eager_wide((4, 8, 8), "gaussian", m, 1.1, exploded=2, count=4) == (0, 4 * T.EXPLOSION_DRAWS)
     assert len(seeds) == T.EXPLOSION_DRAWS and len(set(seeds)) == T.EXPLOSION_DRAWS
+    seeds.clear()  # larger draws: fewer of them, within the entries allowed
+    monkeypatch.setattr(T, "EXPLOSION_WIDE_ELEMENTS", 5 * 4 * 8 * 8 + 1)
+    script[:] = [quiet] * 10
+    assert cache.eager_wide((4, 8, 8), "gaussian", m, 1.1, exploded=3, count=4) == (0, 20) and len(seeds) == 5
 
 
 def test_the_readme_states_the_wider_draws_rule_with_the_package_s_constants():

@@ -622,6 +622,10 @@ EXPLODED_ROUNDING = 2.0
 EXPLOSION_DRAWS = 32
 EXPLOSION_ALPHA = 0.01
 EXPLOSION_OWN_MAX = 6
+#: Matrix entries those draws may hold in all (fewer draws where one holds more: at 2x48x32 the
+#: spectrum probe's 16384 matrices take all 32; four 4096x4096 matrices, 16); the probe's random
+#: bases are float64 QR factorizations on the host, the costly part of a draw at large shapes.
+EXPLOSION_WIDE_ELEMENTS = 2 ** 30
 
 
 def explosion_excess_p(k: int, n: int, j: int, m: int) -> float:

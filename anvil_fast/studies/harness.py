@@ -1564,15 +1564,19 @@ class _Cache:
 
     def eager_wide(self, shape, family, m: DeclaredMath, sigma: float, *, exploded: int, count: int) -> tuple[int, int]:
         """The eager forms' explosions (top singular value past ``sigma`` in any form) on up to
-        :data:`~anvil_fast.core.tolerances.EXPLOSION_DRAWS` more draws of ``family``'s inputs at
+        :data:`~anvil_fast.core.tolerances.EXPLOSION_DRAWS` more draws (within
+        :data:`~anvil_fast.core.tolerances.EXPLOSION_WIDE_ELEMENTS` entries) of ``family``'s inputs at
         ``shape`` (seeds ``seed + WIDE_SEED_STRIDE * d``, d = 1, 2, ...), as (explosions, matrices).
         The draws stop once the test of an implementation that exploded on ``exploded`` of ``count``
         matrices can no longer fall below its level (more draws only lower the p-value through their
         count, which is then at its largest). Nothing of the draws is kept but the counts."""
+        entries = count * shape[-2] * shape[-1]
+        draws = max(1, min(T.EXPLOSION_DRAWS, T.EXPLOSION_WIDE_ELEMENTS // max(entries, 1)))
+
         def make():
             hits = seen = 0
-            most = T.EXPLOSION_DRAWS * count + count  # the eager sample at the end: every draw and the row's own
-            for d in range(1, T.EXPLOSION_DRAWS + 1):
+            most = draws * count + count  # the eager sample at the end: every draw and the row's own
+            for d in range(1, draws + 1):
                 seed = self.seed + WIDE_SEED_STRIDE * d
                 if family == SPECTRUM:
                     n = None if self.spectrum_count is None else max(shape[0], self.spectrum_count)
