@@ -612,7 +612,7 @@ EXPLODED_ROUNDING = 2.0
 #: maps in eager bf16 explodes on about 1 in 100,000 of the spectrum probe's matrices at 2x48x32, the
 #: Gram side's kernels as often (CPU, 100 draws of 16,384 each: 15 and 23 matrices, one-sided p 0.13;
 #: results/cpu_gram_side_tail/). On one draw an implementation and its eager runs then explode on
-#: different draws' matrices by chance. So an implementation that explodes on ``k`` matrices of ``n``
+#: different matrices of it by chance. So an implementation that explodes on ``k`` matrices of ``n``
 #: where its eager runs explode on none of the same is compared with its eager runs on more of the
 #: probe: up to EXPLOSION_DRAWS more draws of ``n`` matrices each (other seeds), and FAILs unless its
 #: eager runs explode there too and the one-sided exact test that it explodes more often than they do
