@@ -639,15 +639,6 @@ def explosion_excess_p(k: int, n: int, j: int, m: int) -> float:
     return min(1.0, sum(math.comb(t, i) * q ** i * (1 - q) ** (t - i) for i in range(k, t + 1)))
 
 
-def explosion_shared(row) -> bool:
-    """Whether ``row``'s explosions are its math's own in bf16 by the test above (its eager runs'
-    explosions on the wider draws recorded: ``eager_wide_exploded`` of ``eager_wide_count``)."""
-    j, m = getattr(row, "eager_wide_exploded", None), getattr(row, "eager_wide_count", 0)
-    if not j or not m:
-        return False
-    return explosion_excess_p(row.exploded, row.count, j, m + row.count) >= EXPLOSION_ALPHA
-
-
 def lifted_exact(row) -> bool:
     """Whether ``row``'s lifted run reached its arithmetic and found the declared math: within
     LIFT_RTOL at both scales, a matrix polynomial of its input, casting to no half dtype but the declared one."""
@@ -740,13 +731,14 @@ def orthogonalizer_clauses(row) -> dict[str, list[str]]:
         exact = lifted_clean or bool(getattr(row, "math_exact", None))
         near = EXPLODED_ROUNDING * max(row.sigma_x - 1, (row.eager_top_sv - 1) if row.eager_top_sv == row.eager_top_sv
                                        else 0.0)
+        # the eager forms' explosions on the wider draws (the row's own draw counted in their sample)
         j, m = getattr(row, "eager_wide_exploded", None), getattr(row, "eager_wide_count", 0)
-        wide = (f"; on {m} more matrices of the probe its eager bf16 runs explode on {j} (one-sided p "
-                f"{explosion_excess_p(row.exploded, row.count, j, m + row.count):.2g} that it explodes more often, "
-                f"limit >= {EXPLOSION_ALPHA:g})") if j is not None and m else ""
+        p = explosion_excess_p(row.exploded, row.count, j, m + row.count) if j is not None and m else None
+        wide = (f"; on {m} more matrices of the probe its eager bf16 runs explode on {j} (one-sided p {p:.2g} that "
+                f"it explodes more often, limit >= {EXPLOSION_ALPHA:g})") if p is not None else ""
         if row.eager_exploded:
             out["findings"].append(f"the math explodes in bf16: {what} (its eager bf16 runs: {row.eager_top_sv:.3g})")
-        elif explosion_shared(row):
+        elif j and p >= EXPLOSION_ALPHA:
             out["findings"].append(f"the math explodes in bf16: {what}, where its eager bf16 runs stay at "
                                    f"{row.eager_top_sv:.3g} on the same matrices{wide}")
         elif exact and row.top_sv - 1 <= near:

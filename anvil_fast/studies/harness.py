@@ -1470,6 +1470,12 @@ def _device_bytes(v, device: torch.device, seen: set | None = None) -> int:
     return 0
 
 
+def _chunk(x: Tensor, shape, family: str) -> int:
+    """The batch an implementation and its eager forms are called in on ``x`` (the spectrum probe's
+    matrices in chunks of :func:`spectrum_chunk`, any other family's one batch of the shape's)."""
+    return min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
+
+
 class _Cache:
     """Per (shape, family): the input, its polar factor and singular values; per declared math: the
     float64 result, the eager bf16 results and the bound; the spectrum probe. Shared by every
@@ -1559,7 +1565,7 @@ class _Cache:
     def eager(self, shape, family, m: DeclaredMath, form: str = "fused"):
         # in the batches the implementation is called in (judge_one), which the INDUCTOR_FORM mirrors
         x = self.x(shape, family, m)
-        chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
+        chunk = _chunk(x, shape, family)
         return self.get(("eager", shape, family, m, form), lambda: eager_declared(x, m, form, chunk=chunk))
 
     def eager_wide(self, shape, family, m: DeclaredMath, sigma: float, *, exploded: int, count: int) -> tuple[int, int]:
@@ -1583,7 +1589,7 @@ class _Cache:
                     x = spectrum_input(shape, m, seed=seed, device=self.device, count=n).x
                 else:
                     x = _input(family, shape, seed=seed, count=self.count, device=self.device)
-                chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
+                chunk = _chunk(x, shape, family)
                 tops = torch.stack([_top(eager_declared(x, m, f, chunk=chunk), shape, family)
                                     for f in m.forms(self.device)])
                 hits += int((tops > sigma).any(dim=0).sum())
@@ -1683,7 +1689,7 @@ def judge_one(impl: Implementation, shape, family: str, cache: _Cache, *, time_r
     m = impl.math
     x = cache.x(shape, family, m)
     dev = cache.device.type
-    chunk = min(spectrum_chunk(shape), int(x.shape[0])) if family == SPECTRUM else shape[0]
+    chunk = _chunk(x, shape, family)
     row = Row(impl.name, shape, family, count=int(x.shape[0]), declared=m is not None,
               well_conditioned=family in WELL_CONDITIONED, device=dev, device_name=device_name(cache.device))
     if m is not None:
