@@ -155,15 +155,15 @@ def extra_tables() -> dict[str, Callable[[], str]]:
 
 def build() -> dict[Path, str]:
     """Every output file and its content."""
-    from papers import multigpu, training
+    from papers import lr_final, multigpu, training
 
     from papers import data_tables, frontier, orthogonalizers, references
 
     template = TEMPLATE.read_text()
     vals = {**VALUE_PRODUCERS(), **training.values(), **multigpu.values(), **frontier.values(), **orthogonalizers.values(),
-            **data_tables.values()}
+            **data_tables.values(), **lr_final.values()}
     tables = {**TABLES, **extra_tables(), **training.tables(), **multigpu.tables(), "frontier": frontier.table,
-              **orthogonalizers.tables()}
+              **orthogonalizers.tables(), **lr_final.tables()}
     figures = {**FIGURE_PRODUCERS, **training.figures(), "frontier": frontier.figure}
     outputs: dict[Path, str] = {}
     entries = references.load()
