@@ -28,6 +28,8 @@ SELECT_SEEDS = (0, 1, 2)
 #: the run fields that must equal the chosen rate's run of the same contender (and seed: data order)
 SETUP = ("size", "steps", "batch", "ctx", "clip", "warmup_steps", "eval_every", "val_windows", "lr_schedule")
 PEERS = ("muon", "dion", "normuon", "adamw")
+#: the fewest seeds outside SELECT_SEEDS a held-out comparison is made on (a t interval needs 2)
+MIN_HELD_OUT = 2
 
 
 def load(folder: Path = FOLDER) -> list[dict]:
@@ -89,9 +91,13 @@ def _factor(k: int) -> str:
     return f"x{2 ** k:g}" if k >= 0 else f"x1/{2 ** -k:g}"
 
 
-def _paired(a: dict[int, dict], b: dict[int, dict]) -> dict:
-    seeds = sorted(set(a) & set(b))
-    return S.paired([T._final(a[s]) for s in seeds], [T._final(b[s]) for s in seeds])
+def _paired(a: dict[int, dict], b: dict[int, dict], *, held_out: bool = False) -> dict:
+    """``a`` minus ``b`` paired over the seeds both have (``held_out``: only those outside
+    :data:`SELECT_SEEDS`, which the pick of the best rate did not see), with ``seeds``."""
+    seeds = sorted(s for s in set(a) & set(b) if not held_out or s not in SELECT_SEEDS)
+    if not seeds:
+        return {"n": 0, "seeds": [], "mean": math.nan, "sd": math.nan, "lo": math.nan, "hi": math.nan}
+    return {**S.paired([T._final(a[s]) for s in seeds], [T._final(b[s]) for s in seeds]), "seeds": seeds}
 
 
 def _origins(g: dict[str, dict[int, dict[int, dict]]]) -> str:
@@ -131,11 +137,14 @@ def table_grid(proto_runs: list[dict], runs: list[dict]) -> str:
 
 def at_best(proto_runs: list[dict], runs: list[dict], ref: str = "anvil") -> dict:
     """Each contender at its best rate (every seed run there) and ``ref`` minus each peer, paired over
-    the seeds both have, p and Holm p over the peers."""
+    the seeds both have (``tests``) and over those of them the pick did not use (``held``: the peers
+    with at least :data:`MIN_HELD_OUT` such seeds), each with p and Holm p over its peers."""
     g = grid(proto_runs, runs)
     cells = {n: (best(row), row[best(row)]) for n, row in g.items()}
-    items = [(n, _paired(cells[ref][1], cells[n][1])) for n in PEERS if n in cells and ref in cells]
-    return {"ref": ref, "cells": cells, "tests": T._family_tests(items)}
+    peers = [n for n in PEERS if n in cells and ref in cells]
+    held = [(n, pd) for n in peers if (pd := _paired(cells[ref][1], cells[n][1], held_out=True))["n"] >= MIN_HELD_OUT]
+    return {"ref": ref, "cells": cells, "tests": T._family_tests([(n, _paired(cells[ref][1], cells[n][1])) for n in peers]),
+            "held": T._family_tests(held)}
 
 
 def table_best(proto_runs: list[dict], runs: list[dict]) -> str:
@@ -144,17 +153,22 @@ def table_best(proto_runs: list[dict], runs: list[dict]) -> str:
     c = at_best(proto_runs, runs)
     ref, rows = c["ref"], []
     for n, (k, cell) in c["cells"].items():
-        t = c["tests"].get(n)
+        t, h = c["tests"].get(n), c["held"].get(n)
         lr = next(iter(cell.values()))["hparams"]["lr"]
         rows.append([n, f"{lr:g} ({_factor(k)})", ", ".join(map(str, sorted(cell))),
                      S.fmt_spread([T._final(cell[s]) for s in sorted(cell)]),
                      "-" if t is None else S.fmt_interval(t), "-" if t is None else S.fmt_p(t["p"]),
-                     "-" if t is None else S.fmt_p(t["holm"])])
+                     "-" if t is None else S.fmt_p(t["holm"]),
+                     "-" if h is None else ", ".join(map(str, h["seeds"])),
+                     "-" if h is None else S.fmt_interval(h), "-" if h is None else S.fmt_p(h["holm"])])
+    sel = ", ".join(map(str, SELECT_SEEDS))
     return (md_table(["contender", "lr (factor)", "seeds", "final val loss", f"{ref} - contender",
-                      "p", "Holm p"], rows)
+                      "p", "Holm p", f"seeds not in {sel}", f"{ref} - contender there", "Holm p there"], rows)
             + f"\n\nEach contender at the rate the table above marks best; final validation loss mean ± sample std "
             f"[min, max] over its seeds; {ref} minus the contender paired over the seeds both have, mean "
-            f"[{T.LEVEL_TXT} t interval], two-sided paired t test, Holm over the {len(c['tests'])} peers.")
+            f"[{T.LEVEL_TXT} t interval], two-sided paired t test, Holm over the {len(c['tests'])} peers. The last "
+            f"three columns: the same over the seeds the pick of the best rates did not use (at least {MIN_HELD_OUT}; "
+            f"Holm over the {len(c['held'])} peers that have them).")
 
 
 def headline(proto_runs: list[dict], runs: list[dict]) -> str:
@@ -176,20 +190,23 @@ def headline(proto_runs: list[dict], runs: list[dict]) -> str:
                f"{', ' if i < len(moved) - 1 else ' and '}{m}" for i, m in enumerate(moved[1:], 1)) if moved else "")
            + ". ")
     t = c["tests"]
-    lower = [n for n in t if T._side(t[n]) < 0]
-    higher = [n for n in t if T._side(t[n]) > 0]
-    same = [n for n in t if T._side(t[n]) == 0]
+    out += "At those rates ANVIL's final validation loss is " + _verdicts(t) + "."
+    if c["held"]:
+        out += (f" On the seeds the pick did not use ({', '.join(map(str, sorted({s for h in c['held'].values() for s in h['seeds']})))}), "
+                f"it is {_verdicts(c['held'])}.")
+    return out
 
+
+def _verdicts(t: dict[str, dict]) -> str:
+    """``lower than X (...); not distinguishable from Y (...)``: a side stated only where Holm p < CLAIM_P."""
     def det(n: str) -> str:
         return f"{S.fmt_interval(t[n])}, Holm p {S.fmt_p(t[n]['holm'])}, {t[n]['n']} seeds"
     parts = []
-    if lower:
-        parts.append(f"lower than {T._names(lower, det, possessive=True)}")
-    if higher:
-        parts.append(f"higher than {T._names(higher, det, possessive=True)}")
-    if same:
-        parts.append(f"not distinguishable from {T._names(same, det, possessive=True)}")
-    return out + "At those rates ANVIL's final validation loss is " + "; ".join(parts) + "."
+    for side, words in ((-1, "lower than"), (1, "higher than"), (0, "not distinguishable from")):
+        ns = [n for n in t if T._side(t[n]) == side]
+        if ns:
+            parts.append(f"{words} {T._names(ns, det, possessive=True)}")
+    return "; ".join(parts)
 
 
 def values() -> dict[str, str]:

@@ -104,3 +104,21 @@ def test_the_headline_states_a_difference_only_past_holm(stored):
 def test_the_tables_say_so_without_runs(stored):
     proto, _ = stored
     assert "no run" in L.table_grid(proto, []) and "no run" in L.table_best(proto, [])
+
+
+def test_the_held_out_comparison_leaves_out_the_selection_seeds():
+    a = _row({0: [0.70, 0.71, 0.72, 0.73, 0.74]})[0]
+    b = _row({0: [0.90, 0.91, 0.92, 0.70, 0.70]})[0]
+    pd = L._paired(a, b, held_out=True)
+    assert pd["seeds"] == [s for s in range(5) if s not in L.SELECT_SEEDS]
+    assert pd["mean"] == pytest.approx((0.73 + 0.74) / 2 - 0.70)
+    assert L._paired(a, b)["n"] == 5
+    assert L._paired(_row({0: [0.7] * 3})[0], b, held_out=True)["n"] == 0
+
+
+def test_a_peer_without_held_out_seeds_has_no_held_out_test(stored):
+    proto, runs = stored
+    c = L.at_best(proto, runs)
+    for n, (_, cell) in c["cells"].items():
+        held = [s for s in cell if s not in L.SELECT_SEEDS and s in c["cells"]["anvil"][1]]
+        assert (n in c["held"]) == (n != "anvil" and len(held) >= L.MIN_HELD_OUT)

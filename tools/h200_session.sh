@@ -56,6 +56,9 @@
 #           (copy it to papers/data/ and rebuild the paper)
 #   kprofile  tools/kernel_profile.py for NODES_SIZES (default small medium): one graphed step's kernels by time
 #           and its timeline by stream (gzipped Chrome traces under $OUT/kprofile/)
+#   lrfinal  the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr ...", each a
+#           papers.train process at the protocol's chosen values but lr, 4000 steps, seeds LR_SEEDS (default 0 1 2),
+#           all at once (T_LR seconds), into $OUT/lr_final/ (copy to results/train_lr_final/)
 #   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
 #           beyond the model, its gradients and a first forward by where they were made, then the same without that forward
 #           (RESIDENT_SIZE: another size; RESIDENT_WHO: other contenders; RESIDENT_FLAGS=--held: the held memory by pool)
@@ -318,6 +321,18 @@ for stage in ${STAGES:-suite bench}; do
                --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}${PEERS_REPEATS:+ (run $i of $n)}" \
                ${PEERS_ARGS:-} 2>&1 | tee "$dest/bench_peers.log" | grep -E "^  |stopped|error"
            done ;;
+    lrfinal) # the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr ..." each one
+           # process of papers.train at the protocol's chosen values but lr, 4000 steps, seeds LR_SEEDS (0 1 2), all at
+           # once; into $OUT/lr_final/<name>-<lr><LR_TAG>/ (copy them to results/train_lr_final/)
+           for s in ${LR_SETTINGS:?lrfinal needs LR_SETTINGS}; do
+             n=${s%=*} v=${s#*=}
+             ANVIL_COMMIT="${ANVIL_COMMIT:-unknown (ANVIL_COMMIT not given)}" timeout "${T_LR:-500}" python3 -m papers.train \
+               --contenders "$n" --tuned-from results/train/protocol --lr "$n=$v" --steps 4000 --seeds ${LR_SEEDS:-0 1 2} \
+               --jobs "$(echo ${LR_SEEDS:-0 1 2} | wc -w)" --timing-steps 0 --out "$OUT/lr_final/$n-$v${LR_TAG:-}" \
+               --time-budget-s $(( ${T_LR:-500} - 15 )) > "$OUT/lr_final_$n-$v${LR_TAG:-}.log" 2>&1 &
+           done
+           wait
+           grep -h "val loss" "$OUT"/lr_final_*.log | sed 's/ -> .*//' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
