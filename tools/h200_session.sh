@@ -59,6 +59,8 @@
 #   lrfinal  the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr ...", each a
 #           papers.train process at the protocol's chosen values but lr, 4000 steps, seeds LR_SEEDS (default 0 1 2),
 #           all at once (T_LR seconds), into $OUT/lr_final/ (copy to results/train_lr_final/)
+#   tail    python -m anvil_fast.studies.tail: how many outputs of the Gram side, its eager form and SAFE pass
+#           EXPLODED_SIGMA on near-low-rank inputs at the bank shapes (TAIL_SECONDS per shape, TAIL_ARGS), into $OUT/tail.json
 #   resident  tools/resident_diff.py on the small GPT (ANVIL, torch's Muon, AdamW): the allocations each holds
 #           beyond the model, its gradients and a first forward by where they were made, then the same without that forward
 #           (RESIDENT_SIZE: another size; RESIDENT_WHO: other contenders; RESIDENT_FLAGS=--held: the held memory by pool)
@@ -333,6 +335,9 @@ for stage in ${STAGES:-suite bench}; do
            done
            wait
            grep -h "val loss" "$OUT"/lr_final_*.log | sed 's/ -> .*//' ;;
+    tail)  # the explosion tail at the bank shapes: every form on the same near-low-rank inputs, TAIL_SECONDS per shape
+           timeout "${T_TAIL:-500}" python3 -m anvil_fast.studies.tail --seconds "${TAIL_SECONDS:-100}" ${TAIL_ARGS:-} \
+             --json "$OUT/tail.json" 2>&1 | tee "$OUT/tail.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
