@@ -4,10 +4,11 @@ A contender builds its optimizer(s) for a model from its hyper-parameters; the h
 same learning-rate shape (linear warm-up, then linear decay to zero) to every optimizer it returns
 through ``torch.optim.lr_scheduler.LambdaLR``, so every group's learning rate is its own rate
 times the schedule, and clips the global gradient norm by the same rule for every contender
-(``--clip``). Every contender has two learning rates, the ones the tuning protocol sweeps
-(papers/protocol.py): ``lr``, the hidden matrices' (the 2-D weights inside ``model.blocks``), and
-``adam_lr``, the Adam side's (embeddings, output head, LayerNorm gains and biases). Everything
-else is each contender's documented configuration, never swept:
+(``--clip``). Every contender has two learning rates and a weight decay, the values the tuning
+protocol sweeps (papers/protocol.py): ``lr``, the hidden matrices' (the 2-D weights inside
+``model.blocks``), ``adam_lr``, the Adam side's (embeddings, output head, LayerNorm gains and biases),
+and the hidden matrices' ``weight_decay``. Everything else is each contender's documented
+configuration, never swept:
 
 =================  =================================================================================
 name               optimizer

@@ -18,8 +18,8 @@ Three kinds of command:
 * runs at given learning rates (the default): ``--contenders`` x ``--seeds``, each contender at its
   default rates (papers/contenders.py), at ``--lr NAME=VALUE`` / ``--adam-lr NAME=VALUE``, or at
   the rates a tuning protocol chose (``--tuned-from DIR``: the sweep JSONs there);
-* ``--protocol``: the tuning protocol of papers/protocol.py (two learning rates swept alike for
-  every contender, then the horizon runs at the chosen values); ``--estimate`` prints its runs and
+* ``--protocol``: the tuning protocol of papers/protocol.py (two learning rates and the weight decay
+  swept alike for every contender, then the horizon runs at the chosen values); ``--estimate`` prints its runs and
   their estimated GPU time instead of running them;
 * ``--timing-only``: each contender's time per step and optimizer share on a lone device (no
   training): ``--timing-warmup`` untimed and ``--timing-steps`` timed steps, synchronized around
