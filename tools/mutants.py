@@ -365,6 +365,25 @@ MUTANTS: list[Mutant] = [
     M("robust: the verdict checks the maximum only", "derive_maps/robust.py",
       "if e_env is not None and e_env.f_min_certified < lo_limit:", "if False:",
       "tests/test_robust.py::test_the_low_end_is_certified_and_refused_when_it_collapses"),
+    # ---- the explosion tail's certified screen
+    M("tail: the upper bound's root taken once too few", "anvil_fast/studies/tail.py",
+      "upper = torch.exp(log_scale / (2 * p))", "upper = torch.exp(log_scale / p)",
+      "tests/test_tail.py::test_the_bounds_hold_the_exact_top_singular_value"),
+    M("tail: the undecided band counted as below the limit", "anvil_fast/studies/tail.py",
+      "    if exact:\n", "    if False:\n",
+      "tests/test_tail.py::test_count_past_equals_the_exact_count_including_the_undecided_band"),
+    # ---- the final horizon's rate check
+    M("lr_final: the best rate picked on any seeds a cell has", "papers/lr_final.py",
+      "    if not all(s in cell for s in SELECT_SEEDS):\n        return None\n"
+      "    return sum(T._final(cell[s]) for s in SELECT_SEEDS) / len(SELECT_SEEDS)",
+      "    return sum(T._final(r) for r in cell.values()) / len(cell)",
+      "tests/test_lr_final.py::test_best_is_the_lowest_mean_over_the_selection_seeds"),
+    M("lr_final: the held-out comparison keeps the selection seeds", "papers/lr_final.py",
+      "if not held_out or s not in SELECT_SEEDS", "if True",
+      "tests/test_lr_final.py::test_the_held_out_comparison_leaves_out_the_selection_seeds"),
+    M("lr_final: the data order not compared", "papers/lr_final.py",
+      "r.get(\"batches_sha256\") != ref.get(\"batches_sha256\")", "False",
+      "tests/test_lr_final.py::test_a_run_of_another_setup_is_refused_by_name"),
 ]
 
 
