@@ -35,20 +35,13 @@ import torch
 from torch import Tensor
 
 from anvil_fast.core.tolerances import EXPLODED_SIGMA
+from anvil_fast.studies.harness import _grams as _gram  # the smaller Gram in float64, zero where not finite
 
 #: Squarings of the Gram in :func:`top_singular_bounds` (p = 256: the bounds' ratio is n^(1/512),
 #: 1.3% at n = 768).
 SQUARINGS = 8
 SHAPES = ((1536, 384), (384, 1536), (1152, 384), (3072, 768))
 FORMS = ("fast", "eager", "safe")
-
-
-def _gram(y: Tensor) -> tuple[Tensor, Tensor]:
-    """The smaller Gram of each matrix in float64 (zero where y is not finite) and the finite mask."""
-    yd = y.detach().double().reshape(-1, *y.shape[-2:])
-    finite = torch.isfinite(yd).flatten(1).all(dim=1)
-    yd = torch.where(finite[:, None, None], yd, torch.zeros((), dtype=yd.dtype, device=yd.device))
-    return (yd.mT @ yd if yd.shape[-2] >= yd.shape[-1] else yd @ yd.mT), finite
 
 
 def top_singular_bounds(y: Tensor, *, squarings: int = SQUARINGS) -> tuple[Tensor, Tensor]:
