@@ -5,7 +5,8 @@ The runs are ``python -m papers.train --tuned-from results/train/protocol --lr N
 protocol's final horizon and seeds (results/train_lr_final/, any depth; outside results/train so
 that the training section's fixed-rate tables never mix them in): every value the protocol chose
 except ``lr``, which moves by a power of 2. The chosen rate's own column is the protocol's horizon
-runs. A neighbour run whose setup (steps, batch, clipping, warm-up, evaluation, corpus, data order,
+runs, with any other seed run here at the chosen rate (the held-out seeds of a contender whose best rate
+is its chosen one). A neighbour run whose setup (steps, batch, clipping, warm-up, evaluation, corpus, data order,
 other hyperparameters) differs from those runs is refused with the difference named.
 
 The best rate is picked on :data:`SELECT_SEEDS`; the comparison at each contender's best rate pairs
@@ -62,14 +63,17 @@ def grid(proto_runs: list[dict], runs: list[dict]) -> dict[str, dict[int, dict[i
         if diff:
             raise ValueError(f"{where}: differs from the protocol's horizon run in {', '.join(diff)}")
         k = math.log2(r["hparams"]["lr"] / chosen[n][0])
-        if abs(k - round(k)) > 1e-6 or round(k) == 0:
-            raise ValueError(f"{where}: lr is not the chosen {chosen[n][0]:g} times a power of 2 other than 1")
+        if abs(k - round(k)) > 1e-6:
+            raise ValueError(f"{where}: lr is not the chosen {chosen[n][0]:g} times a power of 2")
+        if round(k) == 0 and r["seed"] in {b["seed"] for b in base[n]}:
+            raise ValueError(f"{where}: the protocol's horizon runs hold this seed at the chosen rate")
         cell = out.setdefault(n, {}).setdefault(round(k), {})
         if r["seed"] in cell:
             raise ValueError(f"{where}: two runs of the same seed")
         cell[r["seed"]] = r
     for n in out:
-        out[n][0] = {b["seed"]: b for b in base[n]}
+        # the chosen rate's column: the protocol's horizon runs, and any seed of it run here beside them
+        out[n][0] = {**{b["seed"]: b for b in base[n]}, **out[n].get(0, {})}
     return {n: dict(sorted(out[n].items())) for n in sorted(out, key=T._key)}
 
 

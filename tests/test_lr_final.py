@@ -45,6 +45,19 @@ def test_a_rate_off_the_factor_2_grid_is_refused(stored):
         L.grid(proto, runs)
 
 
+def test_the_chosen_rate_takes_new_seeds_only(stored):
+    proto, runs = stored
+    runs = copy.deepcopy(runs)
+    r = _one(runs, "anvil", 0)
+    r["hparams"]["lr"] = L.grid(proto, runs)["anvil"][0][0]["hparams"]["lr"]
+    with pytest.raises(ValueError, match="horizon runs hold this seed"):
+        L.grid(proto, runs)
+    # a seed the protocol did not run joins the chosen rate's column (its data order is its own)
+    r["seed"] = r["data_seed"] = 9
+    g = L.grid(proto, runs)
+    assert g["anvil"][0][9] is r and 0 in g["anvil"][0]
+
+
 def test_a_repeated_seed_is_refused(stored):
     proto, runs = stored
     with pytest.raises(ValueError, match="two runs of the same seed"):
