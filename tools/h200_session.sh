@@ -56,7 +56,7 @@
 #           (copy it to papers/data/ and rebuild the paper)
 #   kprofile  tools/kernel_profile.py for NODES_SIZES (default small medium): one graphed step's kernels by time
 #           and its timeline by stream (gzipped Chrome traces under $OUT/kprofile/)
-#   lrfinal  the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr ...", each a
+#   lrfinal  the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr[@seed,seed] ...", each a
 #           papers.train process at the protocol's chosen values but lr, 4000 steps, seeds LR_SEEDS (default 0 1 2),
 #           all at once (T_LR seconds), into $OUT/lr_final/ (copy to results/train_lr_final/)
 #   tail    python -m anvil_fast.studies.tail: how many outputs of the Gram side, its eager form and SAFE pass
@@ -326,11 +326,14 @@ for stage in ${STAGES:-suite bench}; do
     lrfinal) # the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr ..." each one
            # process of papers.train at the protocol's chosen values but lr, 4000 steps, seeds LR_SEEDS (0 1 2), all at
            # once; into $OUT/lr_final/<name>-<lr><LR_TAG>/ (copy them to results/train_lr_final/)
+           # (a setting may name its own seeds: name=lr@5,6,7)
            for s in ${LR_SETTINGS:?lrfinal needs LR_SETTINGS}; do
-             n=${s%=*} v=${s#*=}
+             spec=${s%@*} seeds=${LR_SEEDS:-0 1 2}
+             [ "$spec" != "$s" ] && seeds=$(echo "${s#*@}" | tr , ' ')
+             n=${spec%=*} v=${spec#*=}
              ANVIL_COMMIT="${ANVIL_COMMIT:-unknown (ANVIL_COMMIT not given)}" timeout "${T_LR:-500}" python3 -m papers.train \
-               --contenders "$n" --tuned-from results/train/protocol --lr "$n=$v" --steps 4000 --seeds ${LR_SEEDS:-0 1 2} \
-               --jobs "$(echo ${LR_SEEDS:-0 1 2} | wc -w)" --timing-steps 0 --out "$OUT/lr_final/$n-$v${LR_TAG:-}" \
+               --contenders "$n" --tuned-from results/train/protocol --lr "$n=$v" --steps 4000 --seeds $seeds \
+               --jobs "$(echo $seeds | wc -w)" --timing-steps 0 --out "$OUT/lr_final/$n-$v${LR_TAG:-}" \
                --time-budget-s $(( ${T_LR:-500} - 15 )) > "$OUT/lr_final_$n-$v${LR_TAG:-}.log" 2>&1 &
            done
            wait
