@@ -278,6 +278,7 @@ def test_kernel_profile_refuses_without_cuda_and_reads_one_step_of_a_trace(monke
 PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "derive", "compare", "regenerate")] + [
     ("derive_maps.frontier", []), ("derive_maps.stage_errors", []),
     ("anvil_fast.studies.difftest", []), ("anvil_fast.studies.near_rank1", []), ("anvil_fast.studies.gram_side_study", []),
+    ("anvil_fast.studies.tail", []),
     ("anvil_fast.studies.scaling", ["cpu"]), ("anvil_fast.studies.scaling", ["gpu"]), ("anvil_fast.studies.train_step", []),
     ("anvil_fast.studies.cost_model", ["measure"]), ("anvil_fast.studies.cost_model", ["predict"]),
 ] + [("anvil_fast.bench", [c]) for c in ("bank", "optimizer", "dropin", "peers", "fsdp")]

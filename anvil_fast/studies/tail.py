@@ -14,7 +14,7 @@ limit; where the lower bound is above it, past; only matrices between the two (a
 a band 1.3% wide under U) get :func:`torch.linalg.eigvalsh` (:func:`count_past`). The bounds hold up to
 float64 rounding of the products (relative ~1e-16 per product; ``s`` products).
 
-    python -m anvil_fast.studies.tail --seconds 60 [--shapes 1536x384,3072x768] [--forms fast,eager,safe]
+    python -m anvil_fast.studies.tail --seconds 60 [--shapes 1536x384,3072x768] [--forms fast,eager,safe] [--no-progress]
 
 Inputs (:func:`near_low_rank`): rank 1 to 4 with singular values down to 2^-8 of the first, plus (7 in
 10 of them) Gaussian noise 2^-20 to 2^-6 of the RMS, the whole scaled by 2^-4 to 2^4: the inputs on
@@ -33,6 +33,9 @@ import time
 
 import torch
 from torch import Tensor
+
+from anvil_ref.cli_args import add_progress_flags
+from anvil_ref.progress import Progress
 
 from anvil_fast.core.tolerances import EXPLODED_SIGMA
 from anvil_fast.studies.harness import _grams as _gram  # the smaller Gram in float64, zero where not finite
@@ -116,11 +119,19 @@ def forms(device) -> dict:
             "safe": lambda x: fast_cascade(x, maps="anvil", config=CONFIGS["safe"])}
 
 
-def run(shapes, names, *, seconds: float, batch: int | None, seed: int, device, squarings: int = SQUARINGS) -> list[dict]:
-    """Each shape for ``seconds`` of fresh batches, every form on the same inputs: one row per (shape, form)."""
+def run(shapes, names, *, seconds: float, batch: int | None, seed: int, device, squarings: int = SQUARINGS,
+        progress: bool | None = None) -> list[dict]:
+    """Each shape for ``seconds`` of fresh batches, every form on the same inputs: one row per (shape, form).
+    ``progress``: as anvil_ref.progress.Progress's ``enabled``."""
+    with Progress(len(shapes), "tail", enabled=progress) as bar:
+        return _run(shapes, names, seconds=seconds, batch=batch, seed=seed, device=device, squarings=squarings,
+                    bar=bar)
+
+
+def _run(shapes, names, *, seconds, batch, seed, device, squarings, bar) -> list[dict]:
     fns = forms(device)
     rows = []
-    for m, n in shapes:
+    for i, (m, n) in enumerate(shapes):
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         b = batch or max(1, min(256, 2 ** 26 // (m * n)))
@@ -129,6 +140,8 @@ def run(shapes, names, *, seconds: float, batch: int | None, seed: int, device, 
         while count == 0 or time.perf_counter() - t0 < seconds:
             x = near_low_rank(b, m, n, generator=gen, device=device)
             count += b
+            bar.update(i + min(1.0, (time.perf_counter() - t0) / seconds if seconds > 0 else 1.0),
+                       label=f"{m}x{n}", detail=f"{count:,} matrices")
             for f in names:
                 c = count_past(fns[f](x), squarings=squarings)
                 a = acc[f]
@@ -167,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--squarings", type=int, default=SQUARINGS)
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--json", default=None, help="write the rows here")
+    add_progress_flags(ap)
     a = ap.parse_args(argv)
     try:
         shapes = [_shape(s) for s in a.shapes.split(",")]
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.squarings < 0 or a.seconds < 0 or (a.batch is not None and a.batch < 1):
         ap.error("--squarings and --seconds must be >= 0, --batch >= 1")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = run(shapes, names, seconds=a.seconds, batch=a.batch, seed=a.seed, device=device, squarings=a.squarings)
+    rows = run(shapes, names, seconds=a.seconds, batch=a.batch, seed=a.seed, device=device, squarings=a.squarings,
+               progress=a.progress)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"command": "python -m anvil_fast.studies.tail " + " ".join(argv if argv is not None else sys.argv[1:]),
