@@ -6,7 +6,8 @@ protocol's final horizon and seeds (results/train_lr_final/, any depth; outside 
 that the training section's fixed-rate tables never mix them in): every value the protocol chose
 except ``lr``, which moves by a power of 2. The chosen rate's own column is the protocol's horizon
 runs, with any other seed run here at the chosen rate (the held-out seeds of a contender whose best rate
-is its chosen one). A neighbour run whose setup (steps, batch, clipping, warm-up, evaluation, corpus, data order,
+is its chosen one); where the chosen rate was rerun here on every seed of :data:`SELECT_SEEDS` (beside the
+neighbours, on their device), that rerun is the column. A neighbour run whose setup (steps, batch, clipping, warm-up, evaluation, corpus, data order,
 other hyperparameters) differs from those runs is refused with the difference named.
 
 The best rate is picked on :data:`SELECT_SEEDS`; the comparison at each contender's best rate pairs
@@ -65,16 +66,28 @@ def grid(proto_runs: list[dict], runs: list[dict]) -> dict[str, dict[int, dict[i
         k = math.log2(r["hparams"]["lr"] / chosen[n][0])
         if abs(k - round(k)) > 1e-6:
             raise ValueError(f"{where}: lr is not the chosen {chosen[n][0]:g} times a power of 2")
-        if round(k) == 0 and r["seed"] in {b["seed"] for b in base[n]}:
-            raise ValueError(f"{where}: the protocol's horizon runs hold this seed at the chosen rate")
         cell = out.setdefault(n, {}).setdefault(round(k), {})
         if r["seed"] in cell:
             raise ValueError(f"{where}: two runs of the same seed")
         cell[r["seed"]] = r
     for n in out:
-        # the chosen rate's column: the protocol's horizon runs, and any seed of it run here beside them
-        out[n][0] = {**{b["seed"]: b for b in base[n]}, **out[n].get(0, {})}
+        out[n][0] = _chosen_column(n, out[n].get(0, {}), {b["seed"]: b for b in base[n]})
     return {n: dict(sorted(out[n].items())) for n in sorted(out, key=T._key)}
+
+
+def _chosen_column(n: str, own: dict[int, dict], protocol: dict[int, dict]) -> dict[int, dict]:
+    """The chosen rate's column. Runs made here at the chosen rate on every selection seed are the whole
+    column (a rerun beside the neighbours, on their device and commit); otherwise the protocol's horizon
+    runs, with any other seed run here added (held-out seeds). A partial rerun of the protocol's seeds
+    would mix the two: ValueError."""
+    if all(s in own for s in SELECT_SEEDS):
+        return own
+    overlap = sorted(set(own) & set(protocol))
+    if overlap:
+        raise ValueError(f"results/train_lr_final: {n} at its chosen rate reruns the protocol's seeds {overlap} but "
+                         f"not all of {list(SELECT_SEEDS)}: rerun every selection seed (the column is then the "
+                         "rerun's) or only seeds the protocol did not run")
+    return {**protocol, **own}
 
 
 def _select_mean(cell: dict[int, dict]) -> float | None:
@@ -107,8 +120,24 @@ def _paired(a: dict[int, dict], b: dict[int, dict], *, held_out: bool = False) -
 def _origins(g: dict[str, dict[int, dict[int, dict]]]) -> str:
     def of(cells) -> str:
         return ", ".join(sorted({_origin(r) for c in cells for r in c.values()}))
-    return (f"the chosen rate (x1): the protocol's horizon runs ({of(row[0] for row in g.values())}); "
+    return (f"the chosen rate (x1): {of(row[0] for row in g.values())}; "
             f"the other rates: {of(c for row in g.values() for k, c in row.items() if k)}")
+
+
+def devices_text(proto_runs: list[dict], runs: list[dict]) -> str:
+    """Whether the grid's chosen-rate column and its other columns ran on the same device(s)."""
+    if not runs:
+        return "no run was made"
+    g = grid(proto_runs, runs)
+
+    def devices(chosen: bool) -> set[str]:
+        return {r["environment"]["device"] for row in g.values() for k, c in row.items() if (k == 0) == chosen
+                for r in c.values()}
+    a, b = devices(True), devices(False)
+    if a == b and len(a) == 1:
+        return f"every run of the grid ran on one device ({next(iter(a))})"
+    return (f"the chosen rate's runs ran on {', '.join(sorted(a))} and the other rates' on {', '.join(sorted(b))} "
+            "(the caption names the commits too); the device's part is not controlled")
 
 
 def table_grid(proto_runs: list[dict], runs: list[dict]) -> str:
@@ -215,7 +244,8 @@ def _verdicts(t: dict[str, dict]) -> str:
 
 def values() -> dict[str, str]:
     return {"lr_final_headline": headline(T.load(), load()),
-            "lr_final_select_seeds": ", ".join(map(str, SELECT_SEEDS))}
+            "lr_final_select_seeds": ", ".join(map(str, SELECT_SEEDS)),
+            "lr_final_devices": devices_text(T.load(), load())}
 
 
 def tables() -> dict:

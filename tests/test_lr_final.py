@@ -45,17 +45,26 @@ def test_a_rate_off_the_factor_2_grid_is_refused(stored):
         L.grid(proto, runs)
 
 
-def test_the_chosen_rate_takes_new_seeds_only(stored):
+def test_the_chosen_rate_column_is_the_protocols_plus_new_seeds_or_a_whole_rerun(stored):
     proto, runs = stored
     runs = copy.deepcopy(runs)
-    r = _one(runs, "anvil", 0)
-    r["hparams"]["lr"] = L.grid(proto, runs)["anvil"][0][0]["hparams"]["lr"]
-    with pytest.raises(ValueError, match="horizon runs hold this seed"):
+    chosen = L.grid(proto, runs)["anvil"][0][0]["hparams"]["lr"]
+    x2 = [r for r in runs if r["contender"] == "anvil" and r["hparams"]["lr"] == pytest.approx(2 * chosen)]
+    assert sorted(r["seed"] for r in x2) == list(L.SELECT_SEEDS)
+    # a partial rerun of the protocol's seeds would mix two sources in one column
+    x2[0]["hparams"]["lr"] = chosen
+    with pytest.raises(ValueError, match="reruns the protocol's seeds"):
         L.grid(proto, runs)
-    # a seed the protocol did not run joins the chosen rate's column (its data order is its own)
-    r["seed"] = r["data_seed"] = 9
+    # a seed the protocol did not run joins the protocol's column (its data order is its own)
+    x2[0]["seed"] = x2[0]["data_seed"] = 9
     g = L.grid(proto, runs)
-    assert g["anvil"][0][9] is r and 0 in g["anvil"][0]
+    assert g["anvil"][0][9] is x2[0] and g["anvil"][0][0]["commit"] != x2[0]["commit"]
+    # every selection seed rerun here: the rerun is the whole column
+    for r in x2:
+        r["hparams"]["lr"] = chosen
+    x2[0]["seed"] = x2[0]["data_seed"] = L.SELECT_SEEDS[0]
+    g = L.grid(proto, runs)
+    assert {s: r for s, r in g["anvil"][0].items()} == {r["seed"]: r for r in x2}
 
 
 def test_a_repeated_seed_is_refused(stored):
@@ -135,3 +144,20 @@ def test_a_peer_without_held_out_seeds_has_no_held_out_test(stored):
     for n, (_, cell) in c["cells"].items():
         held = [s for s in cell if s not in L.SELECT_SEEDS and s in c["cells"]["anvil"][1]]
         assert (n in c["held"]) == (n != "anvil" and len(held) >= L.MIN_HELD_OUT)
+
+
+def test_every_commit_of_the_runs_has_the_protocols_optimizer_bits(stored):
+    """The paper says the optimizer's bits are the same at the runs' commits: each commit the check's runs
+    name has its CPU fingerprint stored beside them, every line of it the protocol commit's line of the same
+    row (rows the older commit lacks, such as a later bank kind, are not compared)."""
+    _, runs = stored
+    root = T.ROOT / "results"
+
+    def rows(path):
+        return dict(line.rsplit(None, 1) for line in path.read_text().splitlines() if line.strip())
+    base = rows(root / "train" / "logs" / "fingerprint" / f"{T.SAME_CODE_FROM}.txt")
+    for commit in sorted({r["commit"][:7] for r in runs}):
+        fp = L.FOLDER / f"fingerprint_{commit}.txt"
+        assert fp.is_file(), f"{fp} missing: run tools/fingerprint.py at {commit} (results/train_lr_final/runs.txt)"
+        mine = rows(fp)
+        assert base.keys() <= mine.keys() and all(mine[k] == v for k, v in base.items()), commit
