@@ -5,10 +5,11 @@ The runs are ``python -m papers.train --tuned-from results/train/protocol --lr N
 protocol's final horizon and seeds (results/train_lr_final/, any depth; outside results/train so
 that the training section's fixed-rate tables never mix them in): every value the protocol chose
 except ``lr``, which moves by a power of 2. The chosen rate's own column is the protocol's horizon
-runs, with any other seed run here at the chosen rate (the held-out seeds of a contender whose best rate
-is its chosen one); where the chosen rate was rerun here on every seed of :data:`SELECT_SEEDS` (beside the
-neighbours, on their device), that rerun is the column. A neighbour run whose setup (steps, batch, clipping, warm-up, evaluation, corpus, data order,
-other hyperparameters) differs from those runs is refused with the difference named.
+runs, with any other seed run here at the chosen rate (the held-out seeds of a contender whose best
+rate is its chosen one); where the chosen rate was rerun here on every seed of :data:`SELECT_SEEDS`
+(beside the neighbours, on their device), that rerun is the column. A run here whose setup (steps,
+batch, clipping, warm-up, evaluation, corpus, data order, other hyperparameters) differs from the
+protocol's horizon runs is refused with the difference named.
 
 The best rate is picked on :data:`SELECT_SEEDS`; the comparison at each contender's best rate pairs
 seeds by number, so it reuses the seeds the pick was made on (the text says so).
@@ -43,8 +44,8 @@ def _origin(r: dict) -> str:
 
 
 def grid(proto_runs: list[dict], runs: list[dict]) -> dict[str, dict[int, dict[int, dict]]]:
-    """``{contender: {k: {seed: run}}}``: the run at ``lr = chosen * 2**k`` (``k = 0``: the protocol's
-    horizon runs), for the contenders with at least one neighbour run, in the training section's
+    """``{contender: {k: {seed: run}}}``: the run at ``lr = chosen * 2**k`` (``k = 0``: the chosen rate's
+    column, :func:`_chosen_column`), for the contenders with at least one neighbour run, in the training section's
     order. ValueError on a run of another setup, a rate off the factor-2 grid or a repeated run."""
     chosen = P.chosen_of(proto_runs)
     base = T.tuned_groups(proto_runs, horizon="long")
