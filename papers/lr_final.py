@@ -212,6 +212,8 @@ def headline(proto_runs: list[dict], runs: list[dict]) -> str:
         return "(no run of the final horizon's learning-rate neighbours yet)"
     c = at_best(proto_runs, runs)
     ref = c["ref"]
+    if ref not in c["cells"]:
+        return f"(no run of {ref}'s learning-rate neighbours yet)"
     def name(n: str) -> str:
         return "ANVIL" if n == ref else T.PEER_NAMES.get(n, n)
     moved = [f"{_factor(k)} for {name(n)}" for n, (k, _) in c["cells"].items() if k]
