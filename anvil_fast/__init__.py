@@ -117,6 +117,8 @@ module                         concept
                                them, and the mutation set of slips the harness must catch
 ``studies.near_rank1``         the near-rank-1 study (SAFE's headroom under bf16, measured)
 ``studies.gram_side_study``    the Gram side's error study (its schedule for each map set)
+``studies.tail``               the explosion tail at large counts, decided by certified bounds of the
+                               top singular value (eigvalsh only between them)
 ``studies.scaling``            equivalence and step time of the optimizer step at several ranks
 ``studies.train_step``         forward + backward + step at several ranks, each reduce-scatter launched
                                from the backward pass, checked bit for bit against the sequential step
