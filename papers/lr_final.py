@@ -174,7 +174,7 @@ def at_best(proto_runs: list[dict], runs: list[dict], ref: str = "anvil") -> dic
     the seeds both have (``tests``) and over those of them the pick did not use (``held``: the peers
     with at least :data:`MIN_HELD_OUT` such seeds), each with p and Holm p over its peers."""
     g = grid(proto_runs, runs)
-    cells = {n: (best(row), row[best(row)]) for n, row in g.items()}
+    cells = {n: (k, row[k]) for n, row in g.items() for k in (best(row),)}
     peers = [n for n in PEERS if n in cells and ref in cells]
     held = [(n, pd) for n in peers if (pd := _paired(cells[ref][1], cells[n][1], held_out=True))["n"] >= MIN_HELD_OUT]
     return {"ref": ref, "cells": cells, "tests": T._family_tests([(n, _paired(cells[ref][1], cells[n][1])) for n in peers]),
@@ -234,15 +234,7 @@ def headline(proto_runs: list[dict], runs: list[dict]) -> str:
 
 
 def _verdicts(t: dict[str, dict]) -> str:
-    """``lower than X (...); not distinguishable from Y (...)``: a side stated only where Holm p < CLAIM_P."""
-    def det(n: str) -> str:
-        return f"{S.fmt_interval(t[n])}, Holm p {S.fmt_p(t[n]['holm'])}, {t[n]['n']} seeds"
-    parts = []
-    for side, words in ((-1, "lower than"), (1, "higher than"), (0, "not distinguishable from")):
-        ns = [n for n in t if T._side(t[n]) == side]
-        if ns:
-            parts.append(f"{words} {T._names(ns, det, possessive=True)}")
-    return "; ".join(parts)
+    return T.verdict_clauses(t, lambda n: f"{S.fmt_interval(t[n])}, Holm p {S.fmt_p(t[n]['holm'])}, {t[n]['n']} seeds")
 
 
 def values() -> dict[str, str]:

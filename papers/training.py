@@ -709,6 +709,17 @@ def table_summary(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def verdict_clauses(tests: dict[str, dict], detail) -> str:
+    """``lower than X's (...); not distinguishable from Y's (...); higher than Z's (...)`` over a family of
+    paired tests (``detail(name)`` in the brackets): a side is stated only where Holm p < CLAIM_P."""
+    parts = []
+    for side, words in ((-1, "lower than"), (0, "not distinguishable from"), (1, "higher than")):
+        ns = [n for n, t in tests.items() if _side(t) == side]
+        if ns:
+            parts.append(f"{words} {_names(ns, detail, possessive=True)}")
+    return "; ".join(parts)
+
+
 def answer(runs: list[dict]) -> str:
     """The comparison's answer in a few generated sentences (section 1 and the end of section 8):
     a difference is stated only where its Holm-adjusted p is below :data:`CLAIM_P`."""
@@ -718,20 +729,11 @@ def answer(runs: list[dict]) -> str:
     ref = "ANVIL" if c["ref"] == "anvil" else c["ref"]
     f = c["final"]
     lower = [n for n, t in f.items() if _side(t) < 0]
-    higher = [n for n, t in f.items() if _side(t) > 0]
     level = [n for n, t in f.items() if _side(t) == 0]
-    def each(ns):
-        return _names(ns, lambda n: f"{S.fmt_interval(f[n])}, Holm p {S.fmt_p(f[n]['holm'])}", possessive=True)
-    parts = []
-    if lower:
-        parts.append(f"lower than {each(lower)}")
-    if level:
-        parts.append(f"not distinguishable from {each(level)}")
-    if higher:
-        parts.append(f"higher than {each(higher)}")
     text = (f"With every contender tuned by one protocol and trained {c['steps']:,} steps on {c['seeds']} held-out "
             f"seeds (the small GPT of section 8), {ref}'s final validation loss ({ref} minus the peer, mean "
-            f"[{LEVEL_TXT} t interval], Holm-adjusted p over the {len(f)} peers) is " + "; ".join(parts) + ".")
+            f"[{LEVEL_TXT} t interval], Holm-adjusted p over the {len(f)} peers) is "
+            + verdict_clauses(f, lambda n: f"{S.fmt_interval(f[n])}, Holm p {S.fmt_p(f[n]['holm'])}") + ".")
     alone = [n for n in level if f[n]["p"] < CLAIM_P]
     if alone:
         text += (f" Against {_names(alone)} the interval alone excludes 0 (p " + ", ".join(
