@@ -331,12 +331,14 @@ for stage in ${STAGES:-suite bench}; do
              spec=${s%@*} seeds=${LR_SEEDS:-0 1 2}
              [ "$spec" != "$s" ] && seeds=$(echo "${s#*@}" | tr , ' ')
              n=${spec%=*} v=${spec#*=}
-             ANVIL_COMMIT="${ANVIL_COMMIT:-unknown (ANVIL_COMMIT not given)}" timeout "${T_LR:-500}" python3 -m papers.train \
+             ( ANVIL_COMMIT="${ANVIL_COMMIT:-unknown (ANVIL_COMMIT not given)}" timeout "${T_LR:-500}" python3 -m papers.train \
                --contenders "$n" --tuned-from results/train/protocol --lr "$n=$v" --steps 4000 --seeds $seeds \
                --jobs "$(echo $seeds | wc -w)" --timing-steps 0 --out "$OUT/lr_final/$n-$v${LR_TAG:-}" \
-               --time-budget-s $(( ${T_LR:-500} - 15 )) > "$OUT/lr_final_$n-$v${LR_TAG:-}.log" 2>&1 &
+               --time-budget-s $(( ${T_LR:-500} - 15 )) > "$OUT/lr_final_$n-$v${LR_TAG:-}.log" 2>&1; \
+               echo "$n $v${LR_TAG:-} seeds $seeds rc $?" >> "$OUT/lr_final_status.txt" ) &
            done
            wait
+           cat "$OUT/lr_final_status.txt"
            grep -h "val loss" "$OUT"/lr_final_*.log | sed 's/ -> .*//' ;;
     tail)  # the explosion tail at the bank shapes: every form on the same near-low-rank inputs, TAIL_SECONDS per shape
            timeout "${T_TAIL:-500}" python3 -m anvil_fast.studies.tail --seconds "${TAIL_SECONDS:-100}" ${TAIL_ARGS:-} \
