@@ -138,7 +138,27 @@ def devices_text(proto_runs: list[dict], runs: list[dict]) -> str:
     if a == b and len(a) == 1:
         return f"every run of the grid ran on one device ({next(iter(a))})"
     return (f"the chosen rate's runs ran on {', '.join(sorted(a))} and the other rates' on {', '.join(sorted(b))} "
-            "(the caption names the commits too); the device's part is not controlled")
+            "(the caption names the commits too); the device's part is not controlled; " + held_devices_text(proto_runs, runs))
+
+
+def held_devices_text(proto_runs: list[dict], runs: list[dict]) -> str:
+    """Where the held-out comparison's runs ran: the device most of them ran on, and each contender's seeds
+    that ran elsewhere."""
+    c = at_best(proto_runs, runs)
+    held = {n: {s: r["environment"]["device"] for s, r in cell.items() if s not in SELECT_SEEDS}
+            for n, (_, cell) in c["cells"].items() if n == c["ref"] or n in c["held"]}
+    if not c["held"]:
+        return "no comparison on seeds the pick did not use was made"
+    counts: dict[str, int] = {}
+    for d in (d for per in held.values() for d in per.values()):
+        counts[d] = counts.get(d, 0) + 1
+    main = max(counts, key=lambda d: (counts[d], d))
+    name = {n: "ANVIL" if n == c["ref"] else T.PEER_NAMES.get(n, n) for n in held}
+    others = [f"{name[n]}'s seed{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))} ({dev})"
+              for n, per in held.items() for dev in sorted(set(per.values()) - {main})
+              for ss in [sorted(s for s, d in per.items() if d == dev)]]
+    return (f"on the seeds the pick did not use, the runs at the best rates ran on {main}"
+            + (f", except {T._names(others)}" if others else ", every one"))
 
 
 def table_grid(proto_runs: list[dict], runs: list[dict]) -> str:

@@ -161,3 +161,21 @@ def test_every_commit_of_the_runs_has_the_protocols_optimizer_bits(stored):
         assert fp.is_file(), f"{fp} missing: run tools/fingerprint.py at {commit} (results/train_lr_final/runs.txt)"
         mine = rows(fp)
         assert base.keys() <= mine.keys() and all(mine[k] == v for k, v in base.items()), commit
+
+
+def test_the_held_out_devices_name_every_seed_run_elsewhere(stored):
+    """The paper's sentence on where the held-out comparison ran: the device most of its runs had, and each
+    contender's seeds that ran on another (read from the runs, not from the grid's columns)."""
+    proto, runs = stored
+    proto, runs = copy.deepcopy(proto), copy.deepcopy(runs)
+    for r in proto + runs:
+        r.setdefault("environment", {})["device"] = "card A"
+    assert L.held_devices_text(proto, runs).endswith("ran on card A, every one")
+    c = L.at_best(proto, runs)
+    k, cell = c["cells"]["dion"]
+    seed = max(cell)
+    assert seed not in L.SELECT_SEEDS
+    cell[seed]["environment"]["device"] = "card B"
+    text = L.held_devices_text(proto, runs)
+    assert text.endswith(f"ran on card A, except {T.PEER_NAMES['dion']}'s seed {seed} (card B)"), text
+    assert "card B" not in L.held_devices_text(proto, [r for r in runs if r is not cell[seed]])

@@ -387,6 +387,9 @@ MUTANTS: list[Mutant] = [
     M("lr_final: the data order not compared", "papers/lr_final.py",
       "r.get(\"batches_sha256\") != ref.get(\"batches_sha256\")", "False",
       "tests/test_lr_final.py::test_a_run_of_another_setup_is_refused_by_name"),
+    M("lr_final: the held-out devices read off the selection seeds", "papers/lr_final.py",
+      "for s, r in cell.items() if s not in SELECT_SEEDS}", "for s, r in cell.items() if s in SELECT_SEEDS}",
+      "tests/test_lr_final.py::test_the_held_out_devices_name_every_seed_run_elsewhere"),
 ]
 
 
