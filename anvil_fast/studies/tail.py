@@ -39,6 +39,7 @@ from anvil_ref.progress import Progress
 
 from anvil_fast.core.tolerances import EXPLODED_SIGMA
 from anvil_fast.studies.harness import _grams as _gram  # the smaller Gram in float64, zero where not finite
+from anvil_fast.studies.harness import source_commit
 
 #: Squarings of the Gram in :func:`top_singular_bounds` (p = 256: the bounds' ratio is n^(1/512),
 #: 1.3% at n = 768).
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump({"command": "python -m anvil_fast.studies.tail " + " ".join(argv if argv is not None else sys.argv[1:]),
                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows}, fh, indent=1)
+                       "torch": torch.__version__, "commit": source_commit(), "rows": rows}, fh, indent=1)
     return 0
 
 
