@@ -124,6 +124,13 @@ print('bytecode cache of', f, 'exists' if os.path.exists(c) else 'missing', '- i
   # the copied tree's commit is the caller's to give (ANVIL_COMMIT=<hash> in the call): git inside the copy
   # may answer with another commit than the tree's (tools that record a commit read ANVIL_COMMIT first)
   echo "ANVIL_COMMIT ${ANVIL_COMMIT:-not given}; git in this copy: $(git rev-parse HEAD 2>/dev/null || echo none)"
+  # what was copied, by content: the git tree of every file git does not ignore (a temporary index; blobs
+  # go to this copy's object store), equal to `git rev-parse <commit>^{tree}` of the commit the tree is
+  idx=$(mktemp -u); tree=$(GIT_INDEX_FILE=$idx git add -A . 2>/dev/null && GIT_INDEX_FILE=$idx git write-tree 2>/dev/null)
+  rm -f "$idx"
+  given=$(git rev-parse -q --verify "${ANVIL_COMMIT:-none}^{tree}" 2>/dev/null)
+  echo "tree ${tree:-unknown}; ANVIL_COMMIT's tree $([ -z "$given" ] && echo "not in this copy's git" \
+    || { [ "$given" = "$tree" ] && echo "the same" || echo "$given: ANVIL_COMMIT is not the tree copied"; })"
   # the architecture the Gram kernels' shipped decisions are matched by (a device without its own takes these)
   python3 -c "import torch; from anvil_fast.kernels.gram_tune import device_arch
 print('device_arch', device_arch(torch.cuda.get_device_properties(0)))"
