@@ -381,7 +381,8 @@ def values() -> dict[str, str]:
             "host_medium_factor_range": f"{min(factors.values()):.1f} to {max(factors.values()):.1f}",
             "host_medium_report_factor": f"{report:.1f}",
             "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%",
-            "gram_side_384_ab": gram_side_384_ab(), "held_gpt2medium": held_text(PEERS_LARGER_RUNS[0], "gpt2medium")}
+            "gram_side_384_ab": gram_side_384_ab(), "held_gpt2medium": held_text(PEERS_LARGER_RUNS[0], "gpt2medium"),
+            "gram_side_tail": gram_side_tail()}
 
 
 def held_text(folder: str, size: str) -> str:
@@ -407,6 +408,29 @@ def gram_side_384_ab() -> str:
     rounds = [f"{ms(f'min_short_512_{i}.log')} ms at 512 against {ms(f'min_short_384_{i}.log')} ms at 384"
               for i in (1, 2)]
     return "; then ".join(rounds)
+
+
+#: python -m anvil_fast.studies.tail at the bank shapes the drop-in sends to the Gram side (its tail.json, runs.txt)
+GRAM_SIDE_TAIL_RUN = "h100_profile/tail_bank_shapes"
+
+
+def gram_side_tail() -> str:
+    """Per form of the tail study's run: how many outputs passed its limit (``past`` counts the non-finite
+    ones too) out of how many matrices, over
+    which shapes, and the largest certified upper bound of a top singular value met; then the run's device."""
+    data = json.loads((RESULTS / GRAM_SIDE_TAIL_RUN / "tail.json").read_text())
+    rows, forms = data["rows"], {}
+    for r in rows:
+        forms.setdefault(r["form"], []).append(r)
+    limits = {r["limit"] for r in rows}
+    if len(limits) != 1:
+        raise ValueError(f"results/{GRAM_SIDE_TAIL_RUN}: rows judged at several limits {sorted(limits)}")
+    names = {"fast": "the Gram side as shipped", "eager": "its eager bf16 form", "safe": "SAFE"}
+    parts = [f"{names.get(f, f)} {sum(r['past'] for r in rs):,} of {sum(r['matrices'] for r in rs):,} "
+             f"(largest bound {max(r['max_upper'] for r in rs):.3f})" for f, rs in forms.items()]
+    shapes = ", ".join(dict.fromkeys(r["shape"] for r in rows))
+    return (f"past {limits.pop():g} (a non-finite one counting as past), at {shapes}: " + "; ".join(parts)
+            + f" (one run on one {data['device']}, `results/{GRAM_SIDE_TAIL_RUN}/`)")
 
 
 TABLES: dict[str, Callable[[], str]] = {
