@@ -246,3 +246,30 @@ def test_figures_are_numbered_in_order_and_referred_to_by_their_numbers():
         assert name in number, name
     assert f"Figure {number['composite']} compares it" in text and f"headroom (Figure {number['cliff']})" in text
     assert not re.search(r"Figure \d", template), "a figure's number typed into the template"
+
+
+def test_the_gram_side_tail_sums_each_form_over_its_shapes(tmp_path, monkeypatch):
+    """The paper's sentence on the tail study: per form, the outputs past the limit (the study's ``past``
+    counts the non-finite ones) out of the matrices of every shape, and the largest bound met; a run judged
+    at two limits is refused."""
+    import json
+
+    from papers import data_tables as D
+
+    def row(shape, form, n, past, bound, limit=1.1):
+        return {"shape": shape, "form": form, "matrices": n, "past": past, "nonfinite": 0, "limit": limit,
+                "max_upper": bound}
+    (tmp_path / "t").mkdir()
+    rows = [row("8x4", "fast", 10, 1, 1.2), row("8x4", "safe", 10, 0, 1.01),
+            row("16x4", "fast", 5, 2, 1.5), row("16x4", "safe", 5, 0, 1.02)]
+    (tmp_path / "t" / "tail.json").write_text(json.dumps({"device": "card A", "rows": rows}))
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "GRAM_SIDE_TAIL_RUN", "t")
+    text = D.gram_side_tail()
+    assert "at 8x4, 16x4:" in text and "card A" in text
+    assert "the Gram side as shipped 3 of 15 (largest bound 1.500)" in text
+    assert "SAFE 0 of 15 (largest bound 1.020)" in text
+    rows[0]["limit"] = 1.2
+    (tmp_path / "t" / "tail.json").write_text(json.dumps({"device": "card A", "rows": rows}))
+    with pytest.raises(ValueError, match="several limits"):
+        D.gram_side_tail()
