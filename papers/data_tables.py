@@ -416,8 +416,8 @@ GRAM_SIDE_TAIL_RUN = "h100_profile/tail_bank_shapes"
 
 def gram_side_tail() -> str:
     """Per form of the tail study's run: how many outputs passed its limit (``past`` counts the non-finite
-    ones too) out of how many matrices, over
-    which shapes, and the largest certified upper bound of a top singular value met; then the run's device."""
+    ones too) out of how many matrices, over which shapes, and the largest certified upper bound of a top
+    singular value met; then the run's device."""
     data = json.loads((RESULTS / GRAM_SIDE_TAIL_RUN / "tail.json").read_text())
     rows, forms = data["rows"], {}
     for r in rows:

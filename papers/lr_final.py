@@ -145,10 +145,10 @@ def held_devices_text(proto_runs: list[dict], runs: list[dict]) -> str:
     """Where the held-out comparison's runs ran: the device most of them ran on, and each contender's seeds
     that ran elsewhere."""
     c = at_best(proto_runs, runs)
-    held = {n: {s: r["environment"]["device"] for s, r in cell.items() if s not in SELECT_SEEDS}
-            for n, (_, cell) in c["cells"].items() if n == c["ref"] or n in c["held"]}
     if not c["held"]:
         return "no comparison on seeds the pick did not use was made"
+    held = {n: {s: r["environment"]["device"] for s, r in cell.items() if s not in SELECT_SEEDS}
+            for n, (_, cell) in c["cells"].items() if n == c["ref"] or n in c["held"]}
     counts: dict[str, int] = {}
     for d in (d for per in held.values() for d in per.values()):
         counts[d] = counts.get(d, 0) + 1
