@@ -30,7 +30,8 @@ Modules, in the order the update applies them:
 
 Command-line plumbing, kept here because every package of the project (anvil_fast, derive_maps,
 papers, tools/) imports anvil_ref and nothing below it: ``progress`` (a bar in a terminal, a line per
-stage in a pipe) and ``cli_args`` (argument types that refuse bad values in one argparse line).
+stage in a pipe), ``cli_args`` (argument types that refuse bad values in one argparse line) and
+``provenance`` (the commit a measuring command's record names).
 
 Where the seed's comments and its code disagree
 -----------------------------------------------

@@ -64,7 +64,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,6 +71,7 @@ import torch
 
 from anvil_fast.models import gpt
 from anvil_ref.cli_args import check_device, positive_int
+from anvil_ref.provenance import source_commit
 from papers import contenders as K
 from papers import corpus as C
 from papers import protocol as P
@@ -297,18 +297,6 @@ def environment(device: torch.device) -> dict:
     return {"torch": torch.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
             "autocast": "bf16" if device.type == "cuda" else "none (fp32)"}
-
-
-def source_commit() -> str | None:
-    """The commit the runs are made at: ``$ANVIL_COMMIT`` (set by whoever copies the tree to a
-    machine without its git history), else ``git rev-parse HEAD`` here, else None."""
-    if os.environ.get("ANVIL_COMMIT"):
-        return os.environ["ANVIL_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 # ------------------------------------------------------------------------------- one run (a spec)

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from anvil_fast.bench import optimizer as B
     from anvil_fast.kernels import gram_tune as GT
     from anvil_fast.optim.entry import ANVIL
-    from anvil_fast.studies.harness import source_commit
+    from anvil_ref.provenance import source_commit
 
     dev = torch.device("cuda")
     GT.reset()

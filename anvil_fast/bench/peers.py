@@ -128,6 +128,7 @@ from typing import Any, Callable
 import torch
 
 from anvil_ref.cli_args import name_list, positive_int
+from anvil_ref.provenance import source_commit
 
 from anvil_fast.kernels.timing import call_times
 
@@ -1006,7 +1007,7 @@ def _run(a, names: list[str], sizes: list[str], device) -> int:
         if sys.argv[1:2] == ["peers"] else "python -m anvil_fast.bench peers"
     peers_dir = Path(a.peers_dir)
     data: dict[str, Any] = dict(
-        generated_by="python -m anvil_fast.bench peers", command=command,
+        generated_by="python -m anvil_fast.bench peers", command=command, commit=source_commit(),
         settings=dict(sizes=sizes, contenders=names, device=device.type, warmup=a.warmup, steps=a.steps,
                       box_s=a.box_s, budget_s=a.budget_s, grad_scale=GRAD_SCALE, model_seed=MODEL_SEED,
                       grad_seed=GRAD_SEED, probes=PROBES),

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from anvil_ref.cli_args import add_progress_flags
 from anvil_ref.progress import Progress, default_enabled
+from anvil_ref.provenance import source_commit
 
 from .study_runs import SCALING, TRAIN_STEP, read_record
 
@@ -399,8 +400,8 @@ def measure(a: argparse.Namespace) -> int:
         lays = {name: gpt2_small_layout(**SMOKE_LAYOUT) for name in LAYOUTS}
     sweep = SWEEP_BYTES if cuda else SMOKE_BYTES
     n_devices = torch.cuda.device_count() if cuda else max(worlds)
-    data = dict(format=FORMAT, generated_by=a.command_line, device=torch.cuda.get_device_name() if cuda else "cpu",
-                torch=torch.__version__, n=a.n, layouts={}, collectives={})
+    data = dict(format=FORMAT, generated_by=a.command_line, commit=source_commit(),
+                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, n=a.n, layouts={}, collectives={})
     t0 = time.time()
     names = a.layouts.split(",")
     for name in names:

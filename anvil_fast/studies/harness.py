@@ -81,6 +81,7 @@ from torch.utils._pytree import tree_map
 
 from anvil_ref import polar as P
 from anvil_ref.maps import MapsLike, load_maps
+from anvil_ref.provenance import source_commit
 
 from anvil_fast.core import tolerances as T
 from .families import FAMILIES, WELL_CONDITIONED, make_matrix, rel_errs
@@ -1942,21 +1943,6 @@ def summary(rows: list[Row]) -> str:
     for r in rows:
         counts[r.verdict()] += 1
     return f"{len(rows)} rows: " + ", ".join(f"{n} {v}" for v, n in counts.items())
-
-
-def source_commit() -> str | None:
-    """The commit the rows are judged at: ``$ANVIL_COMMIT`` where set (a tree copied without its
-    history), else ``git rev-parse HEAD`` in the working directory, else None."""
-    import os
-    import subprocess
-
-    if os.environ.get("ANVIL_COMMIT"):
-        return os.environ["ANVIL_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def device_name(device) -> str:

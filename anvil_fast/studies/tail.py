@@ -39,7 +39,7 @@ from anvil_ref.progress import Progress
 
 from anvil_fast.core.tolerances import EXPLODED_SIGMA
 from anvil_fast.studies.harness import _grams as _gram  # the smaller Gram in float64, zero where not finite
-from anvil_fast.studies.harness import source_commit
+from anvil_ref.provenance import source_commit
 
 #: Squarings of the Gram in :func:`top_singular_bounds` (p = 256: the bounds' ratio is n^(1/512),
 #: 1.3% at n = 768).
