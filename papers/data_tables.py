@@ -157,9 +157,42 @@ def bank_peers_summary() -> str:
                      "Gaussian err (package / gram-newton-schulz)"], out)
 
 
+def optimizer_floor_note(commit: str) -> str:
+    """What the quoted run's floor counts: its matmul part (read back from the log as ms x TFLOP/s) against
+    the GPT-2-small layout's cascade FLOPs on every bank (:func:`anvil_fast.bench.common.flops`) and as the
+    package's defaults execute them (:func:`anvil_fast.bench.common.executed_flops`), each bank by name."""
+    from anvil_fast.bench.common import executed_flops, flops
+    from anvil_fast.bench.optimizer import gpt2_small_layout
+
+    text = (RESULTS / OPTIMIZER_RUN / "bench_optimizer.log").read_text()
+    m = re.search(r"^floor of .*?cascade matmuls ([\d.]+) ms at ([\d.]+) TFLOP/s", text, flags=re.M)
+    if m is None:
+        raise ValueError(f"results/{OPTIMIZER_RUN}/bench_optimizer.log: no floor line")
+    logged = float(m.group(1)) * 1e-3 * float(m.group(2)) * 1e12
+    banks = {label: chunk for label, (_, chunk, _, _) in gpt2_small_layout().items() if chunk is not None}
+    standard = sum(flops(c)[1] for c in banks.values())
+    executed = {label: executed_flops(c, None, "cuda") for label, c in banks.items()}
+    if abs(logged - standard) > 0.005 * standard:
+        raise ValueError(f"results/{OPTIMIZER_RUN}: the floor's matmul part ({logged / 1e12:.3f} TFLOP) is not the "
+                         f"standard cascade's count on every bank ({standard / 1e12:.3f} TFLOP)")
+    fewer = [label for label, c in banks.items() if executed[label] < flops(c)[1]]
+    if not fewer:
+        return (f"The floor's matmul part is the standard cascade's count on every bank ({standard / 1e12:.2f} TFLOP "
+                "per step), which the package's defaults execute.")
+    return (f"At commit {commit[:7]} the floor's matmul part is the standard cascade's count on every bank "
+            f"({standard / 1e12:.2f} TFLOP per step). With the package's defaults, {', '.join(f'`{b}`' for b in fewer)} "
+            f"take{'s' * (len(fewer) == 1)} the Gram side and the bench counts {sum(executed.values()) / 1e12:.2f} "
+            "TFLOP as executed, so the same command judges a step at the defaults against a lower floor; the "
+            "percentages above are that commit's step against that commit's floor.")
+
+
 def optimizer_bench() -> str:
+    commit = run_commit(RESULTS / OPTIMIZER_RUN)
+    if commit is None:
+        raise FileNotFoundError(f"results/{OPTIMIZER_RUN}/commit.txt: the run's commit is not recorded")
     return (quote_log(f"{OPTIMIZER_RUN}/bench_optimizer.log", ("device", "|", "floor of"),
-                      command="python3 -m anvil_fast.bench optimizer --rep-ms 100")
+                      command="python3 -m anvil_fast.bench optimizer --rep-ms 100", where=f"one H200 at commit {commit[:7]}")
+            + "\n\n" + optimizer_floor_note(commit)
             + "\n\nThe torch baseline's time is not stable across machines with the same GPU: on another "
             "machine (two H200s) it took "
             + quote_inline("anvil_optimizer_h200/run1/bench_optimizer.log", "| torch Muon")

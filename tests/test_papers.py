@@ -273,3 +273,32 @@ def test_the_gram_side_tail_sums_each_form_over_its_shapes(tmp_path, monkeypatch
     (tmp_path / "t" / "tail.json").write_text(json.dumps({"device": "card A", "rows": rows}))
     with pytest.raises(ValueError, match="several limits"):
         D.gram_side_tail()
+
+
+def test_the_optimizer_floor_note_reads_the_logged_floor_and_counts_the_defaults(tmp_path, monkeypatch):
+    """The note under the optimizer table: a floor whose matmul part is the standard cascade's count on
+    every bank is said to be so, with the banks the defaults send to the Gram side and their executed count
+    (computed here from the layout, not read from the note); a floor that is neither is refused."""
+    from anvil_fast.bench.common import executed_flops, flops
+    from anvil_fast.bench.optimizer import gpt2_small_layout
+    from papers import data_tables as D
+
+    banks = {k: c for k, (_, c, _, _) in gpt2_small_layout().items() if c is not None}
+    standard = sum(flops(c)[1] for c in banks.values())
+    executed = sum(executed_flops(c, None, "cuda") for c in banks.values())
+    gram = sorted(k for k, c in banks.items() if executed_flops(c, None, "cuda") < flops(c)[1])
+    assert gram, "the GPT-2-small layout has no bank on the Gram side at the defaults"
+
+    def write(tflop: float) -> None:
+        (tmp_path / "r").mkdir(exist_ok=True)
+        (tmp_path / "r" / "bench_optimizer.log").write_text(
+            f"floor of the untied Adam step: cascade matmuls {tflop / 500 * 1e3:.4f} ms at 500 TFLOP/s + memory 1 ms\n")
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "OPTIMIZER_RUN", "r")
+    write(standard / 1e12)
+    text = D.optimizer_floor_note("0123456789")
+    assert f"({standard / 1e12:.2f} TFLOP per step)" in text and f"counts {executed / 1e12:.2f} TFLOP" in text
+    assert all(f"`{k}`" in text for k in gram) and "commit 0123456" in text
+    write(executed / 1e12)
+    with pytest.raises(ValueError, match="not the standard cascade's count"):
+        D.optimizer_floor_note("0123456789")
