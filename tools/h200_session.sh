@@ -50,7 +50,8 @@
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
-#           makes it N runs in a row, into $OUT/run1 .. runN
+#           makes it N runs in a row, into $OUT/run1 .. runN; PEERS_ARGS_FIRST and T_PEERS_FIRST: run 1's own
+#           arguments and time limit (PEERS_ARGS and T_PEERS for the others)
 #   costmodel  python -m anvil_fast.studies.cost_model measure: the cost model's per-rank pieces on this one GPU
 #           (collectives need several GPUs and are left to the two-rank runs), into $OUT/cost_model_h200.json
 #           (copy it to papers/data/ and rebuild the paper)
@@ -66,6 +67,7 @@
 #           (RESIDENT_SIZE: another size; RESIDENT_WHO: other contenders; RESIDENT_FLAGS=--held: the held memory by pool)
 # PYCACHE=DIR: Python's bytecode cache in DIR for every process of the call (env.txt says whether the
 # image's packages have one of their own).
+# STAGES_ELSEWHERE: the stages run instead of STAGES when the card is not an H200 (stages.txt says so).
 # TRAIN_ARGS adds arguments to every training stage, PEERS_ARGS to the peers stage; T_<STAGE> overrides a stage's time limit.
 # `bash tools/h200_session.sh pack` only packs $OUT (after a run cut short by an outer timeout).
 set -o pipefail
@@ -136,6 +138,14 @@ print('bytecode cache of', f, 'exists' if os.path.exists(c) else 'missing', '- i
 print('device_arch', device_arch(torch.cuda.get_device_properties(0)))"
   # the peers' sources carried (tools/peers_bundle.sh): which dion, which wheels
   cat .peers/dion/REVISION 2>/dev/null; ls .whl .gns 2>/dev/null | grep -h '\.whl$'; } 2>&1 | tee "$OUT/env.txt"
+# STAGES_ELSEWHERE: the stages to run instead of STAGES where the card is not an H200 (a call for an H200
+# may be placed on another card; its device time then goes to work whose figures do not depend on the card)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+if [ -n "${STAGES_ELSEWHERE:-}" ] && [[ "$card" != *H200* ]]; then
+  echo "card ${card:-unknown} is not an H200: STAGES_ELSEWHERE ($STAGES_ELSEWHERE) instead of STAGES (${STAGES:-suite bench})" \
+    | tee -a "$OUT/stages.txt"
+  STAGES=$STAGES_ELSEWHERE
+fi
 for stage in ${STAGES:-suite bench}; do
   stamp "$stage"
   case $stage in
@@ -323,12 +333,18 @@ for stage in ${STAGES:-suite bench}; do
     peers) install_peers
            # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender
            # of each in its own fresh process), T_PEERS seconds each; the first also fills the compile caches
+           # PEERS_ARGS_FIRST / T_PEERS_FIRST: run 1's own arguments and limit (every contender once, say,
+           # then the fastest of them repeated)
            n=${PEERS_REPEATS:-1}
            for i in $(seq 1 "$n"); do
              dest="$OUT"; [ "$n" -gt 1 ] && { dest="$OUT/run$i"; mkdir -p "$dest"; }
-             timeout "${T_PEERS:-580}" python3 -m anvil_fast.bench peers --out "$dest" --no-progress \
-               --budget-s $(( ${T_PEERS:-580} - 30 )) --note "${PEERS_NOTE:-nvidia-h200}${PEERS_REPEATS:+ (run $i of $n)}" \
-               ${PEERS_ARGS:-} 2>&1 | tee "$dest/bench_peers.log" | grep -E "^  |stopped|error"
+             args=${PEERS_ARGS:-} limit=${T_PEERS:-580}
+             [ "$i" = 1 ] && [ -n "${PEERS_ARGS_FIRST:-}" ] && args=$PEERS_ARGS_FIRST
+             [ "$i" = 1 ] && [ -n "${T_PEERS_FIRST:-}" ] && limit=$T_PEERS_FIRST
+             echo "peers run $i of $n: limit $limit s, arguments: ${args:-none}" | tee -a "$OUT/stages.txt"
+             timeout "$limit" python3 -m anvil_fast.bench peers --out "$dest" --no-progress \
+               --budget-s $(( limit - 30 )) --note "${PEERS_NOTE:-nvidia-h200}${PEERS_REPEATS:+ (run $i of $n)}" \
+               $args 2>&1 | tee "$dest/bench_peers.log" | grep -E "^  |stopped|error"
            done ;;
     lrfinal) # the final horizon's learning-rate neighbours (papers/lr_final.py): LR_SETTINGS="name=lr ..." each one
            # process of papers.train at the protocol's chosen values but lr, 4000 steps, seeds LR_SEEDS (0 1 2), all at
