@@ -273,6 +273,45 @@ def test_kernel_profile_refuses_without_cuda_and_reads_one_step_of_a_trace(monke
                                               "stream 21: 1 kernels, busy 9.0 us, from 5.0 to 14.0 us"], lines
     assert kp.timeline(trace, per_step=3, show=2)[0].startswith("no step 2 in the trace (6 device events")
 
+def test_kernel_profile_splits_a_step_into_its_matmul_and_other_phases(tmp_path, monkeypatch, capsys):
+    """The phase lines: busy time as the union of intervals over streams (two overlapping matmul kernels
+    count once), the time both phases run at once, and the matmul phase's rate; from a stored log's timeline."""
+    kp = _tool("kernel_profile")
+    log = "\n".join(["step 5: 5 device events, span 40.0 us", "  start us  dur us  stream  kernel  grid",
+                     "       0.0     4.0  7  _check_kernel  [1, 1, 1]",
+                     "       4.0    10.0  7  _gram_kernel  [1, 1, 1]",
+                     "       8.0    10.0  9  _mm_add_kernel  [1, 1, 1]",
+                     "      16.0    10.0  9  _update_kernel  [1, 1, 1]",
+                     "      30.0    10.0  7  void at::native::vectorized_elementwise_kernel<4>  [1, 1, 1]",
+                     "not a kernel line"])
+    events = kp.timeline_events(log)
+    assert [n for _, _, n in events] == ["_check_kernel", "_gram_kernel", "_mm_add_kernel", "_update_kernel", "void"]
+    lines = kp.phase_lines(events, flop=2.8e9, peak_tflops=1000.0)
+    # matmul: [4, 18) = 14 us; other: [0, 4) + [16, 26) + [30, 40) = 24 us; both: [16, 18) = 2 us
+    assert lines[0] == ("phases: matmul kernels busy 14.0 us, other kernels busy 24.0 us (each the union over "
+                        "streams), both at once 2.0 us, anything running 36.0 us"), lines
+    assert lines[1] == "matmul phase: 0.003 TFLOP executed per step, 200 TFLOP/s over its busy time, 20% of 1000 TFLOP/s"
+    with pytest.raises(ValueError, match="no timeline"):
+        kp.timeline_events("no table here")
+    (tmp_path / "k.log").write_text(log)
+    monkeypatch.setattr(kp, "dropin_flop", lambda size: 1.4e9 if size == "tiny" else 0.0)
+    assert kp.main(["--from-log", str(tmp_path / "k.log"), "--size", "tiny"]) == 0
+    assert "0.001 TFLOP executed per step, 100 TFLOP/s" in capsys.readouterr().out
+
+
+def test_kernel_profile_counts_the_flop_of_every_bank_of_the_gpt():
+    """The drop-in's banks on the tiny GPT are its blocks' four matrix shapes, one matrix per layer each
+    (the model's own configuration, not the drop-in's plan, gives the expected shapes)."""
+    from anvil_fast.bench.common import executed_flops
+    from anvil_fast.models.gpt import SIZES
+
+    kp = _tool("kernel_profile")
+    c = SIZES["tiny"]
+    d = c.n_embd
+    shapes = [(c.n_layer, 3 * d, d), (c.n_layer, d, d), (c.n_layer, 4 * d, d), (c.n_layer, d, 4 * d)]
+    assert kp.dropin_flop("tiny") == pytest.approx(sum(executed_flops(s, None, "cuda") for s in shapes), rel=1e-12)
+
+
 #: Every command line of the package, as (module, arguments before --help): each takes
 #: --progress / --no-progress (README). Quick ones are listed apart with the reason.
 PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "derive", "compare", "regenerate")] + [

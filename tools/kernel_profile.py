@@ -13,8 +13,18 @@ anvil_fast.bench dropin`` does, takes ``--warmup`` steps, then records ``--steps
   stream and grid. Kernels that run one after another on the main stream before the side streams
   start, and those after the last bank kernel, are the step's serial head and tail.
 
+* the step's two phases: the matmul kernels (:data:`MATMUL_KERNELS`) and every other kernel, each
+  phase's busy time as the union of its kernels' intervals over all streams, the time both run at once,
+  and the matmul phase's rate: the cascade FLOPs the drop-in's banks execute at that size
+  (:func:`anvil_fast.bench.common.executed_flops`, each bank's default configuration on CUDA) over the
+  phase's busy time (``--peak-tflops``: also as a share of that peak).
+
 The Chrome trace is written to ``DIR/trace_<size>.json``. Device times under the profiler are those
 of the profiled run: a ratio between kernels of one run is what it measures, not a benchmark.
+
+    python tools/kernel_profile.py --from-log LOG --size medium [--peak-tflops T]
+
+prints the phase lines of a stored log's timeline (no GPU needed).
 """
 
 from __future__ import annotations
@@ -65,6 +75,72 @@ def timeline(trace: dict, per_step: int, show: int) -> list[str]:
     return out
 
 
+#: The kernels of the cascade's matrix products (each also under its ``_v1`` name): the Gram matrix, the
+#: symmetric products and ``a X + B X``. Every other kernel of the step is element-wise or a reduction.
+MATMUL_KERNELS = ("_gram_kernel", "_sym_product_kernel", "_mm_add_kernel", "_sym_mm_add_kernel")
+
+
+def _is_matmul(name: str) -> bool:
+    return name.startswith(MATMUL_KERNELS)
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def timeline_events(log_text: str) -> list[tuple[float, float, str]]:
+    """``(start us, duration us, kernel name)`` of the timeline a log of this tool prints."""
+    lines = log_text.splitlines()
+    try:
+        i = next(k for k, ln in enumerate(lines) if ln.strip().startswith("start us  dur us"))
+    except StopIteration:
+        raise ValueError("no timeline in the log (its header line 'start us  dur us  stream  kernel  grid')") from None
+    out = []
+    for ln in lines[i + 1:]:
+        parts = ln.split()
+        try:
+            out.append((float(parts[0]), float(parts[1]), parts[3]))
+        except (IndexError, ValueError):
+            break
+    return out
+
+
+def phase_lines(events: list[tuple[float, float, str]], *, flop: float | None = None,
+                peak_tflops: float | None = None) -> list[str]:
+    """The step's matmul and other phases (module docstring) from ``(start, duration, name)`` events."""
+    mm = [(a, a + d) for a, d, n in events if _is_matmul(n)]
+    other = [(a, a + d) for a, d, n in events if not _is_matmul(n)]
+    b_mm, b_other, b_all = _busy(mm), _busy(other), _busy(mm + other)
+    out = [f"phases: matmul kernels busy {b_mm:.1f} us, other kernels busy {b_other:.1f} us (each the union over "
+           f"streams), both at once {b_mm + b_other - b_all:.1f} us, anything running {b_all:.1f} us"]
+    if flop is not None and b_mm > 0:
+        rate = flop / (b_mm * 1e-6) / 1e12
+        out.append(f"matmul phase: {flop / 1e12:.3f} TFLOP executed per step, {rate:.0f} TFLOP/s over its busy time"
+                   + (f", {100 * rate / peak_tflops:.0f}% of {peak_tflops:g} TFLOP/s" if peak_tflops else ""))
+    return out
+
+
+def dropin_flop(size: str) -> float:
+    """Cascade FLOPs per step of the drop-in's banks on the package's GPT of ``size``, each bank at its
+    default configuration on CUDA (built on the CPU: the banks' shapes do not depend on the device)."""
+    from anvil_fast import ANVIL
+    from anvil_fast.bench.common import executed_flops
+    from anvil_fast.models import gpt
+
+    opt = ANVIL(gpt.build(size))
+    inner = opt.inner
+    return sum(executed_flops(tuple(inner.banks[b].p_slice.shape), None, "cuda") for b in inner.bank_labels)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="small")
@@ -73,7 +149,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--show", type=int, default=5, help="which recorded step's timeline to print")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--from-log", default=None, help="print the phase lines of this stored log's timeline (no GPU)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's measured bf16 matmul peak")
     a = ap.parse_args(argv)
+    if a.from_log:
+        events = timeline_events(Path(a.from_log).read_text())
+        print(f"{a.from_log}, size {a.size}:")
+        print("\n".join(phase_lines(events, flop=dropin_flop(a.size), peak_tflops=a.peak_tflops)))
+        return 0
     if not torch.cuda.is_available():
         print("tools/kernel_profile.py needs CUDA")
         return 2
@@ -103,7 +186,9 @@ def main(argv=None) -> int:
     path = out / f"trace_{a.size}.json"
     prof.export_chrome_trace(str(path))
     per_step = round(len(events) / a.steps)
-    print("\n".join(timeline(json.loads(path.read_text()), per_step, min(a.show, a.steps - 1))))
+    lines = timeline(json.loads(path.read_text()), per_step, min(a.show, a.steps - 1))
+    print("\n".join(lines))
+    print("\n".join(phase_lines(timeline_events("\n".join(lines)), flop=dropin_flop(a.size), peak_tflops=a.peak_tflops)))
     return 0
 
 
