@@ -312,6 +312,19 @@ def test_kernel_profile_counts_the_flop_of_every_bank_of_the_gpt():
     assert kp.dropin_flop("tiny") == pytest.approx(sum(executed_flops(s, None, "cuda") for s in shapes), rel=1e-12)
 
 
+def test_gram_tuned_rates_are_the_full_products_flop_over_their_tuned_time(capsys, tmp_path):
+    gt = _tool("gram_tuned_table")
+    data = {"generated_by": "made here", "entries": [
+        {"device": "card", "op": "mm_add", "m": 100, "n": 200, "k": 50, "batch": 4, "us": 2.0},
+        {"device": "card", "op": "XTX", "m": 100, "n": 100, "k": 50, "batch": 4, "us": 1.0}]}
+    lines = gt.rate_lines(data, peak_tflops=16.0)
+    # 2 * 100 * 200 * 50 * 4 = 8e6 FLOP in 2 us: 4 TFLOP/s; the Gram entry (not a full product) is left out
+    assert lines == ["made here", "card  mm_add 4x100x200 (k 50): 2.0 us, 4 TFLOP/s, 25% of 16"], lines
+    (tmp_path / "t.json").write_text(__import__("json").dumps(data))
+    assert gt.main(["--rates", "--out", str(tmp_path / "t.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "card  mm_add 4x100x200 (k 50): 2.0 us, 4 TFLOP/s"
+
+
 #: Every command line of the package, as (module, arguments before --help): each takes
 #: --progress / --no-progress (README). Quick ones are listed apart with the reason.
 PROGRESS_COMMANDS = [("derive_maps", [c]) for c in ("reproduce", "robust", "derive", "compare", "regenerate")] + [

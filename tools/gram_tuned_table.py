@@ -11,6 +11,11 @@ these kernels (an entry made for other kernel sources can never match and is dro
 on the same device (or one of the same architecture that has no decision of its own), Triton and
 kernels then compiles one configuration per problem instead of every candidate
 (:mod:`anvil_fast.kernels.gram_tune`).
+
+    python tools/gram_tuned_table.py --rates [--peak-tflops T]
+
+prints, without a GPU, the rate each stored full-product decision (``mm_add``: ``a X + B X``, 2 m n k
+FLOPs per matrix) reached alone when it was tuned: what one lane's products run at on that device.
 """
 
 from __future__ import annotations
@@ -37,12 +42,30 @@ def merged_entries(old: list[dict], mine: list[dict], current: str) -> tuple[lis
     return entries, len(kept), dropped
 
 
+def rate_lines(data: dict, peak_tflops: float | None = None) -> list[str]:
+    """Per stored ``mm_add`` decision, its tuned time and rate (2 m n k x batch FLOPs over that time)."""
+    out = [f"{data.get('generated_by', '?')}"]
+    for e in data["entries"]:
+        if e["op"] != "mm_add":
+            continue
+        rate = 2 * e["m"] * e["n"] * e["k"] * e["batch"] / (e["us"] * 1e-6) / 1e12
+        out.append(f"{e['device']}  mm_add {e['batch']}x{e['m']}x{e['n']} (k {e['k']}): {e['us']:.1f} us, "
+                   f"{rate:.0f} TFLOP/s" + (f", {100 * rate / peak_tflops:.0f}% of {peak_tflops:g}" if peak_tflops else ""))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="small,medium")
     ap.add_argument("--out", default=None, help="default: anvil_fast/kernels/gram_tuned.json")
     ap.add_argument("--note", default="", help="added to the file's generated_by line (where it ran)")
+    ap.add_argument("--rates", action="store_true", help="print the stored full products' rates (no GPU) and stop")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="with --rates: the device's measured bf16 peak")
     a = ap.parse_args(argv)
+    if a.rates:
+        path = Path(a.out) if a.out else Path(__file__).resolve().parents[1] / "anvil_fast" / "kernels" / "gram_tuned.json"
+        print("\n".join(rate_lines(json.loads(path.read_text()), a.peak_tflops)))
+        return 0
     if not torch.cuda.is_available():
         print("tools/gram_tuned_table.py needs CUDA")
         return 2
