@@ -390,6 +390,20 @@ MUTANTS: list[Mutant] = [
     M("lr_final: the held-out devices read off the selection seeds", "papers/lr_final.py",
       "for s, r in cell.items() if s not in SELECT_SEEDS}", "for s, r in cell.items() if s in SELECT_SEEDS}",
       "tests/test_lr_final.py::test_the_held_out_devices_name_every_seed_run_elsewhere"),
+    # ---- provenance and the measuring tools
+    M("provenance: any repository's commit recorded", "anvil_ref/provenance.py",
+      "    if top is None or Path(top).resolve() != PROJECT_ROOT:", "    if top is None:",
+      "tests/test_provenance.py"),
+    M("paper: the optimizer floor's note trusts any logged floor", "papers/data_tables.py",
+      "    if abs(logged - standard) > 0.005 * standard:", "    if False:",
+      "tests/test_papers.py::test_the_optimizer_floor_note_reads_the_logged_floor_and_counts_the_defaults"),
+    M("kernel_profile: phases summed, not unioned", "tools/kernel_profile.py",
+      "        elif b > end:\n            total += b - end\n            end = b",
+      "        else:\n            total += b - a\n            end = max(end, b)",
+      "tests/test_cli.py::test_kernel_profile_splits_a_step_into_its_matmul_and_other_phases"),
+    M("h200_session: STAGES_ELSEWHERE on every card", "tools/h200_session.sh",
+      '[[ "$card" != *H200* ]]', "true",
+      "tests/test_h200_session.py"),
 ]
 
 
