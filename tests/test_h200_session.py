@@ -58,7 +58,7 @@ def test_the_first_peers_run_takes_its_own_arguments_and_limit(tmp_path):
     for i, line in enumerate(peers[1:], start=2):
         assert "--budget-s 70" in line and line.rstrip().endswith("--contenders anvil,adamw"), line
         assert f"/run{i} " in line
-    assert "peers run 1 of 3: limit 330 s, arguments: --sizes small" in stages
+    assert "peers 1/3: limit 330 s, arguments: --sizes small" in stages
 
 
 def test_without_first_arguments_every_peers_run_is_the_same(tmp_path):

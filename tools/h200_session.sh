@@ -50,8 +50,8 @@
 #   peers   python -m anvil_fast.bench peers (small and medium GPT, every installed peer, each in its own
 #           box): installs the wheels carried in .whl first; dion from .peers/dion; writes peers.json,
 #           peers.md, command.txt and peers.log into $OUT (PEERS_NOTE: command.txt's first line); PEERS_REPEATS=N
-#           makes it N runs in a row, into $OUT/run1 .. runN; PEERS_ARGS_FIRST and T_PEERS_FIRST: run 1's own
-#           arguments and time limit (PEERS_ARGS and T_PEERS for the others)
+#           makes it N runs in a row, into $OUT/run1 .. runN; PEERS_ARGS_FIRST and T_PEERS_FIRST: the first
+#           run's own arguments and time limit (PEERS_ARGS and T_PEERS for the others)
 #   costmodel  python -m anvil_fast.studies.cost_model measure: the cost model's per-rank pieces on this one GPU
 #           (collectives need several GPUs and are left to the two-rank runs), into $OUT/cost_model_h200.json
 #           (copy it to papers/data/ and rebuild the paper)
@@ -333,7 +333,7 @@ for stage in ${STAGES:-suite bench}; do
     peers) install_peers
            # PEERS_REPEATS > 1: that many whole runs one after another, each into $OUT/run<i> (every contender
            # of each in its own fresh process), T_PEERS seconds each; the first also fills the compile caches
-           # PEERS_ARGS_FIRST / T_PEERS_FIRST: run 1's own arguments and limit (every contender once, say,
+           # PEERS_ARGS_FIRST / T_PEERS_FIRST: the first run's own arguments and limit (every contender once, say,
            # then the fastest of them repeated)
            n=${PEERS_REPEATS:-1}
            for i in $(seq 1 "$n"); do
@@ -341,7 +341,7 @@ for stage in ${STAGES:-suite bench}; do
              args=${PEERS_ARGS:-} limit=${T_PEERS:-580}
              [ "$i" = 1 ] && [ -n "${PEERS_ARGS_FIRST:-}" ] && args=$PEERS_ARGS_FIRST
              [ "$i" = 1 ] && [ -n "${T_PEERS_FIRST:-}" ] && limit=$T_PEERS_FIRST
-             echo "peers run $i of $n: limit $limit s, arguments: ${args:-none}" | tee -a "$OUT/stages.txt"
+             echo "peers $i/$n: limit $limit s, arguments: ${args:-none}" | tee -a "$OUT/stages.txt"
              timeout "$limit" python3 -m anvil_fast.bench peers --out "$dest" --no-progress \
                --budget-s $(( limit - 30 )) --note "${PEERS_NOTE:-nvidia-h200}${PEERS_REPEATS:+ (run $i of $n)}" \
                $args 2>&1 | tee "$dest/bench_peers.log" | grep -E "^  |stopped|error"
