@@ -392,7 +392,10 @@ MUTANTS: list[Mutant] = [
       "tests/test_lr_final.py::test_the_held_out_devices_name_every_seed_run_elsewhere"),
     # ---- provenance and the measuring tools
     M("provenance: any repository's commit recorded", "anvil_ref/provenance.py",
-      "    if top is None or Path(top).resolve() != PROJECT_ROOT:", "    if top is None:",
+      "    if not top or Path(top).resolve() != PROJECT_ROOT:", "    if not top:",
+      "tests/test_provenance.py"),
+    M("provenance: a tree that differs from HEAD recorded as HEAD", "anvil_ref/provenance.py",
+      '    if _git("status", "--porcelain", "--untracked-files=no") != "":', "    if False:",
       "tests/test_provenance.py"),
     M("paper: the optimizer floor's note trusts any logged floor", "papers/data_tables.py",
       "    if abs(logged - standard) > 0.005 * standard:", "    if False:",
