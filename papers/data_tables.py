@@ -170,12 +170,13 @@ def optimizer_floor_note(commit: str) -> str:
         raise ValueError(f"results/{OPTIMIZER_RUN}/bench_optimizer.log: no floor line")
     logged = float(m.group(1)) * 1e-3 * float(m.group(2)) * 1e12
     banks = {label: chunk for label, (_, chunk, _, _) in gpt2_small_layout().items() if chunk is not None}
-    standard = sum(flops(c)[1] for c in banks.values())
+    standard_of = {label: flops(c)[1] for label, c in banks.items()}
     executed = {label: executed_flops(c, None, "cuda") for label, c in banks.items()}
+    standard = sum(standard_of.values())
     if abs(logged - standard) > 0.005 * standard:
         raise ValueError(f"results/{OPTIMIZER_RUN}: the floor's matmul part ({logged / 1e12:.3f} TFLOP) is not the "
                          f"standard cascade's count on every bank ({standard / 1e12:.3f} TFLOP)")
-    fewer = [label for label, c in banks.items() if executed[label] < flops(c)[1]]
+    fewer = [label for label in banks if executed[label] < standard_of[label]]
     if not fewer:
         return (f"The floor's matmul part is the standard cascade's count on every bank ({standard / 1e12:.2f} TFLOP "
                 "per step), which the package's defaults execute.")

@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="with --rates: the device's measured bf16 peak")
     a = ap.parse_args(argv)
     if a.rates:
-        path = Path(a.out) if a.out else Path(__file__).resolve().parents[1] / "anvil_fast" / "kernels" / "gram_tuned.json"
+        from anvil_fast.kernels.gram_tune import TUNED_FILE
+
+        path = Path(a.out) if a.out else TUNED_FILE
         print("\n".join(rate_lines(json.loads(path.read_text()), a.peak_tflops)))
         return 0
     if not torch.cuda.is_available():

@@ -130,8 +130,10 @@ def phase_lines(events: list[tuple[float, float, str]], *, flop: float | None = 
 
 
 def dropin_flop(size: str) -> float:
-    """Cascade FLOPs per step of the drop-in's banks on the package's GPT of ``size``, each bank at its
-    default configuration on CUDA (built on the CPU: the banks' shapes do not depend on the device)."""
+    """Cascade FLOPs per step of the default drop-in's banks on the package's GPT of ``size``, each bank
+    at the configuration it gets on CUDA (built on the CPU, where a bank's configuration may differ: the
+    banks' shapes do not depend on the device). A profiled run counts its own optimizer's instead
+    (:func:`anvil_fast.bench.dropin.cascade_flop`)."""
     from anvil_fast import ANVIL
     from anvil_fast.bench.common import executed_flops
     from anvil_fast.models import gpt
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
         return 2
     from torch.profiler import ProfilerActivity, profile
 
-    from anvil_fast.bench.dropin import _model, _set_grads, make_variant
+    from anvil_fast.bench.dropin import _model, _set_grads, cascade_flop, make_variant
 
     dev = torch.device("cuda")
     model = _model(a.size, dev)
@@ -188,7 +190,7 @@ def main(argv=None) -> int:
     per_step = round(len(events) / a.steps)
     lines = timeline(json.loads(path.read_text()), per_step, min(a.show, a.steps - 1))
     print("\n".join(lines))
-    print("\n".join(phase_lines(timeline_events("\n".join(lines)), flop=dropin_flop(a.size), peak_tflops=a.peak_tflops)))
+    print("\n".join(phase_lines(timeline_events("\n".join(lines)), flop=cascade_flop(opt), peak_tflops=a.peak_tflops)))
     return 0
 
 

@@ -127,10 +127,18 @@ def time_fn(fn: Callable[[], object], device, *, rep_ms: float, warmup: int, min
     return statistics.median(dev), statistics.median(host), len(host)
 
 
+def cascade_flop(opt) -> float:
+    """FLOPs one step of the drop-in ``opt`` executes in its banks' cascades, each bank at its own
+    configuration on its own device (:func:`anvil_fast.bench.common.executed_flops`)."""
+    inner = opt.inner
+    return sum(executed_flops(tuple(inner.banks[b].p_slice.shape), inner.banks[b].config,
+                              device=inner.banks[b].p_slice.device) for b in inner.bank_labels)
+
+
 def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
     """(memory ms, matmul ms) of one default ANVIL step (module docstring)."""
     inner, eng = opt.inner, opt.engine
-    fl, nbytes = 0.0, 0.0
+    nbytes = 0.0
     lean = inner.rails_dtype == torch.bfloat16
     for label in inner.bank_labels:
         bank = inner.banks[label]
@@ -140,8 +148,8 @@ def floor_ms(opt, tflops: float, gbs: float) -> tuple[float, float]:
         per = ELEMENTWISE_BYTES + g + (g - 2) - (10 if lean else 0)
         if eng is None or eng.grad_read != "in_place":
             per += g + 2  # the copy into the bf16 buffer
-        fl += executed_flops(chunk, bank.config, device=bank.p_slice.device)
         nbytes += per * math.prod(chunk)
+    fl = cascade_flop(opt)
     for label in inner.adam_labels:
         nbytes += (4 + 28) * inner.param_states[label]["exp_avg"].numel()  # the check, then Adam
     return nbytes / (gbs * 1e6), fl / (tflops * 1e9)
