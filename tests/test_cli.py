@@ -297,6 +297,10 @@ def test_kernel_profile_splits_a_step_into_its_matmul_and_other_phases(tmp_path,
     monkeypatch.setattr(kp, "dropin_flop", lambda size: 1.4e9 if size == "tiny" else 0.0)
     assert kp.main(["--from-log", str(tmp_path / "k.log"), "--size", "tiny"]) == 0
     assert "0.001 TFLOP executed per step, 100 TFLOP/s" in capsys.readouterr().out
+    (tmp_path / "empty.log").write_text("no table\n")
+    for bad in ("empty.log", "missing.log"):
+        assert kp.main(["--from-log", str(tmp_path / bad), "--size", "tiny"]) == 2
+        assert "--from-log" in capsys.readouterr().err
 
 
 def test_kernel_profile_counts_the_flop_of_every_bank_of_the_gpt():
@@ -323,6 +327,9 @@ def test_gram_tuned_rates_are_the_full_products_flop_over_their_tuned_time(capsy
     (tmp_path / "t.json").write_text(__import__("json").dumps(data))
     assert gt.main(["--rates", "--out", str(tmp_path / "t.json")]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "card  mm_add 4x100x200 (k 50): 2.0 us, 4 TFLOP/s"
+    (tmp_path / "bad.json").write_text("{}")
+    assert gt.main(["--rates", "--out", str(tmp_path / "bad.json")]) == 2
+    assert "not a readable tuning table" in capsys.readouterr().err
 
 
 #: Every command line of the package, as (module, arguments before --help): each takes

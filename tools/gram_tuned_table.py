@@ -66,7 +66,11 @@ def main(argv=None) -> int:
         from anvil_fast.kernels.gram_tune import TUNED_FILE
 
         path = Path(a.out) if a.out else TUNED_FILE
-        print("\n".join(rate_lines(json.loads(path.read_text()), a.peak_tflops)))
+        try:
+            print("\n".join(rate_lines(json.loads(path.read_text()), a.peak_tflops)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"tools/gram_tuned_table.py --rates: {path}: not a readable tuning table ({e!r})", file=sys.stderr)
+            return 2
         return 0
     if not torch.cuda.is_available():
         print("tools/gram_tuned_table.py needs CUDA")

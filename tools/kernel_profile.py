@@ -155,7 +155,11 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's measured bf16 matmul peak")
     a = ap.parse_args(argv)
     if a.from_log:
-        events = timeline_events(Path(a.from_log).read_text())
+        try:
+            events = timeline_events(Path(a.from_log).read_text())
+        except (OSError, ValueError) as e:
+            print(f"tools/kernel_profile.py --from-log {a.from_log}: {e}", file=sys.stderr)
+            return 2
         print(f"{a.from_log}, size {a.size}:")
         print("\n".join(phase_lines(events, flop=dropin_flop(a.size), peak_tflops=a.peak_tflops)))
         return 0
