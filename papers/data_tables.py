@@ -224,7 +224,7 @@ def run_commit(folder: Path) -> str | None:
 
 #: The stored H200 runs of ``python -m anvil_fast.bench peers`` the paper shows, newest first; each
 #: folder holds peers.md (written by the bench), command.txt and, where recorded, commit.txt.
-PEERS_RUNS = ("h200_peers/small_all", "h200_peers/medium_all")
+PEERS_RUNS = ("h200_peers/small_53cdced/run1", "h200_peers/medium_53cdced/run1")
 
 
 #: Stored peers runs at the sizes beyond the small and medium GPT: the package's GPT-2-medium-sized model
@@ -254,7 +254,7 @@ def peers_runs(folders=None) -> str:
 #: Bench peers runs of one command repeated in a row, each its own set of fresh processes: the spread
 #: of a contender's step time between processes, which a single run cannot show.
 #: One folder per repeated command (a size each); a folder without runs yet is left out.
-PEERS_REPEATS = ("h200_peers/repeats_small_1643d81", "h200_peers/repeats_medium")
+PEERS_REPEATS = ("h200_peers/small_53cdced", "h200_peers/medium_53cdced")
 
 
 def peers_repeats() -> str:
@@ -263,6 +263,20 @@ def peers_repeats() -> str:
     if not parts:
         raise FileNotFoundError(f"results/{{{','.join(PEERS_REPEATS)}}}/run*/peers.json: no repeated run stored")
     return "\n\n".join(parts)
+
+
+def repeats_settings_note(names: list[str], data: list[dict]) -> str:
+    """Where the repeated runs were not given the same contenders and run budget (a first run of every
+    contender, then the fastest again), which runs had which: a paragraph ending in a blank line; else ""."""
+    groups: dict[tuple, list[str]] = {}
+    for name, run in zip(names, data):
+        s = run.get("settings") or {}
+        groups.setdefault((tuple(s.get("contenders") or ()), s.get("budget_s")), []).append(name)
+    if len(groups) < 2:
+        return ""
+    parts = [f"{', '.join(who)}: {', '.join(c) if c else 'contenders not recorded'}"
+             + (f" (run budget {b:g} s)" if b is not None else "") for (c, b), who in groups.items()]
+    return "The runs were not given the same contenders: " + "; ".join(parts) + ".\n\n"
 
 
 def peers_repeats_table(folder: str) -> str:
@@ -305,7 +319,7 @@ def peers_repeats_table(folder: str) -> str:
     # each run's note ends with its own place in the call ("(run i of n)"): the table speaks of them all
     head = re.sub(r" \(run \d+ of \d+\)$", "", (d / "run1" / "command.txt").read_text().splitlines()[0])
     return (f"*Runs `results/{folder}/run1` .. `run{len(data)}` (commit {', '.join(sorted(commits))}): {head}, "
-            f"{len(data)} runs in one call*\n\n"
+            f"{len(data)} runs in one call*\n\n" + repeats_settings_note([p.parent.name for p in runs], data)
             + md_table(["size", "contender", "runs ok", "ms/step, each run", "x fastest peer, each run",
                         "ms/step host ahead, each run", "host ms, each run", "first step s, each run"], rows)
             + "\n\nEach cell lists the runs in order, one after another in one call; \"-\": the row did not finish "
@@ -317,11 +331,16 @@ def peers_repeats_table(folder: str) -> str:
 #: mode of the Gram kernels' tuner, each run a folder of results/ with its peers.json, command.txt and
 #: commit.txt: ``tools/h200_session.sh``'s warmup stage, and the same command with dion's graphed Muon
 #: beside the drop-in. The host time of the graphed step by part (``tools/graph_nodes.py``) is HOST_RUN's.
-WARMUP_RUNS = (("h200_gram_tuned/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate configuration compiled and timed"),
-               ("h200_gram_tuned/warmup_tune_1", "default: the shipped decisions (anvil_fast/kernels/gram_tuned.json)"),
-               ("h200_host/warmup_tune_1", "default: the shipped decisions"),
-               ("h200_host/warmup_pyc/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh, the packages' bytecode compiled first"),
-               ("h200_host/warmup_pyc/warmup_tune_1", "default, the packages' bytecode compiled first"))
+#: The third field: whether the run's commit has the captures' recording pass (``PRECOMPILE_FILE``), which
+#: compiles the first step's kernels side by side (tests/test_papers.py checks it against git's history).
+WARMUP_RUNS = (("h200_gram_tuned/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh: every candidate configuration compiled and timed", False),
+               ("h200_gram_tuned/warmup_tune_1", "default: the shipped decisions (anvil_fast/kernels/gram_tuned.json)", False),
+               ("h200_host/warmup_tune_1", "default: the shipped decisions", False),
+               ("h200_host/warmup_pyc/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh, the packages' bytecode compiled first", False),
+               ("h200_host/warmup_pyc/warmup_tune_1", "default, the packages' bytecode compiled first", False),
+               ("h200_host/warmup_53cdced/warmup_tune_fresh", "ANVIL_FAST_TUNE=fresh", True),
+               ("h200_host/warmup_53cdced/warmup_tune_1", "default: the shipped decisions", True))
+PRECOMPILE_FILE = "anvil_fast/kernels/precompile.py"
 HOST_RUN = "h200_host"
 
 
@@ -334,7 +353,7 @@ def warmup_table() -> str:
     from papers.markdown import md_table
 
     rows = []
-    for folder, what in WARMUP_RUNS:
+    for folder, what, recorded in WARMUP_RUNS:
         d = RESULTS / folder
         run = json.loads((d / "peers.json").read_text())
         commit = run_commit(d)[:7]
@@ -343,9 +362,10 @@ def warmup_table() -> str:
                 raise ValueError(f"results/{folder}: the {r['contender']} row's status is {r['status']!r}")
             rows.append([f"`results/{folder}/` ({commit})", r["label"],
                          what if r["contender"].startswith("anvil") else "(a peer in the same run)",
+                         ("yes" if recorded else "no") if r["contender"].startswith("anvil") else "-",
                          f"{r['first_step_s']:.1f}"])
     head = (RESULTS / WARMUP_RUNS[1][0] / "command.txt").read_text().splitlines()[1]
-    return (md_table(["run (commit)", "contender", "Gram kernels' tuning", "first step s"], rows)
+    return (md_table(["run (commit)", "contender", "Gram kernels' tuning", "recording pass", "first step s"], rows)
             + "\n\n*One run each on one H200, each with fresh compiler cache folders, the command as "
               f"`{head}` with the contenders and tuning mode its `command.txt` names; a peer's first step is "
               "comparable only with ANVIL's of the same run.*")
@@ -416,7 +436,39 @@ def values() -> dict[str, str]:
             "host_medium_report_factor": f"{report:.1f}",
             "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%",
             "gram_side_384_ab": gram_side_384_ab(), "held_gpt2medium": held_text(PEERS_LARGER_RUNS[0], "gpt2medium"),
-            "gram_side_tail": gram_side_tail()}
+            "gram_side_tail": gram_side_tail(), "host_factor_machines": host_factor_text(),
+            "repeats_small_anvil_host": repeats_host_range(PEERS_REPEATS[0])}
+
+
+#: Single peers runs of one size on two machines, (earlier, later): every contender's host column between them.
+HOST_MACHINE_PAIRS = (("h200_peers/small_all", "h200_peers/small_53cdced/run1"),
+                      ("h200_peers/medium_all", "h200_peers/medium_53cdced/run1"))
+
+
+def host_factor_text() -> str:
+    """Per pair of HOST_MACHINE_PAIRS: the range over the peers that ran in both (their code the same in both
+    runs, unlike the drop-in's) of the later run's host ms over the earlier's, "1.7 to 3.2 on the small GPT (...)"."""
+    parts = []
+    for earlier, later in HOST_MACHINE_PAIRS:
+        a, b = ({(r["size"], r["contender"]): r for r in json.loads((RESULTS / f / "peers.json").read_text())["rows"]
+                 if r["status"] == "ok" and r.get("kind") == "peer"} for f in (earlier, later))
+        both = sorted(set(a) & set(b))
+        if not both:
+            raise ValueError(f"results/{earlier}, results/{later}: no peer ran in both")
+        f = [b[k]["host_ms"] / a[k]["host_ms"] for k in both]
+        sizes = sorted({s for s, _ in both})
+        parts.append(f"{min(f):.1f} to {max(f):.1f} on the {', '.join(sizes)} GPT "
+                     f"(`results/{earlier}/` to `results/{later}/`, {len(both)} peers)")
+    return "; ".join(parts)
+
+
+def repeats_host_range(folder: str, who: str = "anvil") -> str:
+    """The range of ``who``'s host ms over the runs of one PEERS_REPEATS folder, "0.093 to 0.192 ms"."""
+    v = [r["host_ms"] for p in sorted((RESULTS / folder).glob("run*/peers.json"))
+         for r in json.loads(p.read_text())["rows"] if r["contender"] == who and r["status"] == "ok"]
+    if not v:
+        raise ValueError(f"results/{folder}: no run of {who} finished")
+    return f"{min(v):.3f} to {max(v):.3f} ms"
 
 
 def held_text(folder: str, size: str) -> str:

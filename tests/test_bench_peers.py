@@ -383,6 +383,11 @@ def test_the_repeated_runs_are_quoted_as_ranges_of_each_run_s_own_times():
     assert got.endswith("; the drop-in ran in 2 of the 3 runs).")  # the timed-out run's time is not quoted
     assert P.repeats_clause([]) == ""
     assert P.readme_sentence(_data(ROWS), repeats=reps).endswith(got)
+    # times that print alike are one figure, not a range of two equal ends
+    close = P.repeats_clause([(run(0.4931, 0.6491, 0.3928, 0.6502), "x/run1/"),
+                              (run(0.4934, 0.6494, 0.3931, 0.6498), "x/run2/")])
+    assert "took 0.493 ms from idle against the fastest peer's 0.649 ms, and 0.393 ms with the host ahead " \
+           "against 0.650 ms (" in close
 
 
 @pytest.mark.parametrize("stored", P.RESULTS_JSONS)

@@ -105,6 +105,32 @@ def test_peers_repeats_lists_each_run_in_order_against_its_own_fastest_peer(tmp_
     monkeypatch.setattr(D, "PEERS_REPEATS", ("none",))
     with pytest.raises(FileNotFoundError, match="no repeated run stored"):
         D.peers_repeats()
+    assert "not given the same contenders" not in text  # no settings recorded: nothing to tell apart
+
+
+def test_peers_repeats_says_which_runs_had_which_contenders(tmp_path, monkeypatch):
+    import json
+
+    from papers import data_tables as D
+
+    row = {"size": "small", "contender": "anvil", "label": "ANVIL", "kind": "anvil", "status": "ok", "ms": 1.0,
+           "ms_ahead": 0.5, "host_ms": 0.1, "first_step_s": 1.0}
+    every = {"contenders": ["anvil", "p", "q"], "budget_s": 300.0}
+    fastest = {"contenders": ["anvil", "p"], "budget_s": 70.0}
+    for name, settings in (("run1", every), ("run2", fastest), ("run3", fastest)):
+        d = tmp_path / "rep" / name
+        d.mkdir(parents=True)
+        (d / "peers.json").write_text(json.dumps({"rows": [row], "settings": settings}))
+        (d / "commit.txt").write_text("abc\n")
+        (d / "command.txt").write_text(f"the call ({name})\n")
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "PEERS_REPEATS", ("rep",))
+    text = D.peers_repeats()
+    assert ("The runs were not given the same contenders: run1: anvil, p, q (run budget 300 s); "
+            "run2, run3: anvil, p (run budget 70 s).") in text
+    for name in ("run2", "run3"):  # the same settings in every run: no such paragraph
+        (tmp_path / "rep" / name / "peers.json").write_text(json.dumps({"rows": [row], "settings": every}))
+    assert "not given the same contenders" not in D.peers_repeats()
 
 
 def test_no_file_a_training_run_executes_changed_between_the_protocols_later_commits():
@@ -302,3 +328,54 @@ def test_the_optimizer_floor_note_reads_the_logged_floor_and_counts_the_defaults
     write(executed / 1e12)
     with pytest.raises(ValueError, match="not the standard cascade's count"):
         D.optimizer_floor_note("0123456789")
+
+
+def test_the_warm_up_runs_say_rightly_whether_their_commit_had_the_recording_pass():
+    """Each WARMUP_RUNS entry's third field is whether its commit holds PRECOMPILE_FILE, as git's
+    history says (skipped where this checkout lacks a commit: a shallow clone)."""
+    import subprocess
+
+    from papers import data_tables as D
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=D.ROOT, capture_output=True, text=True)
+
+    try:
+        added = git("log", "--diff-filter=A", "--format=%H", "--", D.PRECOMPILE_FILE).stdout.split()
+    except OSError as exc:
+        pytest.skip(f"no git here ({exc})")
+    if not added:
+        pytest.skip(f"this checkout's history does not show {D.PRECOMPILE_FILE} added (a shallow clone)")
+    for folder, _, recorded in D.WARMUP_RUNS:
+        commit = D.run_commit(D.RESULTS / folder)
+        if git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
+            pytest.skip(f"this checkout's history lacks {commit} (a shallow clone)")
+        has = git("merge-base", "--is-ancestor", added[-1], commit).returncode == 0
+        assert has == recorded, f"results/{folder} ({commit[:7]}): recording pass {has}, WARMUP_RUNS says {recorded}"
+    assert "| recording pass |" in D.warmup_table()
+
+
+def test_host_factor_compares_only_peers_that_ran_on_both_machines(tmp_path, monkeypatch):
+    import json
+
+    from papers import data_tables as D
+
+    def write(folder, rows):
+        d = tmp_path / folder
+        d.mkdir(parents=True)
+        (d / "peers.json").write_text(json.dumps({"rows": [
+            {"size": "small", "contender": c, "kind": k, "status": s, "host_ms": h} for c, k, s, h in rows]}))
+
+    write("a", [("anvil", "anvil", "ok", 0.01), ("p", "peer", "ok", 1.0), ("q", "peer", "ok", 2.0),
+                ("r", "peer", "timeout", 1.0)])
+    write("b", [("anvil", "anvil", "ok", 1.0), ("p", "peer", "ok", 3.0), ("q", "peer", "ok", 3.0),
+                ("r", "peer", "ok", 100.0)])
+    write("rep/run1", [("anvil", "anvil", "ok", 0.2), ("p", "peer", "ok", 9.0)])
+    write("rep/run2", [("anvil", "anvil", "ok", 0.1)])
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "HOST_MACHINE_PAIRS", (("a", "b"),))
+    # the drop-in (100x) and the peer that timed out in the earlier run (r) are left out
+    assert D.host_factor_text() == "1.5 to 3.0 on the small GPT (`results/a/` to `results/b/`, 2 peers)"
+    assert D.repeats_host_range("rep") == "0.100 to 0.200 ms"
+    with pytest.raises(ValueError, match="no run of nobody finished"):
+        D.repeats_host_range("rep", "nobody")
