@@ -379,3 +379,17 @@ def test_host_factor_compares_only_peers_that_ran_on_both_machines(tmp_path, mon
     assert D.repeats_host_range("rep") == "0.100 to 0.200 ms"
     with pytest.raises(ValueError, match="no run of nobody finished"):
         D.repeats_host_range("rep", "nobody")
+
+
+def test_the_paper_s_word_on_heavyball_matches_every_stored_peers_run():
+    """6.2 says heavyball's first step finished in no stored run: true while no peers.json under results/
+    has a heavyball row that is ok (once one has, the sentence must change)."""
+    import json
+
+    from papers import data_tables as D
+
+    claim = "heavyball's default compile has not\nfinished its first step in any stored run"
+    assert claim in build.TEMPLATE.read_text()
+    ok = [str(p.relative_to(D.RESULTS)) for p in sorted(D.RESULTS.rglob("peers.json"))
+          for r in json.loads(p.read_text())["rows"] if r["contender"] == "heavyball" and r["status"] == "ok"]
+    assert not ok, f"heavyball finished in {ok}: rewrite 6.2's sentence on it"
