@@ -440,7 +440,7 @@ def values() -> dict[str, str]:
             "repeats_small_anvil_host": repeats_host_range(PEERS_REPEATS[0])}
 
 
-#: Single peers runs of one size on two machines, (earlier, later): every contender's host column between them.
+#: Single peers runs of one size on two machines, (earlier, later): every peer's host column between them.
 HOST_MACHINE_PAIRS = (("h200_peers/small_all", "h200_peers/small_53cdced/run1"),
                       ("h200_peers/medium_all", "h200_peers/medium_53cdced/run1"))
 
