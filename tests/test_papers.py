@@ -393,3 +393,27 @@ def test_the_paper_s_word_on_heavyball_matches_every_stored_peers_run():
     ok = [str(p.relative_to(D.RESULTS)) for p in sorted(D.RESULTS.rglob("peers.json"))
           for r in json.loads(p.read_text())["rows"] if r["contender"] == "heavyball" and r["status"] == "ok"]
     assert not ok, f"heavyball finished in {ok}: rewrite 6.2's sentence on it"
+
+
+def test_the_run_quoted_for_a_baseline_before_any_forward_predates_the_bench_s_first_forward():
+    """6.2 quotes results/h200_peers/small_all/ as a baseline taken before any forward: its commit must
+    not hold bench peers' first_forward (git's history decides; skipped in a shallow clone)."""
+    import subprocess
+
+    from papers import data_tables as D
+
+    assert "(`results/h200_peers/small_all/`) charged that workspace" in build.TEMPLATE.read_text()
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=D.ROOT, capture_output=True, text=True)
+
+    try:
+        added = git("log", "--format=%H", "-S", "def first_forward", "--", "anvil_fast/bench/peers.py").stdout.split()
+    except OSError as exc:
+        pytest.skip(f"no git here ({exc})")
+    commit = D.run_commit(D.RESULTS / "h200_peers/small_all")
+    if not added or git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
+        pytest.skip("this checkout's history lacks the commits to compare (a shallow clone)")
+    assert git("merge-base", "--is-ancestor", added[-1], commit).returncode != 0
+    for folder in D.PEERS_RUNS:  # the runs shown above do have it
+        assert git("merge-base", "--is-ancestor", added[-1], D.run_commit(D.RESULTS / folder)).returncode == 0
