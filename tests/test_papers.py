@@ -330,9 +330,9 @@ def test_the_optimizer_floor_note_reads_the_logged_floor_and_counts_the_defaults
         D.optimizer_floor_note("0123456789")
 
 
-def test_the_warm_up_runs_say_rightly_whether_their_commit_had_the_recording_pass():
-    """Each WARMUP_RUNS entry's third field is whether its commit holds PRECOMPILE_FILE, as git's
-    history says (skipped where this checkout lacks a commit: a shallow clone)."""
+def _holds_since(*log_args: str):
+    """``holds(commit)``: whether ``commit`` descends from the oldest commit ``git log <log_args>`` names (the
+    commit that brought something in); the test is skipped where git or that history is missing (a shallow clone)."""
     import subprocess
 
     from papers import data_tables as D
@@ -341,16 +341,28 @@ def test_the_warm_up_runs_say_rightly_whether_their_commit_had_the_recording_pas
         return subprocess.run(["git", *args], cwd=D.ROOT, capture_output=True, text=True)
 
     try:
-        added = git("log", "--diff-filter=A", "--format=%H", "--", D.PRECOMPILE_FILE).stdout.split()
+        since = git("log", "--format=%H", *log_args).stdout.split()
     except OSError as exc:
         pytest.skip(f"no git here ({exc})")
-    if not added:
-        pytest.skip(f"this checkout's history does not show {D.PRECOMPILE_FILE} added (a shallow clone)")
-    for folder, _, recorded in D.WARMUP_RUNS:
-        commit = D.run_commit(D.RESULTS / folder)
+    if not since:
+        pytest.skip(f"this checkout's history shows no commit for `git log {' '.join(log_args)}` (a shallow clone)")
+
+    def holds(commit: str) -> bool:
         if git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
             pytest.skip(f"this checkout's history lacks {commit} (a shallow clone)")
-        has = git("merge-base", "--is-ancestor", added[-1], commit).returncode == 0
+        return git("merge-base", "--is-ancestor", since[-1], commit).returncode == 0
+    return holds
+
+
+def test_the_warm_up_runs_say_rightly_whether_their_commit_had_the_recording_pass():
+    """Each WARMUP_RUNS entry's third field is whether its commit holds PRECOMPILE_FILE, as git's
+    history says (skipped where this checkout lacks a commit: a shallow clone)."""
+    from papers import data_tables as D
+
+    holds = _holds_since("--diff-filter=A", "--", D.PRECOMPILE_FILE)
+    for folder, _, recorded in D.WARMUP_RUNS:
+        commit = D.run_commit(D.RESULTS / folder)
+        has = holds(commit)
         assert has == recorded, f"results/{folder} ({commit[:7]}): recording pass {has}, WARMUP_RUNS says {recorded}"
     assert "| recording pass |" in D.warmup_table()
 
@@ -398,22 +410,10 @@ def test_the_paper_s_word_on_heavyball_matches_every_stored_peers_run():
 def test_the_run_quoted_for_a_baseline_before_any_forward_predates_the_bench_s_first_forward():
     """6.2 quotes results/h200_peers/small_all/ as a baseline taken before any forward: its commit must
     not hold bench peers' first_forward (git's history decides; skipped in a shallow clone)."""
-    import subprocess
-
     from papers import data_tables as D
 
     assert "(`results/h200_peers/small_all/`) charged that workspace" in build.TEMPLATE.read_text()
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=D.ROOT, capture_output=True, text=True)
-
-    try:
-        added = git("log", "--format=%H", "-S", "def first_forward", "--", "anvil_fast/bench/peers.py").stdout.split()
-    except OSError as exc:
-        pytest.skip(f"no git here ({exc})")
-    commit = D.run_commit(D.RESULTS / "h200_peers/small_all")
-    if not added or git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
-        pytest.skip("this checkout's history lacks the commits to compare (a shallow clone)")
-    assert git("merge-base", "--is-ancestor", added[-1], commit).returncode != 0
+    holds = _holds_since("-S", "def first_forward", "--", "anvil_fast/bench/peers.py")
+    assert not holds(D.run_commit(D.RESULTS / "h200_peers/small_all"))
     for folder in D.PEERS_RUNS:  # the runs shown above do have it
-        assert git("merge-base", "--is-ancestor", added[-1], D.run_commit(D.RESULTS / folder)).returncode == 0
+        assert holds(D.run_commit(D.RESULTS / folder))
