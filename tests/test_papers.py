@@ -203,8 +203,10 @@ def test_the_spectrum_probe_s_size_in_the_prose_is_the_harness_s():
 
 
 def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch):
-    # a stored orthogonalizers table of two shapes: per shape, the package's faster row against
-    # gram-newton-schulz's faster one, whichever configuration it is; a run without its commit is refused
+    # a stored orthogonalizers table of two shapes: per shape, ANVIL's faster row against
+    # gram-newton-schulz's faster one, whichever configuration it is; the equal-work row (other maps
+    # than ANVIL's) is shown beside, never taken as ANVIL's even where faster; a run without its
+    # commit is refused
     from papers import data_tables as D
 
     log = "\n".join([
@@ -217,6 +219,8 @@ def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch
         "8x512x128      anvil GRAM_SIDE                            0.400   0.80 |        0.0060  0.99..1.01  |"
         "        0.5000  0.1..1.0",
         "8x512x128      gram-newton-schulz GramNewtonSchulz        0.450   0.90 |        0.0900  0.8..1.1  |"
+        "        0.5000  0.1..1.1",
+        "8x512x128      anvil kernels, 5 maps (polar_express_nanogpt5)   0.200   0.40 |        0.0700  0.8..1.1  |"
         "        0.5000  0.1..1.1",
         "8x512x128      gram-newton-schulz StandardNewtonSchulz    0.300   0.60 |        0.0800  0.8..1.1  |"
         "        0.5000  0.1..1.1",
@@ -233,7 +237,12 @@ def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch
     rows = [r for r in D.bank_peers_summary().splitlines()[2:]]
     assert rows[0].split(" | ")[1:4] == ["anvil GRAM_SIDE 0.400", "gram-newton-schulz StandardNewtonSchulz 0.300",
                                          "1.33"]
-    assert rows[0].endswith("0.0060 / 0.0800 |")
+    assert rows[0].endswith("0.0060 / 0.0800 | 0.200 (0.67), 0.0700 |")
+    assert rows[1].endswith(" |  |")  # a shape without the equal-work row leaves its cell empty
+    without = "\n".join(x for x in log.splitlines() if "anvil kernels" not in x)
+    (tmp_path / "run" / "bench_bank_peers.log").write_text(without + "\n")
+    table = D.bank_peers_summary().splitlines()
+    assert "count of maps" not in table[0] and table[2].endswith("0.0060 / 0.0800 |")  # a run without the row: no column
     assert rows[1].split(" | ")[1:4] == ["anvil SAFE 0.100", "gram-newton-schulz GramNewtonSchulz 0.200", "0.50"]
     with pytest.raises(FileNotFoundError, match="commit"):
         D.bank_peers()
