@@ -135,13 +135,11 @@ def bank_peers() -> str:
             f"orthopeers stage) on one H200 at commit {commit}.*")
 
 
-def bank_peers_summary() -> str:
-    """Per bank shape of :func:`bank_peers`' run: ANVIL's faster row (SAFE or GRAM_SIDE: ANVIL's maps)
-    against gram-newton-schulz's faster one, their times, ratio and Gaussian-input errors, and where the
-    run has it the equal-work row (the package's kernels on gram-newton-schulz's count of maps) with its
-    ratio to the same gram-newton-schulz row (read from the quoted table's rows)."""
-    from papers.markdown import md_table
-
+def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
+    """Per bank shape of :func:`bank_peers`' run: (ANVIL's faster row, SAFE or GRAM_SIDE: ANVIL's maps;
+    gram-newton-schulz's faster row; the equal-work row, the package's kernels on gram-newton-schulz's
+    count of maps, or None where the run has none), each row (name, ms, Gaussian-input error), read
+    from the quoted table's rows."""
     path = f"{BANK_PEERS_RUN}/bench_bank_peers.log"
     rows: dict[str, list[tuple[str, float, float]]] = {}
     for line in _section(path, "shape          orthogonalizer")[2:]:
@@ -149,22 +147,46 @@ def bank_peers_summary() -> str:
         cells = left.split()
         shape, ms, name = cells[0], float(cells[-2]), " ".join(cells[1:-2])
         rows.setdefault(shape, []).append((name, ms, float(right.split()[0])))
-    out = []
-    equal_work_seen = False
+    out = {}
     for shape, rs in rows.items():
         # the equal-work row runs other maps than ANVIL's: it is shown beside, never taken as ANVIL's time
         ours = min((r for r in rs if r[0] in ("anvil SAFE", "anvil GRAM_SIDE")), key=lambda r: r[1])
         theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
-        equal = [r for r in rs if r[0].startswith("anvil kernels, ")]
-        equal_work_seen |= bool(equal)
-        out.append([shape, f"{ours[0]} {ours[1]:.3f}", f"{theirs[0]} {theirs[1]:.3f}", f"{ours[1] / theirs[1]:.2f}",
-                    f"{ours[2]:.4f} / {theirs[2]:.4f}",
-                    f"{equal[0][1]:.3f} ({equal[0][1] / theirs[1]:.2f}), {equal[0][2]:.4f}" if equal else ""])
+        out[shape] = ours, theirs, next((r for r in rs if r[0].startswith("anvil kernels, ")), None)
+    return out
+
+
+def bank_peers_summary() -> str:
+    """Per bank shape of :func:`bank_peers_rows`: ANVIL's faster row against gram-newton-schulz's
+    faster one, their times, ratio and Gaussian-input errors, and where the run has it the equal-work
+    row with its ratio to the same gram-newton-schulz row."""
+    from papers.markdown import md_table
+
+    rows = bank_peers_rows()
+    out = [[shape, f"{ours[0]} {ours[1]:.3f}", f"{theirs[0]} {theirs[1]:.3f}", f"{ours[1] / theirs[1]:.2f}",
+            f"{ours[2]:.4f} / {theirs[2]:.4f}",
+            f"{equal[1]:.3f} ({equal[1] / theirs[1]:.2f}), {equal[2]:.4f}" if equal else ""]
+           for shape, (ours, theirs, equal) in rows.items()]
     head = ["bank", "ANVIL's faster, ms", "gram-newton-schulz's faster, ms", "ratio",
-            "Gaussian err (ANVIL / gram-newton-schulz)", "the package's kernels on gram-newton-schulz's count of maps: ms (ratio), err"]
-    if not equal_work_seen:
+            "Gaussian err (ANVIL / gram-newton-schulz)",
+            "the package's kernels on gram-newton-schulz's count of maps: ms (ratio), err"]
+    if not any(equal for *_, equal in rows.values()):
         head, out = head[:-1], [r[:-1] for r in out]
     return md_table(head, out)
+
+
+def bank_peers_verdict() -> str:
+    """The bank goal read from :func:`bank_peers_rows` at the table's printed precision: the banks where
+    ANVIL's faster row is at or below gram-newton-schulz's faster one, those where it is above (with both
+    times), and on how many ANVIL's Gaussian-input error is the smaller."""
+    rows = bank_peers_rows()
+    below = [s for s, (o, t, _) in rows.items() if round(o[1], 3) <= round(t[1], 3)]
+    above = [f"{s} ({o[1]:.3f} against {t[1]:.3f} ms)" for s, (o, t, _) in rows.items() if round(o[1], 3) > round(t[1], 3)]
+    smaller = sum(o[2] < t[2] for o, t, _ in rows.values())
+    text = f"at or below it on {len(below)} of {len(rows)} banks" + (f" ({', '.join(below)})" if below else "")
+    if above:
+        text += f" and above it on {', '.join(above)}"
+    return text + f"; ANVIL's Gaussian-input error is the smaller on {smaller} of {len(rows)}"
 
 
 def optimizer_floor_note(commit: str) -> str:
@@ -447,7 +469,8 @@ def values() -> dict[str, str]:
             "host_medium_spin_saving": f"{100 * (1 - spin[total] / sync[total]):.0f}%",
             "gram_side_384_ab": gram_side_384_ab(), "held_gpt2medium": held_text(PEERS_LARGER_RUNS[0], "gpt2medium"),
             "gram_side_tail": gram_side_tail(), "host_factor_machines": host_factor_text(),
-            "repeats_small_anvil_host": repeats_host_range(PEERS_REPEATS[0])}
+            "repeats_small_anvil_host": repeats_host_range(PEERS_REPEATS[0]),
+            "bank_peers_verdict": bank_peers_verdict()}
 
 
 #: Single peers runs of one size on two machines, (earlier, later): every peer's host column between them.

@@ -239,6 +239,9 @@ def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch
                                          "1.33"]
     assert rows[0].endswith("0.0060 / 0.0800 | 0.200 (0.67), 0.0700 |")
     assert rows[1].endswith(" |  |")  # a shape without the equal-work row leaves its cell empty
+    # the verdict: the equal-work row (faster on 8x512x128) does not count as ANVIL's
+    assert D.bank_peers_verdict() == ("at or below it on 1 of 2 banks (4x64x64) and above it on 8x512x128 (0.400 "
+                                      "against 0.300 ms); ANVIL's Gaussian-input error is the smaller on 2 of 2")
     without = "\n".join(x for x in log.splitlines() if "anvil kernels" not in x)
     (tmp_path / "run" / "bench_bank_peers.log").write_text(without + "\n")
     table = D.bank_peers_summary().splitlines()
