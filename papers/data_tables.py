@@ -140,6 +140,8 @@ def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     gram-newton-schulz's faster row; the equal-work row, the package's kernels on gram-newton-schulz's
     count of maps, or None where the run has none), each row (name, ms, Gaussian-input error), read
     from the quoted table's rows."""
+    from anvil_fast.bench.bank import ANVIL_ROWS, EQUAL_WORK_ROW
+
     path = f"{BANK_PEERS_RUN}/bench_bank_peers.log"
     rows: dict[str, list[tuple[str, float, float]]] = {}
     for line in _section(path, "shape          orthogonalizer")[2:]:
@@ -150,9 +152,9 @@ def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     out = {}
     for shape, rs in rows.items():
         # the equal-work row runs other maps than ANVIL's: it is shown beside, never taken as ANVIL's time
-        ours = min((r for r in rs if r[0] in ("anvil SAFE", "anvil GRAM_SIDE")), key=lambda r: r[1])
+        ours = min((r for r in rs if r[0] in ANVIL_ROWS), key=lambda r: r[1])
         theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
-        out[shape] = ours, theirs, next((r for r in rs if r[0].startswith("anvil kernels, ")), None)
+        out[shape] = ours, theirs, next((r for r in rs if r[0] == EQUAL_WORK_ROW), None)
     return out
 
 
