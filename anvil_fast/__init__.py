@@ -39,6 +39,7 @@ module                         concept
                                work-arounds
 ``kernels.compiled``           whether a function runs through ``torch.compile``
 ``kernels.capture``            the one warm-up-then-capture sequence of a CUDA graph
+``kernels.streams``            the one fork of work onto side streams and its join (``run_forked``)
 ``kernels.precompile``         a pass whose Triton launches are recorded, their kernels compiled on a pool
                                of threads (the captures' first step compiles side by side)
 ``kernels.timing``             the package's timers (CUDA events on a GPU, the wall clock elsewhere;

@@ -136,11 +136,12 @@ def bank_peers() -> str:
 
 
 def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
-    """Per bank shape of :func:`bank_peers`' run: (ANVIL's faster row, SAFE or GRAM_SIDE: ANVIL's maps;
+    """Per bank shape of :func:`bank_peers`' run: (ANVIL's faster row, SAFE or GRAM_SIDE on one stream or
+    split over streams where the run has those rows: ANVIL's maps;
     gram-newton-schulz's faster row; the equal-work row, the package's kernels on gram-newton-schulz's
     count of maps, or None where the run has none), each row (name, ms, Gaussian-input error), read
     from the quoted table's rows."""
-    from anvil_fast.bench.bank import ANVIL_ROWS, EQUAL_WORK_ROW
+    from anvil_fast.bench.bank import EQUAL_WORK_ROW, is_anvil_row
 
     path = f"{BANK_PEERS_RUN}/bench_bank_peers.log"
     rows: dict[str, list[tuple[str, float, float]]] = {}
@@ -152,7 +153,7 @@ def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     out = {}
     for shape, rs in rows.items():
         # the equal-work row runs other maps than ANVIL's: it is shown beside, never taken as ANVIL's time
-        ours = min((r for r in rs if r[0] in ANVIL_ROWS), key=lambda r: r[1])
+        ours = min((r for r in rs if is_anvil_row(r[0])), key=lambda r: r[1])
         theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
         out[shape] = ours, theirs, next((r for r in rs if r[0] == EQUAL_WORK_ROW), None)
     return out

@@ -131,3 +131,41 @@ def test_the_equal_work_row_runs_five_maps_in_the_banks_default_configuration():
     # on the CPU every bank's default configuration is SAFE
     assert torch.equal(fns[name](x), fast_cascade(x, maps=B.EQUAL_WORK_MAPS, config=SAFE))
     assert not torch.equal(fns[name](x), fns["anvil SAFE"](x))
+
+
+def test_the_split_rows_run_anvils_maps_on_streams(monkeypatch):
+    # the rows a bank goal is judged by: SAFE and GRAM_SIDE on one stream and split over SPLIT_STREAMS,
+    # every one ANVIL's maps, each split row the bits of its one-stream row
+    import anvil_fast.core.cascade as casc
+
+    real, seen = casc.fast_cascade, []
+
+    def spy(x, **kw):
+        seen.append((kw["config"].name, kw.get("streams", 1), kw.get("maps")))
+        return real(x, **kw)
+
+    monkeypatch.setattr(casc, "fast_cascade", spy)
+    fns = B.orthogonalizers()
+    x = torch.randn(3, 96, 32, generator=torch.Generator().manual_seed(4))
+    outs = {name: fns[name](x) for name in B.ANVIL_ROWS}
+    assert seen == [("safe", 1, None), ("gram_side", 1, None), ("safe", B.SPLIT_STREAMS, None),
+                    ("gram_side", B.SPLIT_STREAMS, None)]
+    assert B.SPLIT_STREAMS > 1
+    for cfg in ("SAFE", "GRAM_SIDE"):
+        assert torch.equal(outs[f"anvil {cfg}, {B.SPLIT_STREAMS} streams"], outs[f"anvil {cfg}"]), cfg
+
+
+def test_anvils_rows_are_told_by_name():
+    assert all(B.is_anvil_row(n) for n in B.ANVIL_ROWS) and len(set(B.ANVIL_ROWS)) == 4
+    assert B.anvil_row("SAFE", 3) == "anvil SAFE, 3 streams" and B.is_anvil_row("anvil SAFE, 3 streams")
+    for other in (B.EQUAL_WORK_ROW, "gram-newton-schulz GramNewtonSchulz", "anvil SAFE, streams", "anvil FAITHFUL"):
+        assert not B.is_anvil_row(other), other
+
+
+def test_split_streams_below_two_are_refused(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ap = argparse.ArgumentParser()
+    B.add_args(ap)
+    for bad in ("1", "2,x"):
+        assert B.run(ap.parse_args(["--split-streams", bad])) == 2
+        assert "--split-streams: counts of at least 2 expected" in capsys.readouterr().out

@@ -190,3 +190,83 @@ def test_eager_bf16_cascade_with_a_cubic_map():
     ref = torch.as_tensor(cascade(x, maps=maps))
     assert torch.isfinite(out).all()
     assert (out - ref).norm() / ref.norm() < 0.05  # bf16 rounding over 8 maps; the bug gives O(1)
+
+
+# ------------------------------------------------------------------ a bank run as parts on streams
+def _bits(y: torch.Tensor) -> torch.Tensor:
+    return y.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("config,maps", [("safe", None), ("gram_side", None), ("faithful", None),
+                                         ("safe", "polar_express_nanogpt5")])
+def test_fast_cascade_on_streams_is_the_whole_bank_bit_for_bit(triton_dev, config, maps):
+    """The bank run as parts of consecutive matrices (each on its own CUDA stream on a GPU, one after another
+    on the CPU) writes the one-stream result bit for bit: part counts that divide the chunk, that do not,
+    and one past it; tall, wide and square banks (the tall one of aspect 3 runs the Gram side under
+    GRAM_SIDE). A part that read another's rows or scale changes bits; five maps leave the result in the
+    other buffer than six, so a split that returned the wrong one of the whole's buffers is seen too."""
+    from anvil_fast.core.cascade import fast_cascade
+    from anvil_ref.constants import ANVIL_MAPS
+
+    maps = ANVIL_MAPS if maps is None else maps
+
+    big = triton_dev == "cuda"
+    shapes = [(5, 1152, 384), (5, 256, 768), (4, 256, 256)] if big else [(5, 96, 32), (5, 24, 40), (4, 32, 32)]
+    backend = "auto" if big else "triton"
+    for shape in shapes:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(31)).to(triton_dev)
+        x[1] *= 1e-3  # matrices of other scales: a part that normalized with another's scale is seen
+        whole = fast_cascade(x, config=config, maps=maps, backend=backend)
+        assert torch.isfinite(whole.float()).all()
+        for n in (2, 3, 6):
+            y = fast_cascade(x, config=config, maps=maps, backend=backend, streams=n)
+            assert torch.equal(_bits(y), _bits(whole)), (config, shape, n)
+
+
+def test_workspace_parts_are_views_of_consecutive_matrices():
+    from anvil_fast.core.cascade import CascadeWorkspace
+
+    ws = CascadeWorkspace.for_shape((5, 8, 12), "cpu")
+    parts = ws.parts(2)
+    assert [p.X.shape[0] for p in parts] == [3, 2]
+    assert ws.parts(2) is parts  # made once
+    for p, lo in zip(parts, (0, 3)):
+        for mine, whole in ((p.X, ws.X), (p.C, ws.C), (p.A, ws.A), (p.B, ws.B), (p.scale, ws.scale),
+                            (p.partials.d, ws.partials.d), (p.partials.sumsq, ws.partials.sumsq)):
+            assert mine.data_ptr() == whole[lo].data_ptr() and mine.shape[1:] == whole.shape[1:]
+    assert len(ws.parts(9)) == 5  # capped by the chunk
+    assert all(p.gram_side is None for p in parts)
+    from anvil_fast.core.gram_side import GramSideWork
+    ws.gram_side = GramSideWork.for_workspace(ws)
+    again = ws.parts(2)  # made anew so that the parts view the Gram side's buffers too
+    assert again is not parts and again[1].gram_side.R.data_ptr() == ws.gram_side.R[3].data_ptr()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
+def test_fast_cascade_refuses_what_is_not_a_stream_count(bad):
+    from anvil_fast.core.cascade import fast_cascade
+
+    with pytest.raises(ValueError, match="streams: expected an int >= 1"):
+        fast_cascade(torch.randn(2, 8, 8), streams=bad, backend="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["safe", "gram_side"])
+def test_fast_cascade_on_streams_captured_in_a_graph(config):
+    """The split cascade captured in a CUDA graph (the fork and the join as the graph's edges) and
+    replayed on new input writes the one-stream eager result of that input bit for bit."""
+    from anvil_fast.core.cascade import fast_cascade
+    from anvil_fast.kernels.capture import capture
+
+    shape = (6, 1152, 384) if config == "gram_side" else (6, 768, 768)
+    x = torch.randn(shape, device="cuda")
+    out = {}
+
+    def run():
+        out["y"] = fast_cascade(x, config=config, streams=2)
+
+    graph = capture(run, warmup=2, device=x.device)
+    x.copy_(torch.randn(shape, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(out["y"]), _bits(fast_cascade(x, config=config))), config

@@ -36,8 +36,9 @@
 #           results/h200_orthogonalizers/)
 #   nothinglost  SAFE's chunk independence, its near-rank-1 study (fp64 and the fast SAFE path) and
 #           python -m anvil_fast.bench optimizer (the GPT-2-small layout against its floor)
-#   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, gram-newton-schulz
-#           on the GPT-2 small and medium banks, or on PEER_SHAPES; .gns from tools/gns_bundle.sh carried)
+#   orthopeers  python -m anvil_fast.bench bank's orthogonalizers table alone (SAFE, GRAM_SIDE, each also split
+#           over SPLIT_STREAMS streams (default 2; e.g. 2,3,4), gram-newton-schulz on the GPT-2 small and medium
+#           banks, or on PEER_SHAPES; .gns from tools/gns_bundle.sh carried)
 #   tunedtable  tools/gram_tuned_table.py: the Gram kernels' shipped tuning decisions for this device, into
 #           anvil_fast/kernels/gram_tuned.json here (later stages of the call use it) and $OUT (commit it)
 #   pyc     compileall of the installed packages into PYCACHE (an installed environment's bytecode; before warmup)
@@ -293,7 +294,7 @@ for stage in ${STAGES:-suite bench}; do
              timeout "${T_OPTBENCH:-100}" python3 -m anvil_fast.bench optimizer 2>&1 | tee "$OUT/bench_optimizer.log" | tail -10 ;;
     orthopeers) install_peers
            timeout "${T_ORTHOPEERS:-300}" python3 -m anvil_fast.bench bank --shapes '' --gram-side-shapes '' --rep-ms 50 \
-             ${PEER_SHAPES:+--peer-shapes "$PEER_SHAPES"} --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
+             ${PEER_SHAPES:+--peer-shapes "$PEER_SHAPES"} ${SPLIT_STREAMS:+--split-streams "$SPLIT_STREAMS"} --no-progress 2>&1 | tee "$OUT/bench_bank_peers.log" | tail -16 ;;
     tunedtable) timeout "${T_TUNEDTABLE:-300}" python3 tools/gram_tuned_table.py --note "${TUNED_NOTE:-}" 2>&1 \
              | tee "$OUT/gram_tuned_table.log" | grep -v "^    " | tail -40
              cp anvil_fast/kernels/gram_tuned.json "$OUT/" 2>/dev/null ;;

@@ -22,7 +22,9 @@ The banks step with the record's rail scalars at the top of the momentum schedul
 from __future__ import annotations
 
 import argparse
+import re
 import time
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -282,28 +284,46 @@ def _family(shape, family: str, seed: int = 0) -> torch.Tensor:
 #: ``anvil_ref/map_sets``) execute the same products; that row's time against gram-newton-schulz's
 #: compares kernels at equal work, and its error columns say what the sixth map of ANVIL_MAPS buys.
 EQUAL_WORK_MAPS = "polar_express_nanogpt5"
-#: The orthogonalizers table's rows that run ANVIL's maps (what a bank goal is judged by), and its
-#: equal-work row (other maps: a comparison of kernels, never ANVIL's time).
-ANVIL_ROWS = ("anvil SAFE", "anvil GRAM_SIDE")
+#: The parts of a bank run at once on their own streams in the default split rows (``fast_cascade(...,
+#: streams=SPLIT_STREAMS)``: the same bits as the one-stream row, another schedule on the GPU);
+#: ``--split-streams`` picks other counts.
+SPLIT_STREAMS = 2
+
+
+def anvil_row(config: str, streams: int = 1) -> str:
+    """The orthogonalizers table's name of ANVIL's cascade in ``config`` (``"SAFE"``, ``"GRAM_SIDE"``),
+    split over ``streams`` streams where that is more than one."""
+    return f"anvil {config}" + (f", {streams} streams" if streams > 1 else "")
+
+
+def is_anvil_row(name: str) -> bool:
+    """Whether a row of the orthogonalizers table runs ANVIL's maps (what a bank goal is judged by)."""
+    return re.fullmatch(r"anvil (SAFE|GRAM_SIDE)(, \d+ streams)?", name) is not None
+
+
+#: The orthogonalizers table's rows that run ANVIL's maps by default: SAFE and GRAM_SIDE on one stream and
+#: split over SPLIT_STREAMS; and its equal-work row (other maps: a comparison of kernels, never ANVIL's time).
+ANVIL_ROWS = tuple(anvil_row(c, s) for s in (1, SPLIT_STREAMS) for c in ("SAFE", "GRAM_SIDE"))
 EQUAL_WORK_ROW = f"anvil kernels, 5 maps ({EQUAL_WORK_MAPS})"
 
 
-def orthogonalizers() -> dict[str, Callable]:
+def orthogonalizers(split_streams: Sequence[int] = (SPLIT_STREAMS,)) -> dict[str, Callable]:
     """name -> a function of a bf16 bank [c, m, n] returning its orthogonalization (a new tensor):
-    the package's SAFE and GRAM_SIDE cascades, its kernels on :data:`EQUAL_WORK_MAPS` in the
+    the package's SAFE and GRAM_SIDE cascades on one stream and split over each count of
+    ``split_streams``, its kernels on :data:`EQUAL_WORK_MAPS` in the
     configuration a bank of that shape gets by default, and, where ``gram_newton_schulz`` imports (its
     CUDA kernels need ``quack-kernels`` on a Hopper or newer GPU), Dao AI Lab's ``GramNewtonSchulz`` and
     ``StandardNewtonSchulz`` with their defaults (Polar Express coefficients, fp16, the Gram
     iteration's restart at its default position, ``torch.compile(mode="reduce-overhead")``)."""
     from anvil_fast.core.cascade import GRAM_SIDE, SAFE, default_config_for, fast_cascade
 
-    def anvil(cfg):
-        return lambda x: fast_cascade(x, config=cfg)
+    def anvil(cfg, streams=1):
+        return lambda x: fast_cascade(x, config=cfg, streams=streams)
 
     def equal_work(x):
         return fast_cascade(x, maps=EQUAL_WORK_MAPS, config=default_config_for(tuple(x.shape), x.device))
 
-    out = dict(zip(ANVIL_ROWS, (anvil(SAFE), anvil(GRAM_SIDE))))
+    out = {anvil_row(c.name.upper(), s): anvil(c, s) for s in (1, *split_streams) for c in (SAFE, GRAM_SIDE)}
     out[EQUAL_WORK_ROW] = equal_work
     try:
         from gram_newton_schulz import GramNewtonSchulz, StandardNewtonSchulz
@@ -325,12 +345,13 @@ def _accuracy(y: torch.Tensor, x: torch.Tensor) -> dict:
     return dict(err_polar=float(err), sigma_min=float(sv.min()), sigma_max=float(sv.max()))
 
 
-def peer_rows(shapes, *, rep_ms: int, fns: dict[str, Callable] | None = None) -> list[dict]:
+def peer_rows(shapes, *, rep_ms: int, fns: dict[str, Callable] | None = None,
+              split_streams: Sequence[int] = (SPLIT_STREAMS,)) -> list[dict]:
     """Per bank shape and orthogonalizer: the call's time (``do_bench``, median; each function as
     its library runs it: the package's cascades captured in a CUDA graph, gram-newton-schulz
     compiled with its own CUDA graphs) and its accuracy on :data:`ACCURACY_FAMILIES` (the first
     :data:`ACCURACY_MATRICES` matrices of a bank of each, from the same bf16 input for all)."""
-    fns = orthogonalizers() if fns is None else fns
+    fns = orthogonalizers(split_streams) if fns is None else fns
     rows = []
     for shape in shapes:
         x = _family(shape, "gaussian").bfloat16()
@@ -342,7 +363,7 @@ def peer_rows(shapes, *, rep_ms: int, fns: dict[str, Callable] | None = None) ->
                 for fam, xa in acc_in.items():
                     r[fam] = _accuracy(f(xa).float(), xa.float())
                 f(x)  # compilation, autotuning and workspaces outside the timed part
-                if name.startswith("anvil"):
+                if name.startswith("anvil"):  # the package's rows: captured, as its optimizers run them
                     r["ms"], r["mode"] = _bench(graphed(lambda: f(x)), rep_ms=rep_ms), "graphed"
                 else:
                     r["ms"], r["mode"] = _bench(lambda: f(x), rep_ms=rep_ms), "its own compile"
@@ -386,6 +407,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-shapes", default=",".join("x".join(map(str, s)) for s in PEER_SHAPES),
                     help="shapes of the orthogonalizers' table (SAFE, GRAM_SIDE, gram-newton-schulz; '' skips it; "
                          "default: %(default)s)")
+    ap.add_argument("--split-streams", default=str(SPLIT_STREAMS),
+                    help="stream counts of the orthogonalizers' split rows, comma-separated (each a row of SAFE "
+                         "and one of GRAM_SIDE, the bank run as that many parts at once; '' none; default: "
+                         "%(default)s)")
     ap.add_argument("--gram-side-shapes", default=",".join("x".join(map(str, s)) for s in GRAM_SIDE_SHAPES),
                     help="shapes of the Gram-side table ('' skips it; default: %(default)s)")
 
@@ -395,6 +420,13 @@ def run(a: argparse.Namespace) -> int:
         print("anvil_fast.bench bank: needs a CUDA device (timings come only from GPU runs)")
         return 2
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
+    try:
+        split = tuple(int(v) for v in a.split_streams.split(",") if v)
+    except ValueError:
+        split = (0,)
+    if any(k < 2 for k in split):
+        print(f"anvil_fast.bench bank: --split-streams: counts of at least 2 expected, got {a.split_streams!r}")
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     tflops, gbs = measure_peaks()
     import triton
@@ -409,7 +441,7 @@ def run(a: argparse.Namespace) -> int:
     gs_shapes = [tuple(int(v) for v in s.split("x")) for s in a.gram_side_shapes.split(",") if s]
     gs_rows = gram_side_rows(gs_shapes, rep_ms=a.rep_ms) if gs_shapes else []
     peer_shapes = [tuple(int(v) for v in s.split("x")) for s in a.peer_shapes.split(",") if s]
-    p_rows = peer_rows(peer_shapes, rep_ms=a.rep_ms) if peer_shapes else []
+    p_rows = peer_rows(peer_shapes, rep_ms=a.rep_ms, split_streams=split) if peer_shapes else []
     for part in (lambda: "\n".join(report_lines()), lambda: format_phases(rows, tflops, gbs) if rows else "",
                  lambda: format_bank(rows, tflops, gbs) if rows else "",
                  lambda: format_gram_side(gs_rows) if gs_rows else "",
@@ -423,4 +455,4 @@ def run(a: argparse.Namespace) -> int:
 
 __all__ = ["SHAPES", "add_args", "run", "bank_rows", "format_bank", "format_phases", "GRAM_SIDE_SHAPES",
            "gram_side_rows", "format_gram_side", "PEER_SHAPES", "EQUAL_WORK_MAPS", "orthogonalizers", "peer_rows",
-           "format_peers"]
+           "format_peers", "SPLIT_STREAMS", "ANVIL_ROWS", "EQUAL_WORK_ROW", "anvil_row", "is_anvil_row"]

@@ -66,6 +66,7 @@ those models.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,7 @@ from .gram_side import GRAM_SIDE_RESTARTS, STUDIED, GramSideWork, restart_produc
 from anvil_fast.kernels.plus_identity import plus_identity_
 from anvil_fast.kernels.normalize import NormPartials, block_partials, normalize_from_partials
 from anvil_fast.kernels.rails import BF16_MAX, PRESCALE_EXP_LIMIT
+from anvil_fast.kernels.streams import run_forked, side_streams
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,33 @@ class CascadeWorkspace:
     equalizer: EqualizerWork | None = field(default=None, repr=False)
     #: the Gram side's square buffers (:class:`anvil_fast.core.gram_side.GramSideWork`), allocated at its first run
     gram_side: object | None = field(default=None, repr=False)
+    #: :meth:`parts` made so far, by count
+    _parts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def parts(self, n: int) -> list["CascadeWorkspace"]:
+        """This workspace as ``n`` workspaces of consecutive matrices (``n`` capped by the chunk; the first
+        ``chunk % n`` parts hold one matrix more): views of these buffers, so a cascade run part by part
+        reads and writes where the whole one does and needs no memory of its own. Made once per ``n``
+        (and again after the Gram side's buffers are allocated, so the parts view them too)."""
+        chunk = self.X.shape[0]
+        n = max(1, min(int(n), chunk))
+        made = self._parts.get(n)
+        if made is not None and (self.gram_side is None) == (made[0].gram_side is None):
+            return made
+        sizes = [chunk // n + (1 if i < chunk % n else 0) for i in range(n)]
+        out, lo = [], 0
+        for size in sizes:
+            cut = slice(lo, lo + size)
+            out.append(CascadeWorkspace(
+                X=self.X[cut], C=self.C[cut], A=self.A[cut], B=self.B[cut], scale=self.scale[cut],
+                partials=None if self.partials is None else
+                NormPartials(amax=self.partials.amax[cut], sumsq=self.partials.sumsq[cut], d=self.partials.d[cut]),
+                equalizer=None,  # the bank update's, never the cascade's
+                gram_side=None if self.gram_side is None else
+                GramSideWork(P=self.gram_side.P[cut], R=self.gram_side.R[cut], R2=self.gram_side.R2[cut])))
+            lo += size
+        self._parts[n] = out
+        return out
 
     @classmethod
     def for_shape(cls, shape: tuple[int, ...], device) -> "CascadeWorkspace":
@@ -254,18 +283,55 @@ def normalize_workspace(ws: CascadeWorkspace, cfg: CascadeConfig, *, margin: flo
         norm(X, ws.A, ws.scale, cfg.fp32_trace, cfg.prescale, cfg.margin(margin), float(eps))
 
 
+def check_streams(streams) -> int:
+    """``streams`` as an int >= 1, or a ValueError saying what was wrong."""
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams: expected an int >= 1 (the number of parts of the bank run at once), "
+                         f"got {streams!r}")
+    return streams
+
+
+def _run_parts(ws: CascadeWorkspace, streams: int, run) -> Tensor:
+    """``run(part)`` for each of ``ws.parts(streams)``, each part on its own side stream on CUDA (in order on
+    the current stream elsewhere), joined back; returns the whole workspace's buffer that holds the result.
+
+    Why parts on streams: a bank's matrices are independent and every kernel computes each matrix as it
+    would in a bank of any size (the sharded update's chunk independence, bit for bit), so the parts give
+    the whole's bits. Run at once, one part's kernels fill the SMs that another's last wave of tiles and
+    its launch gaps leave idle, which a single stream of a bank's 768- or 1024-wide products does not
+    (a few hundred tiles per launch on 132 SMs: the last wave partly empty, ``anvil_fast/NOTES.md``)."""
+    parts = ws.parts(streams)
+    device = ws.X.device
+    side = side_streams(device, len(parts)) if device.type == "cuda" else [None] * len(parts)
+    outs = run_forked([(s, functools.partial(run, part)) for s, part in zip(side, parts)], device)
+    whole = []
+    for part, out in zip(parts, outs):
+        whole.append(next((w for w, p in ((ws.X, part.X), (ws.C, part.C)) if out.data_ptr() == p.data_ptr()), None))
+    if whole[0] is None or any(w is not whole[0] for w in whole):
+        raise RuntimeError("the cascade's parts left their results in different buffers")  # one schedule: never
+    return whole[0]
+
+
 def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
                       split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
-                      backend: str = "auto", compile: bool | None = None, partials_ready: bool = False) -> Tensor:
+                      backend: str = "auto", compile: bool | None = None, partials_ready: bool = False,
+                      streams: int = 1) -> Tensor:
     """Run the cascade on ``ws.X`` (bf16; the config's prescale is applied here and its factor left in
     ``ws.scale``); returns the buffer (``ws.X`` or ``ws.C``) holding the result. ``split``: the seed's two-kernel
     ``a X + X B`` (default: rows > SPLIT_BADDBMM_MIN_ROWS); ignored when the config fuses it.
     ``partials_ready``: ``ws.partials`` already holds the partials of this X (the fused rails wrote
-    them), so the fused normalization skips its own pass over X."""
+    them), so the fused normalization skips its own pass over X. ``streams``: the bank run as that many
+    parts of consecutive matrices, each on its own CUDA stream (:func:`_run_parts`; the same bits)."""
     cfg = get_config(config)
     maps_ = load_maps(maps)
     X, C, A, B = ws.X, ws.C, ws.A, ws.B
     sched = gram_side_schedule(cfg, X.shape, maps=maps_, device=X.device)
+    if check_streams(streams) > 1 and X.shape[0] > 1:
+        if sched is not None and ws.gram_side is None:
+            ws.gram_side = GramSideWork.for_workspace(ws)
+        return _run_parts(ws, streams, lambda part: cascade_workspace(
+            part, maps=maps_, config=cfg, split=split, margin=margin, eps=eps, backend=backend, compile=compile,
+            partials_ready=partials_ready))
     if sched is not None:
         return gram_side_workspace(ws, maps=maps_, config=cfg, margin=margin, eps=eps, backend=backend,
                                    compile=compile, partials_ready=partials_ready, restarts=sched)
@@ -299,22 +365,23 @@ def cascade_workspace(ws: CascadeWorkspace, *, maps: MapsLike = ANVIL_MAPS, conf
 
 def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfig | str = DEFAULT_CONFIG,
                  split: bool | None = None, margin: float = FROBENIUS_MARGIN, eps: float = FROBENIUS_EPS,
-                 backend: str = "auto", compile: bool | None = None) -> Tensor:
+                 backend: str = "auto", compile: bool | None = None, streams: int = 1) -> Tensor:
     """The fast cascade of ``x`` ([..., rows, cols], any float dtype; cast to bf16 as the seed casts
     its fp32 lookahead). Returns a new bf16 tensor of x's shape. ``margin`` is the base margin (the
-    SAFE config widens it by SAFE_MARGIN_SLACK)."""
+    SAFE config widens it by SAFE_MARGIN_SLACK). ``streams``: see :func:`cascade_workspace`."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
         raise ValueError(f"x: expected a floating-point tensor [..., rows, cols], got "
                          f"{type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
     if x.shape[-1] == 0 or x.shape[-2] == 0:
         raise ValueError(f"x: matrices must have at least one row and one column, got {tuple(x.shape)}")
     cfg = get_config(config)
+    check_streams(streams)
     lead = x.shape[:-2]
     x3 = x.reshape(-1, *x.shape[-2:])
     ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
     maybe_compiled(_safe_cast, want_compile(compile, x))(x3, ws.X, cfg.prescale)
     y = cascade_workspace(ws, maps=maps, config=cfg, split=split, margin=margin, eps=eps, backend=backend,
-                          compile=compile)
+                          compile=compile, streams=streams)
     return y.reshape(*lead, *y.shape[-2:])
 
 

@@ -19,11 +19,14 @@ the cascade's FLOPs up to a constant), each to the lane with the least work so f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from anvil_fast.kernels.streams import run_forked
 
 #: Side streams of the banks (at most this many run concurrently).
 MAX_LANES = 4
@@ -71,36 +74,12 @@ def make_lanes(items: Sequence[Any], works: Sequence[float], n_lanes: int, devic
 def run_on_lanes(lanes: Sequence[Lane], update: Callable[[Any], None], device: torch.device, *,
                  on_lanes: bool = True, then: Callable[[], None] | None = None) -> None:
     """``update(bank)`` for every bank, each lane's on its stream after the current ("main") stream's
-    work so far; ``then()`` on the main stream meanwhile; then the main stream waits for every lane.
-    ``on_lanes=False``: everything on the current stream, in lane order, then ``then()``."""
-    main = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    forked = []
-    try:
-        for lane in lanes:
-            if lane.stream is None or not on_lanes:
-                for bank in lane.banks:
-                    update(bank)
-                continue
-            lane.stream.wait_stream(main)
-            forked.append(lane.stream)
-            with torch.cuda.stream(lane.stream):
-                for bank in lane.banks:
-                    update(bank)
-        if then is not None:
-            then()
-    except BaseException:
-        # Join what was forked before the error propagates: a CUDA graph capture that an update broke
-        # ends on its stream only with every forked stream joined back (the generator it held is put
-        # back by anvil_fast.kernels.capture.generator_kept). A join that the broken capture refuses as
-        # well changes nothing for the caller.
-        for stream in forked:
-            try:
-                main.wait_stream(stream)
-            except RuntimeError:
-                pass
-        raise
-    for stream in forked:
-        main.wait_stream(stream)
+    work so far; ``then()`` on the main stream meanwhile; then the main stream waits for every lane
+    (:func:`anvil_fast.kernels.streams.run_forked`). ``on_lanes=False``: everything on the current
+    stream, in lane order, then ``then()``."""
+    jobs = [(lane.stream if on_lanes else None, functools.partial(update, bank))
+            for lane in lanes for bank in lane.banks]
+    run_forked(jobs, device, then=then)
 
 
 __all__ = ["MAX_LANES", "Lane", "bank_work", "plan_lanes", "make_lanes", "run_on_lanes"]
