@@ -295,11 +295,12 @@ def _run_parts(ws: CascadeWorkspace, streams: int, run) -> Tensor:
     """``run(part)`` for each of ``ws.parts(streams)``, each part on its own side stream on CUDA (in order on
     the current stream elsewhere), joined back; returns the whole workspace's buffer that holds the result.
 
-    Why parts on streams: a bank's matrices are independent and every kernel computes each matrix as it
-    would in a bank of any size (the sharded update's chunk independence, bit for bit), so the parts give
-    the whole's bits. Run at once, one part's kernels fill the SMs that another's last wave of tiles and
-    its launch gaps leave idle, which a single stream of a bank's 768- or 1024-wide products does not
-    (a few hundred tiles per launch on 132 SMs: the last wave partly empty, ``anvil_fast/NOTES.md``)."""
+    Why parts on streams: a bank's matrices are independent, and every kernel computes each matrix as it
+    would in a bank of any size (the sharded update's chunk independence, bit for bit; the tuner's Triton
+    candidates all sum alike, and cuBLAS, which does not, is a candidate only on request), so the parts
+    give the whole's bits. Run at once, one part's kernels can fill the SMs that another's last wave of
+    tiles and its launch gaps leave idle: a 24 x 768 x 768 bank's ``a X + B X`` is 432 tiles of 128 x 256,
+    3.3 waves on 132 SMs, and its 18 products run one after another on one stream."""
     parts = ws.parts(streams)
     device = ws.X.device
     side = side_streams(device, len(parts)) if device.type == "cuda" else [None] * len(parts)
