@@ -376,7 +376,6 @@ def fast_cascade(x: Tensor, *, maps: MapsLike = ANVIL_MAPS, config: CascadeConfi
     if x.shape[-1] == 0 or x.shape[-2] == 0:
         raise ValueError(f"x: matrices must have at least one row and one column, got {tuple(x.shape)}")
     cfg = get_config(config)
-    check_streams(streams)
     lead = x.shape[:-2]
     x3 = x.reshape(-1, *x.shape[-2:])
     ws = CascadeWorkspace.for_shape(tuple(x3.shape), x.device)
