@@ -135,6 +135,18 @@ def bank_peers() -> str:
             f"orthopeers stage) on one H200 at commit {commit}.*")
 
 
+def _orthogonalizer_rows(path: str) -> dict[str, list[tuple[str, float, float]]]:
+    """The rows of the orthogonalizers table in results/PATH by bank shape, each (name, ms, Gaussian-input
+    error), in the table's order."""
+    rows: dict[str, list[tuple[str, float, float]]] = {}
+    for line in _section(path, "shape          orthogonalizer")[2:]:
+        left, _, right = line.partition("|")
+        cells = left.split()
+        shape, ms, name = cells[0], float(cells[-2]), " ".join(cells[1:-2])
+        rows.setdefault(shape, []).append((name, ms, float(right.split()[0])))
+    return rows
+
+
 def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     """Per bank shape of :func:`bank_peers`' run: (ANVIL's faster row, SAFE or GRAM_SIDE on one stream or
     split over streams where the run has those rows: ANVIL's maps;
@@ -143,15 +155,8 @@ def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     from the quoted table's rows."""
     from anvil_fast.bench.bank import EQUAL_WORK_ROW, is_anvil_row
 
-    path = f"{BANK_PEERS_RUN}/bench_bank_peers.log"
-    rows: dict[str, list[tuple[str, float, float]]] = {}
-    for line in _section(path, "shape          orthogonalizer")[2:]:
-        left, _, right = line.partition("|")
-        cells = left.split()
-        shape, ms, name = cells[0], float(cells[-2]), " ".join(cells[1:-2])
-        rows.setdefault(shape, []).append((name, ms, float(right.split()[0])))
     out = {}
-    for shape, rs in rows.items():
+    for shape, rs in _orthogonalizer_rows(f"{BANK_PEERS_RUN}/bench_bank_peers.log").items():
         # the equal-work row runs other maps than ANVIL's: it is shown beside, never taken as ANVIL's time
         ours = min((r for r in rs if is_anvil_row(r[0])), key=lambda r: r[1])
         theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
@@ -190,6 +195,48 @@ def bank_peers_verdict() -> str:
     if above:
         text += f" and above it on {', '.join(above)}"
     return text + f"; ANVIL's Gaussian-input error is the smaller on {smaller} of {len(rows)}"
+
+
+#: The H200 run of the orthogonalizers table with ANVIL's cascades split over several streams
+#: (``--split-streams``), on the banks where ANVIL was at or above gram-newton-schulz in the runs before it.
+BANK_SPLIT_RUN = "h200_gram_ns_6e8af40"
+
+
+def bank_split() -> str:
+    """Per bank and configuration of :data:`BANK_SPLIT_RUN`: ANVIL's cascade on one stream and split over
+    each count of streams the run has (ms, and its ratio to one stream), beside gram-newton-schulz's faster
+    row, read from the run's table."""
+    from anvil_fast.bench.bank import is_anvil_row
+    from papers.markdown import md_table
+
+    path = f"{BANK_SPLIT_RUN}/bench_bank_peers.log"
+    split = re.compile(r"anvil (SAFE|GRAM_SIDE)(?:, (\d+) streams)?")
+    table, counts = [], set()
+    for shape, rs in _orthogonalizer_rows(path).items():
+        by_config: dict[str, dict[int, float]] = {}
+        for name, ms, _ in rs:
+            if is_anvil_row(name):
+                config, k = split.fullmatch(name).groups()
+                by_config.setdefault(config, {})[int(k or 1)] = ms
+                counts.add(int(k or 1))
+        theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
+        table += [(shape, config, ms, f"{theirs[0].removeprefix('gram-newton-schulz ')} {theirs[1]:.3f}")
+                  for config, ms in by_config.items()]
+    counts = sorted(counts - {1})
+    if not counts or any(1 not in ms for _, _, ms, _ in table):
+        raise ValueError(f"results/{path}: no rows of a split cascade beside its one-stream row")
+    head = ["bank", "configuration", "1 stream, ms"] + [f"{k} streams, ms (x 1 stream)" for k in counts] + [
+        "gram-newton-schulz's faster, ms"]
+    out = [[shape, config, f"{ms[1]:.3f}"]
+           + [f"{ms[k]:.3f} ({ms[k] / ms[1]:.2f})" if k in ms else "" for k in counts] + [theirs]
+           for shape, config, ms, theirs in table]
+    command = next((x.strip().removeprefix("i.e. ") for x in (RESULTS / BANK_SPLIT_RUN / "runs.txt").read_text()
+                    .splitlines() if x.strip().startswith("i.e. ")), None)
+    commit = run_commit(RESULTS / BANK_SPLIT_RUN)
+    if command is None or commit is None:
+        raise FileNotFoundError(f"results/{BANK_SPLIT_RUN}: runs.txt's command or commit.txt is missing")
+    return md_table(head, out) + (f"\n\n*Source: `results/{path}`, written by `{command}` (tools/h200_session.sh's "
+                                  f"orthopeers stage) on one H200 at commit {commit}.*")
 
 
 def optimizer_floor_note(commit: str) -> str:
@@ -565,6 +612,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "optimizer_bench": optimizer_bench,
     "bank_peers": bank_peers,
     "bank_peers_summary": bank_peers_summary,
+    "bank_split": bank_split,
     "optimizer_gpu_tests": optimizer_gpu_tests,
     "scaling_cpu": lambda: include_markdown("scaling_cpu_8ranks.md"),
     "scaling_gpu": scaling_gpu,

@@ -258,6 +258,51 @@ def test_bank_peers_summary_takes_each_librarys_faster_row(tmp_path, monkeypatch
     assert "at commit abc1234" in D.bank_peers()
 
 
+def test_the_split_table_sets_each_count_of_streams_beside_one_stream(tmp_path, monkeypatch):
+    """papers' bank_split: per bank and configuration, the one-stream time and each split count's time with
+    its ratio to it, gram-newton-schulz's faster row beside; a run without split rows, or without the
+    command and commit that made it, is refused."""
+    from papers import data_tables as D
+
+    def row(shape, name, ms, err="0.1000"):
+        return f"{shape:15s}{name:43s}{ms:>6}   1.00 |        {err}  0.0..1.0  |        0.8000  0.0..1.0"
+
+    log = "\n".join([
+        "device test",
+        "shape          orthogonalizer                                ms x SAFE |  gaussian err sigma min..max |"
+        "  decaying err sigma min..max",
+        "-" * 40,
+        row("8x512x512", "anvil SAFE", "0.800"),
+        row("8x512x512", "anvil GRAM_SIDE", "0.900"),
+        row("8x512x512", "anvil SAFE, 2 streams", "0.600"),
+        row("8x512x512", "anvil GRAM_SIDE, 2 streams", "0.450"),
+        row("8x512x512", "anvil SAFE, 4 streams", "1.000"),
+        row("8x512x512", "anvil kernels, 5 maps (polar_express_nanogpt5)", "0.100"),
+        row("8x512x512", "gram-newton-schulz GramNewtonSchulz", "0.700"),
+        row("8x512x512", "gram-newton-schulz StandardNewtonSchulz", "0.650"),
+        "legend",
+    ])
+    run = tmp_path / "split"
+    run.mkdir()
+    (run / "bench_bank_peers.log").write_text(log + "\n")
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    monkeypatch.setattr(D, "BANK_SPLIT_RUN", "split")
+    with pytest.raises(FileNotFoundError, match="runs.txt"):
+        D.bank_split()
+    (run / "runs.txt").write_text("one call:\n  i.e. python3 -m anvil_fast.bench bank --split-streams 2,4\n")
+    (run / "commit.txt").write_text("abc1234\n")
+    lines = D.bank_split().splitlines()
+    assert lines[0] == ("| bank | configuration | 1 stream, ms | 2 streams, ms (x 1 stream) | 4 streams, ms (x 1 stream) "
+                        "| gram-newton-schulz's faster, ms |")
+    assert lines[2] == "| 8x512x512 | SAFE | 0.800 | 0.600 (0.75) | 1.000 (1.25) | StandardNewtonSchulz 0.650 |"
+    assert lines[3] == "| 8x512x512 | GRAM_SIDE | 0.900 | 0.450 (0.50) |  | StandardNewtonSchulz 0.650 |"
+    assert len([x for x in lines if x.startswith("| 8x")]) == 2  # the equal-work row is not ANVIL's
+    assert "`python3 -m anvil_fast.bench bank --split-streams 2,4`" in lines[-1] and "commit abc1234" in lines[-1]
+    (run / "bench_bank_peers.log").write_text("\n".join(x for x in log.splitlines() if "streams" not in x) + "\n")
+    with pytest.raises(ValueError, match="split"):
+        D.bank_split()
+
+
 def test_the_runs_versions_are_git_s():
     """papers/data/train_versions.json names every commit the protocol's runs name (short and full
     hashes of one commit counted once), each with the version git shows there."""
