@@ -206,19 +206,18 @@ def bank_split() -> str:
     """Per bank and configuration of :data:`BANK_SPLIT_RUN`: ANVIL's cascade on one stream and split over
     each count of streams the run has (ms, and its ratio to one stream), beside gram-newton-schulz's faster
     row, read from the run's table."""
-    from anvil_fast.bench.bank import is_anvil_row
+    from anvil_fast.bench.bank import parse_anvil_row
     from papers.markdown import md_table
 
     path = f"{BANK_SPLIT_RUN}/bench_bank_peers.log"
-    split = re.compile(r"anvil (SAFE|GRAM_SIDE)(?:, (\d+) streams)?")
     table, counts = [], set()
     for shape, rs in _orthogonalizer_rows(path).items():
         by_config: dict[str, dict[int, float]] = {}
         for name, ms, _ in rs:
-            if is_anvil_row(name):
-                config, k = split.fullmatch(name).groups()
-                by_config.setdefault(config, {})[int(k or 1)] = ms
-                counts.add(int(k or 1))
+            if (parsed := parse_anvil_row(name)) is not None:
+                config, k = parsed
+                by_config.setdefault(config, {})[k] = ms
+                counts.add(k)
         theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
         table += [(shape, config, ms, f"{theirs[0].removeprefix('gram-newton-schulz ')} {theirs[1]:.3f}")
                   for config, ms in by_config.items()]

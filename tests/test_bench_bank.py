@@ -160,6 +160,10 @@ def test_anvils_rows_are_told_by_name():
     assert B.anvil_row("SAFE", 3) == "anvil SAFE, 3 streams" and B.is_anvil_row("anvil SAFE, 3 streams")
     for other in (B.EQUAL_WORK_ROW, "gram-newton-schulz GramNewtonSchulz", "anvil SAFE, streams", "anvil FAITHFUL"):
         assert not B.is_anvil_row(other), other
+    # a name reads back as the configuration and stream count it was made from
+    assert [B.parse_anvil_row(B.anvil_row(c, k)) for c in ("SAFE", "GRAM_SIDE") for k in (1, 2, 12)] == [
+        (c, k) for c in ("SAFE", "GRAM_SIDE") for k in (1, 2, 12)]
+    assert B.parse_anvil_row(B.EQUAL_WORK_ROW) is None
 
 
 def test_split_streams_below_two_are_refused(capsys, monkeypatch):

@@ -296,9 +296,15 @@ def anvil_row(config: str, streams: int = 1) -> str:
     return f"anvil {config}" + (f", {streams} streams" if streams > 1 else "")
 
 
+def parse_anvil_row(name: str) -> tuple[str, int] | None:
+    """The configuration and stream count of an :func:`anvil_row` name; None for any other row."""
+    m = re.fullmatch(r"anvil (SAFE|GRAM_SIDE)(?:, (\d+) streams)?", name)
+    return None if m is None else (m.group(1), int(m.group(2) or 1))
+
+
 def is_anvil_row(name: str) -> bool:
     """Whether a row of the orthogonalizers table runs ANVIL's maps (what a bank goal is judged by)."""
-    return re.fullmatch(r"anvil (SAFE|GRAM_SIDE)(, \d+ streams)?", name) is not None
+    return parse_anvil_row(name) is not None
 
 
 #: The orthogonalizers table's rows that run ANVIL's maps by default: SAFE and GRAM_SIDE on one stream and
