@@ -186,6 +186,12 @@ def test_bad_arguments_get_one_clear_line(call, needle, capsys, tmp_path, monkey
     assert not list(tmp_path.iterdir())
 
 
+def test_the_sm90_report_compiles_its_default_groups_when_given_none():
+    tool = _tool("gram_sm90_report")
+    assert tool.parse_args([]) == list(tool.DEFAULT_GROUPS)
+    assert tool.parse_args(["rails", "mm"]) == ["rails", "mm"]
+
+
 def test_the_study_refuses_an_unknown_path():
     with pytest.raises(ValueError, match="bogus"):
         N.study([(8, 8)], 2, only=["fp64", "bogus"])

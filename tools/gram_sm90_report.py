@@ -57,7 +57,8 @@ def resources(kernel) -> str:
     ptx = kernel.asm["ptx"]
     return (f"regs {reg.group(1) if reg else '?'} stack {stack.group(1) if stack else '?'} "
             f"smem {kernel.metadata.shared // 1024} KB, wgmma {ptx.count('wgmma.mma_async')}, "
-            f"TMA {ptx.count('cp.async.bulk.tensor')}, cp.async {ptx.count('cp.async.cg')}")
+            f"TMA {ptx.count('cp.async.bulk.tensor')}, cp.async {ptx.count('cp.async.cg')}, "
+            f"griddepcontrol {ptx.count('griddepcontrol')}{' (launch_pdl)' if kernel.metadata.launch_pdl else ''}")
 
 
 class _Compile:
@@ -146,9 +147,14 @@ def parse_args(argv: list[str] | None = None) -> list[str]:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python tools/gram_sm90_report.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("groups", nargs="*", choices=GROUPS, metavar="GROUP",
+    # (no ``choices=``: argparse checks an empty ``nargs="*"`` list against them and refuses a bare call)
+    ap.add_argument("groups", nargs="*", metavar="GROUP",
                     help=f"kernel groups to compile, any of: {', '.join(GROUPS)} (default: {' '.join(DEFAULT_GROUPS)})")
-    return ap.parse_args(argv).groups or list(DEFAULT_GROUPS)
+    groups = ap.parse_args(argv).groups
+    bad = [g for g in groups if g not in GROUPS]
+    if bad:
+        ap.error(f"argument GROUP: invalid choice: {bad[0]!r} (choose from {', '.join(GROUPS)})")
+    return groups or list(DEFAULT_GROUPS)
 
 
 if __name__ == "__main__":
