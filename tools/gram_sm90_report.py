@@ -58,7 +58,7 @@ def resources(kernel) -> str:
     return (f"regs {reg.group(1) if reg else '?'} stack {stack.group(1) if stack else '?'} "
             f"smem {kernel.metadata.shared // 1024} KB, wgmma {ptx.count('wgmma.mma_async')}, "
             f"TMA {ptx.count('cp.async.bulk.tensor')}, cp.async {ptx.count('cp.async.cg')}, "
-            f"griddepcontrol {ptx.count('griddepcontrol')}{' (launch_pdl)' if kernel.metadata.launch_pdl else ''}")
+            f"griddepcontrol {ptx.count('griddepcontrol')}{' (launch_pdl)' if getattr(kernel.metadata, 'launch_pdl', False) else ''}")
 
 
 class _Compile:
