@@ -55,10 +55,11 @@ def resources(kernel) -> str:
     reg = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     ptx = kernel.asm["ptx"]
+    pdl = " (launch_pdl)" if getattr(kernel.metadata, "launch_pdl", False) else ""
     return (f"regs {reg.group(1) if reg else '?'} stack {stack.group(1) if stack else '?'} "
             f"smem {kernel.metadata.shared // 1024} KB, wgmma {ptx.count('wgmma.mma_async')}, "
             f"TMA {ptx.count('cp.async.bulk.tensor')}, cp.async {ptx.count('cp.async.cg')}, "
-            f"griddepcontrol {ptx.count('griddepcontrol')}{' (launch_pdl)' if getattr(kernel.metadata, 'launch_pdl', False) else ''}")
+            f"griddepcontrol {ptx.count('griddepcontrol')}{pdl}")
 
 
 class _Compile:
