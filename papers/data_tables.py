@@ -205,7 +205,7 @@ BANK_SPLIT_RUN = "h200_gram_ns_6e8af40"
 def bank_split() -> str:
     """Per bank and configuration of :data:`BANK_SPLIT_RUN`: ANVIL's cascade on one stream and split over
     each count of streams the run has (ms, and its ratio to one stream), beside gram-newton-schulz's faster
-    row, read from the run's table."""
+    row, read from the run's table; refused where a split row's error is not its one-stream row's."""
     from anvil_fast.bench.bank import parse_anvil_row
     from papers.markdown import md_table
 
@@ -213,11 +213,16 @@ def bank_split() -> str:
     table, counts = [], set()
     for shape, rs in _orthogonalizer_rows(path).items():
         by_config: dict[str, dict[int, float]] = {}
-        for name, ms, _ in rs:
+        errors: dict[str, set[float]] = {}
+        for name, ms, err in rs:
             if (parsed := parse_anvil_row(name)) is not None:
                 config, k = parsed
                 by_config.setdefault(config, {})[k] = ms
+                errors.setdefault(config, set()).add(err)
                 counts.add(k)
+        # the paper's text says a split gives one stream's result: the run must show it
+        if any(len(e) > 1 for e in errors.values()):
+            raise ValueError(f"results/{path}: {shape}: a split row's error differs from its one-stream row's")
         theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
         table += [(shape, config, ms, f"{theirs[0].removeprefix('gram-newton-schulz ')} {theirs[1]:.3f}")
                   for config, ms in by_config.items()]

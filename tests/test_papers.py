@@ -301,6 +301,12 @@ def test_the_split_table_sets_each_count_of_streams_beside_one_stream(tmp_path, 
     (run / "bench_bank_peers.log").write_text("\n".join(x for x in log.splitlines() if "streams" not in x) + "\n")
     with pytest.raises(ValueError, match="split"):
         D.bank_split()
+    # a split that changed the result (its error is not the one-stream row's) is refused, not tabled
+    (run / "bench_bank_peers.log").write_text(log.replace(row("8x512x512", "anvil SAFE, 4 streams", "1.000"),
+                                                          row("8x512x512", "anvil SAFE, 4 streams", "1.000", "0.1001"))
+                                              + "\n")
+    with pytest.raises(ValueError, match="error differs"):
+        D.bank_split()
 
 
 def test_the_runs_versions_are_git_s():
