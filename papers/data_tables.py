@@ -147,6 +147,11 @@ def _orthogonalizer_rows(path: str) -> dict[str, list[tuple[str, float, float]]]
     return rows
 
 
+def _gram_ns_fastest(rows: list[tuple[str, float, float]]) -> tuple[str, float, float]:
+    """gram-newton-schulz's faster row of one bank's :func:`_orthogonalizer_rows`."""
+    return min((r for r in rows if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
+
+
 def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     """Per bank shape of :func:`bank_peers`' run: (ANVIL's faster row, SAFE or GRAM_SIDE on one stream or
     split over streams where the run has those rows: ANVIL's maps;
@@ -159,7 +164,7 @@ def bank_peers_rows() -> dict[str, tuple[tuple, tuple, tuple | None]]:
     for shape, rs in _orthogonalizer_rows(f"{BANK_PEERS_RUN}/bench_bank_peers.log").items():
         # the equal-work row runs other maps than ANVIL's: it is shown beside, never taken as ANVIL's time
         ours = min((r for r in rs if is_anvil_row(r[0])), key=lambda r: r[1])
-        theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
+        theirs = _gram_ns_fastest(rs)
         out[shape] = ours, theirs, next((r for r in rs if r[0] == EQUAL_WORK_ROW), None)
     return out
 
@@ -223,7 +228,7 @@ def bank_split() -> str:
         # the paper's text says a split gives one stream's result: the run must show it
         if any(len(e) > 1 for e in errors.values()):
             raise ValueError(f"results/{path}: {shape}: a split row's error differs from its one-stream row's")
-        theirs = min((r for r in rs if r[0].startswith("gram-newton-schulz")), key=lambda r: r[1])
+        theirs = _gram_ns_fastest(rs)
         table += [(shape, config, ms, f"{theirs[0].removeprefix('gram-newton-schulz ')} {theirs[1]:.3f}")
                   for config, ms in by_config.items()]
     counts = sorted(counts - {1})
